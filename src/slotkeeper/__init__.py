@@ -1,0 +1,1 @@
+"""slotkeeper: keeps llama-server slot caches across restarts."""

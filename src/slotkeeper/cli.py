@@ -1,0 +1,110 @@
+"""`slotkeeper <llama-server args...>`: the entry point.
+
+Run mode validates its input, then spawns llama-server *before* importing aiohttp and uvloop, so those
+imports overlap the model load instead of adding to it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+from .config import ConfigError, build_run_config
+
+EXIT_USAGE = 2
+EXIT_INTERNAL = 70
+SUBCOMMANDS = ("demo", "help", "version")
+
+USAGE = """\
+usage: slotkeeper [SLOTKEEPER OPTIONS --] LLAMA-SERVER ARGS...
+       slotkeeper demo
+
+Runs llama-server as a private child and keeps its slot (KV) caches across restarts: restores them before
+/health turns 200, saves them on SIGTERM. Every argument goes to llama-server, except --host/--port (the
+public address slotkeeper listens on) and --slot-save-path (where caches live; default: a per-model
+directory under ~/.cache/slotkeeper).
+
+slotkeeper options (before --, or as SLOTKEEPER_<NAME> environment variables; .env is read):
+"""
+
+
+def usage() -> str:
+    from .config import Options
+
+    lines = [USAGE]
+    for name, field in Options.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        default = "" if field.annotation is bool else f" (default {field.default})"
+        lines.append(f"  {flag:<28} {field.description or ''}{default}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SUBCOMMANDS:
+        return run_subcommand(argv[0], argv[1:])
+    if argv in (["--help"], ["-h"]):
+        print(usage())
+        return 0
+    return run(argv)
+
+
+def run_subcommand(name: str, args: list[str]) -> int:
+    if name == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(args)
+    if name == "version":
+        from importlib.metadata import version
+
+        print(f"slotkeeper {version('slotkeeper')}")
+        return 0
+    print(usage())
+    return 0
+
+
+def run(argv: list[str]) -> int:
+    early_signals: list[int] = []
+    # Until the event loop installs its handlers, a signal is only recorded (the daemon acts on it first thing).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: early_signals.append(signum))
+
+    from dotenv import load_dotenv
+
+    load_dotenv(Path.cwd() / ".env", override=False)
+    try:
+        config = build_run_config(argv, os.environ)
+    except ConfigError as exc:
+        print(f"slotkeeper: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+    from .log import log, setup_logging
+    from .supervisor import ChildProcess, make_endpoint
+
+    setup_logging(config.options.log_level, config.options.log_format)
+    endpoint = make_endpoint(config.options.child_tcp)
+    try:
+        try:
+            child = ChildProcess(config.child_command(endpoint.host_arg), endpoint)
+        except OSError as exc:
+            print(f"slotkeeper: error: cannot start {config.binary[0]}: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_USAGE
+        try:
+            import uvloop
+
+            from .daemon import Daemon
+
+            return uvloop.run(Daemon(config, child, config.model, early_signals).run())
+        except Exception as exc:  # noqa: BLE001 - one line, never a traceback; the child must not outlive us
+            child.kill_now()
+            log.error("internal error: %r", exc, exc_info=config.options.log_level == "debug")
+            return EXIT_INTERNAL
+    finally:
+        shutil.rmtree(endpoint.runtime_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

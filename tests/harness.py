@@ -1,0 +1,162 @@
+"""Drives slotkeeper as llama-swap does: a real process in a new process group, signalled as a group."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+STUB_COMMAND = f"{sys.executable} -m slotkeeper.testing.stub"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pid_alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+@dataclass
+class Reply:
+    status: int
+    body: Any
+    headers: dict[str, str]
+    elapsed: float
+
+
+def http_call(port: int, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
+              timeout: float = 60.0) -> Reply:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    payload = json.dumps(body).encode() if body is not None else None
+    hdrs = {"Content-Type": "application/json", **(headers or {})}
+    started = time.monotonic()
+    try:
+        conn.request(method, path, body=payload, headers=hdrs)
+        resp = conn.getresponse()
+        raw = resp.read()
+    finally:
+        conn.close()
+    try:
+        parsed: Any = json.loads(raw) if raw else None
+    except ValueError:
+        parsed = raw.decode("utf-8", "replace")
+    return Reply(resp.status, parsed, dict(resp.getheaders()), time.monotonic() - started)
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@dataclass
+class Slotkeeper:
+    """One slotkeeper process started the way llama-swap starts a `cmd:` (its own new process group)."""
+
+    args: list[str]
+    env: dict[str, str]
+    cwd: Path
+    port: int
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def start(self) -> "Slotkeeper":
+        self.log_file = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "slotkeeper.cli", *self.args],
+            cwd=self.cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=self.log_file, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def accepting(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                return True
+        except OSError:
+            return False
+
+    def health(self) -> int:
+        try:
+            return http_call(self.port, "GET", "/health", timeout=2).status
+        except OSError:
+            return 0
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        if not wait_until(lambda: self.health() == 200 or self.proc.poll() is not None, timeout):
+            raise AssertionError(f"slotkeeper not ready after {timeout}s:\n{self.logs()}")
+        if self.proc.poll() is not None:
+            raise AssertionError(f"slotkeeper exited with {self.proc.returncode}:\n{self.logs()}")
+
+    def call(self, method: str, path: str, body: Any = None, **kw: Any) -> Reply:
+        return http_call(self.port, method, path, body, **kw)
+
+    def killpg(self, sig: int = signal.SIGTERM) -> None:
+        """What llama-swap does: signal slotkeeper's whole process group."""
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def wait(self, timeout: float = 30.0) -> int:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"slotkeeper still running after {timeout}s:\n{self.logs()}") from None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.killpg(signal.SIGKILL)
+            self.proc.wait(10)
+        self.log_file.close()
+
+
+def stream_lines(port: int, path: str, body: Any, timeout: float = 30.0) -> Iterator[tuple[float, bytes]]:
+    """(arrival time, line) for each line of a streamed response, as it arrives."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    try:
+        while True:
+            line = resp.fp.readline()
+            if not line:
+                return
+            yield time.monotonic(), line
+    finally:
+        conn.close()

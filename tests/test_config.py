@@ -1,0 +1,110 @@
+"""6. Argument forms: slotkeeper reads llama-server's command line the way llama-server and llama-swap write it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slotkeeper.config import ConfigError, build_run_config
+from slotkeeper.llama_args import parse_llama_args
+
+
+def env_for(tmp_path: Path, **extra: str) -> dict[str, str]:
+    return {"LLAMA_SERVER": sys.executable, "XDG_CACHE_HOME": str(tmp_path / "xdg"), "HOME": str(tmp_path), **extra}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-m", "m.gguf", "--port", "9001", "-np", "2", "--slot-save-path", "DIR"],
+        ["-m", "m.gguf", "--port=9001", "--parallel=2", "--slot-save-path=DIR"],
+        ["--model=m.gguf", "--port", "9001", "--parallel", "2", "--slot_save_path", "DIR"],
+    ],
+)
+def test_6_argument_forms(tmp_path, argv):
+    argv = [a.replace("DIR", str(tmp_path / "c")) for a in argv]
+    config = build_run_config(argv, env_for(tmp_path))
+    assert config.port == 9001
+    assert config.total_slots_hint == 2
+    assert config.save_dir == (tmp_path / "c").resolve() and config.save_dir.is_dir()
+    # taken-over flags never reach the child; the ones it needs are re-emitted in the form it accepts
+    assert not any(a.startswith(("--port", "--host", "--slot-save-path", "--slot_save_path")) for a in config.child_args)
+    assert any(a in ("-np", "--parallel") for a in config.child_args)
+    assert "--no-cache-idle-slots" in config.child_args
+    command = config.child_command(["--host", "/x.sock"])
+    assert command[-2:] == ["--slot-save-path", str(config.save_dir)]
+
+
+def test_6_env_forms(tmp_path):
+    env = env_for(tmp_path, LLAMA_ARG_PORT="9100", LLAMA_ARG_HOST="0.0.0.0", LLAMA_API_KEY="k1,k2",
+                  SLOTKEEPER_DRAIN_TIMEOUT="2.5", SLOTKEEPER_CHILD_TCP="true")
+    config = build_run_config(["-m", "m.gguf"], env)
+    assert (config.hosts, config.port, config.api_key) == (["0.0.0.0"], 9100, "k1")
+    assert config.options.drain_timeout == 2.5 and config.options.child_tcp
+    # the command line wins over the environment, as in llama-server
+    assert build_run_config(["--port", "9200"], env).port == 9200
+    assert build_run_config(["--drain-timeout=1", "--", "-m", "m.gguf"], env).options.drain_timeout == 1
+
+
+def test_6_default_save_dir_is_per_model(tmp_path):
+    a = build_run_config(["-m", str(tmp_path / "a.gguf")], env_for(tmp_path)).save_dir
+    b = build_run_config(["-m", str(tmp_path / "b.gguf")], env_for(tmp_path)).save_dir
+    assert a != b and a.parent == b.parent == (tmp_path / "xdg" / "slotkeeper").resolve()
+    assert a.name.startswith("a.gguf-")
+
+
+def test_6_user_choice_of_idle_slot_caching_is_kept(tmp_path):
+    config = build_run_config(["--cache-idle-slots"], env_for(tmp_path))
+    assert "--no-cache-idle-slots" not in config.child_args and "--cache-idle-slots" in config.child_args
+    config = build_run_config(["--llama-idle-slot-caching", "--", "-m", "x"], env_for(tmp_path))
+    assert "--no-cache-idle-slots" not in config.child_args
+
+
+def test_api_key_file(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# comment\nfirst\nsecond\n")
+    assert build_run_config(["--api-key-file", str(keys)], env_for(tmp_path)).api_key == "first"
+    assert parse_llama_args(["--api-key", "a,b"], {}).api_keys == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--port", "abc"], "invalid --port"),
+        (["--port", "70000"], "invalid --port"),
+        (["--port"], "needs a value"),
+        (["-np", "many"], "invalid -np"),
+        (["--drain-timeout", "-1", "--", "-m", "x"], "invalid --drain-timeout"),
+        (["--bogus", "1", "--"], "unknown option --bogus"),
+        (["--log-level", "loud", "--"], "invalid --log-level"),
+        (["--api-key-file", "/nonexistent/keys"], "cannot read --api-key-file"),
+    ],
+)
+def test_6_bad_values_are_one_clear_error(tmp_path, argv, message):
+    with pytest.raises(ConfigError, match=message):
+        build_run_config(argv, env_for(tmp_path))
+
+
+def test_unwritable_save_dir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="cannot create slot save directory"):
+        build_run_config(["--slot-save-path", str(blocker / "sub")], env_for(tmp_path))
+
+
+def test_missing_llama_server(tmp_path):
+    env = {"PATH": str(tmp_path), "HOME": str(tmp_path), "LLAMA_SERVER": str(tmp_path / "nope")}
+    with pytest.raises(ConfigError, match="not found"):
+        build_run_config([], env)
+
+
+@pytest.mark.parametrize("argv", [["--port", "abc"], ["--drain-timeout", "x", "--"]])
+def test_6_cli_bad_value_exit_2_one_line(tmp_path, argv):
+    proc = subprocess.run([sys.executable, "-m", "slotkeeper.cli", *argv], capture_output=True, text=True,
+                          env={**env_for(tmp_path), "PATH": "/usr/bin:/bin"}, cwd=tmp_path, timeout=30)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("slotkeeper: error: invalid"), proc.stderr

@@ -1,0 +1,169 @@
+"""The lifecycle against the stub llama-server: the faults a real one cannot be made to show on demand.
+
+Scenarios are numbered as in issue 2; each drives a real slotkeeper process in its own process group.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+from harness import pid_alive, read_events, stream_lines, wait_until
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
+
+
+def complete(sk, prompt: str = PROMPT, **kw):
+    reply = sk.call("POST", "/completion", {"prompt": prompt, "n_predict": 8, **kw})
+    assert reply.status == 200, reply.body
+    return reply.body
+
+
+def child_pid(sk) -> int:
+    starts = [e for e in read_events(sk.extra["events"]) if e["event"] == "start"]
+    return starts[-1]["pid"]
+
+
+def save_requested(sk) -> bool:
+    """The current child has received a slot save request."""
+    pid = child_pid(sk)
+    return any(e["event"] == "request" and e["pid"] == pid and e["path"].startswith("/slots/")
+               and "save" in e.get("query", "") for e in read_events(sk.extra["events"]))
+
+
+def seed_cache(stub_slotkeeper) -> None:
+    """One run that converses and stops, leaving slot 0's cache on disk."""
+    sk = stub_slotkeeper("-np", "2")
+    complete(sk, id_slot=0)
+    sk.killpg(signal.SIGTERM)
+    assert sk.wait() == 0, sk.logs()
+    assert (sk.extra["save_dir"] / "0.bin").is_file(), sk.logs()
+
+
+def test_1_request_before_ready_waits_for_restore(stub_slotkeeper):
+    """1. A request sent the moment the public port accepts is answered only after the restore."""
+    seed_cache(stub_slotkeeper)
+    sk = stub_slotkeeper("-np", "2", stub={"STUB_RESTORE_SECONDS": "1.0"}, wait=False)
+    assert wait_until(sk.accepting, 30), sk.logs()
+    assert sk.health() == 503  # restoring: llama-swap must not forward yet
+    body = complete(sk, id_slot=0)
+    assert body["timings"]["cache_n"] > 0, "the first request ran on a cold slot"
+    events = read_events(sk.extra["events"])
+    run = [e for e in events if e["pid"] == child_pid(sk)]
+    restored_at = next(e["t"] for e in run if e["event"] == "restore")
+    first_completion = next(e["t"] for e in run if e["event"] == "request" and e["path"] == "/completion")
+    assert first_completion > restored_at, "a completion reached llama-server before the restore finished"
+
+
+def test_2a_group_sigterm_saves_before_child_stops(stub_slotkeeper):
+    """2. llama-swap's stop: killpg(SIGTERM) saves first, then stops the child, exit 0."""
+    sk = stub_slotkeeper()
+    complete(sk)
+    pid = child_pid(sk)
+    sk.killpg(signal.SIGTERM)
+    assert sk.wait() == 0, sk.logs()
+    events = [e for e in read_events(sk.extra["events"]) if e["pid"] == pid]
+    kinds = [e["event"] for e in events]
+    assert "save" in kinds and "term" in kinds, kinds
+    assert kinds.index("save") < kinds.index("term"), "the child was stopped before the save"
+    assert "slot 0 saved:" in sk.logs()
+    manifest = json.loads((sk.extra["save_dir"] / "0.json").read_text())
+    assert manifest["bytes"] == (sk.extra["save_dir"] / "0.bin").stat().st_size
+
+
+def test_2b_group_sigkill_during_slow_save_leaves_no_child(stub_slotkeeper):
+    """2. SIGKILL of slotkeeper's group during a slow save: no child process remains."""
+    sk = stub_slotkeeper(stub={"STUB_SAVE_SECONDS": "5"})
+    complete(sk)
+    pid = child_pid(sk)
+    sk.killpg(signal.SIGTERM)
+    assert wait_until(lambda: save_requested(sk), 10), sk.logs()
+    sk.killpg(signal.SIGKILL)
+    sk.wait()
+    assert wait_until(lambda: not pid_alive(pid), 5), "llama-server outlived slotkeeper"
+    assert not (sk.extra["save_dir"] / "0.bin").exists(), "a half-written save was put in place"
+
+
+def test_3a_second_signal_skips_the_save(stub_slotkeeper):
+    """3. A second SIGTERM during a slow save abandons it: prompt non-zero exit, previous file intact."""
+    seed_cache(stub_slotkeeper)
+    sk = stub_slotkeeper("-np", "2", stub={"STUB_SAVE_SECONDS": "10"})
+    old = (sk.extra["save_dir"] / "0.bin").read_bytes()
+    complete(sk, prompt="something else entirely, to make slot 0 dirty", id_slot=0)
+    sk.killpg(signal.SIGTERM)
+    assert wait_until(lambda: save_requested(sk), 10), sk.logs()
+    started = time.monotonic()
+    sk.killpg(signal.SIGTERM)
+    code = sk.wait(5)
+    assert code != 0
+    assert time.monotonic() - started < 2.0
+    assert (sk.extra["save_dir"] / "0.bin").read_bytes() == old
+
+
+def test_3b_signal_while_loading_exits_promptly(stub_slotkeeper):
+    """3. A signal while the child is still loading stops it at once, no save, exit within a second."""
+    sk = stub_slotkeeper(stub={"STUB_LOAD_SECONDS": "30"}, wait=False)
+    assert wait_until(sk.accepting, 30)
+    assert sk.health() == 503
+    started = time.monotonic()
+    sk.killpg(signal.SIGTERM)
+    assert sk.wait(5) == 0
+    assert time.monotonic() - started < 1.0, sk.logs()
+    assert not any(e["event"] == "save" for e in read_events(sk.extra["events"]))
+
+
+def test_4a_child_crash_at_load(stub_slotkeeper):
+    """4. The child dies while loading: slotkeeper exits with its code and one line saying so."""
+    sk = stub_slotkeeper(stub={"STUB_CRASH_AT_LOAD": "3"}, wait=False)
+    assert sk.wait(15) == 3
+    assert "llama-server exited with code 3 during startup" in sk.logs()
+    assert "Traceback" not in sk.logs()
+
+
+def test_4b_child_crash_while_serving(stub_slotkeeper):
+    """4. The child dies while serving: the request fails cleanly, slotkeeper exits with the child's code."""
+    sk = stub_slotkeeper(stub={"STUB_CRASH_AFTER_REQUESTS": "1", "STUB_CRASH_CODE": "7"})
+    reply = sk.call("POST", "/completion", {"prompt": "hi", "n_predict": 4})
+    assert reply.status == 502
+    assert reply.body["error"]["type"] == "server_error"
+    assert sk.wait(10) == 7
+    assert "llama-server exited with code 7 while serving" in sk.logs()
+    assert "Traceback" not in sk.logs()
+
+
+def test_5_api_key_restore_and_save(stub_slotkeeper):
+    """5. With --api-key, slotkeeper's own slot calls authenticate: save and restore still work."""
+    auth = {"Authorization": "Bearer s3cret"}
+    sk = stub_slotkeeper("--api-key", "s3cret")
+    assert sk.call("POST", "/completion", {"prompt": PROMPT}).status == 401
+    assert sk.call("POST", "/completion", {"prompt": PROMPT, "n_predict": 4}, headers=auth).status == 200
+    sk.killpg(signal.SIGTERM)
+    assert sk.wait() == 0
+    assert "slot 0 saved:" in sk.logs()
+    sk2 = stub_slotkeeper("--api-key", "s3cret")
+    assert "slot 0 restored:" in sk2.logs()
+    body = sk2.call("POST", "/completion", {"prompt": PROMPT, "n_predict": 4}, headers=auth).body
+    assert body["timings"]["cache_n"] > 0
+
+
+def test_7_zero_token_save_never_replaces_a_good_file(stub_slotkeeper):
+    """7. A save that returns n_saved == 0 leaves the existing file and manifest untouched."""
+    seed_cache(stub_slotkeeper)
+    sk = stub_slotkeeper("-np", "2", stub={"STUB_SAVE_ZERO": "1"})
+    good = (sk.extra["save_dir"] / "0.bin").read_bytes()
+    complete(sk, prompt="a different conversation", id_slot=0)
+    sk.killpg(signal.SIGTERM)
+    assert sk.wait() == 0
+    assert (sk.extra["save_dir"] / "0.bin").read_bytes() == good
+    assert "nothing to save (0 tokens)" in sk.logs()
+
+
+def test_8_sse_chunks_arrive_incrementally(stub_slotkeeper):
+    """8. An SSE token stream arrives token by token through the proxy, not buffered to the end."""
+    sk = stub_slotkeeper(stub={"STUB_TOKEN_SECONDS": "0.15"})
+    arrivals = [t for t, line in stream_lines(sk.port, "/completion", {"prompt": "hi", "n_predict": 6, "stream": True})
+                if line.startswith(b"data:")]
+    assert len(arrivals) >= 6
+    assert arrivals[-1] - arrivals[0] > 0.5, "events arrived together: the stream was buffered"

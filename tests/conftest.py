@@ -6,7 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from harness import STUB_COMMAND, Slotkeeper, free_port
+from slotkeeper.config import ConfigError, Options, find_llama_server
+from slotkeeper.testing.harness import STUB_COMMAND, Slotkeeper, free_port
+
+Starter = Callable[..., Slotkeeper]
 
 
 def clean_env(tmp_path: Path) -> dict[str, str]:
@@ -17,31 +20,71 @@ def clean_env(tmp_path: Path) -> dict[str, str]:
 
 
 @pytest.fixture
-def stub_slotkeeper(tmp_path: Path) -> Iterator[Callable[..., Slotkeeper]]:
-    """Start slotkeeper around the stub llama-server; every process is killed at the end of the test."""
+def starter(tmp_path: Path) -> Iterator[Callable[[str, list[str]], Starter]]:
+    """starter(llama_server_command, base_args) -> start(*extra, own=(), env={}, wait=True, save_dir=...)."""
     started: list[Slotkeeper] = []
-    save_dir = tmp_path / "cache"
 
-    def start(*extra: str, own: tuple[str, ...] = (), stub: dict[str, str] | None = None,
-              port: int | None = None, wait: bool = True) -> Slotkeeper:
-        env = clean_env(tmp_path)
-        env["LLAMA_SERVER"] = STUB_COMMAND
-        env["STUB_LOG"] = str(tmp_path / "stub-events.jsonl")
-        env.update(stub or {})
-        port = port or free_port()
-        args = [*own, "--"] if own else []
-        args += ["-m", "stub-model.gguf", "--port", str(port), "--slot-save-path", str(save_dir), *extra]
-        sk = Slotkeeper(args, env, tmp_path, port, tmp_path / f"slotkeeper-{len(started)}.log")
-        sk.extra["save_dir"] = save_dir
-        sk.extra["events"] = tmp_path / "stub-events.jsonl"
-        started.append(sk.start())
-        if wait:
-            sk.wait_ready()
-        return sk
+    def make(server: str, base_args: list[str]) -> Starter:
+        def start(*extra: str, own: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                  port: int | None = None, wait: bool = True, save_dir: Path | None = None,
+                  replace_args: list[str] | None = None) -> Slotkeeper:
+            full_env = clean_env(tmp_path)
+            full_env["LLAMA_SERVER"] = server
+            full_env["STUB_LOG"] = str(tmp_path / "stub-events.jsonl")
+            full_env.update(env or {})
+            port = port or free_port()
+            cache = save_dir or tmp_path / "cache"
+            args = [*own, "--"] if own else []
+            args += [*(replace_args if replace_args is not None else base_args), "--port", str(port),
+                     "--slot-save-path", str(cache), *extra]
+            sk = Slotkeeper(args, full_env, tmp_path, port, tmp_path / f"slotkeeper-{len(started)}.log")
+            sk.extra["save_dir"] = cache
+            sk.extra["events"] = tmp_path / "stub-events.jsonl"
+            started.append(sk.start())
+            if wait:
+                sk.wait_ready()
+            return sk
 
-    yield start
+        return start
+
+    yield make
     for sk in started:
         sk.stop()
+
+
+@pytest.fixture
+def stub_slotkeeper(starter) -> Starter:
+    """Start slotkeeper around the stub llama-server (the test double for faults)."""
+    start = starter(STUB_COMMAND, ["-m", "stub-model.gguf"])
+
+    def with_stub(*extra: str, stub: dict[str, str] | None = None, **kw) -> Slotkeeper:
+        return start(*extra, env=stub, **kw)
+
+    return with_stub
+
+
+@pytest.fixture(scope="session")
+def llama_server() -> str:
+    """A real llama-server. CI sets SLOTKEEPER_REQUIRE_LLAMA_SERVER=1 so these tests fail there, never skip."""
+    try:
+        return find_llama_server(Options(), os.environ)[0]
+    except ConfigError as exc:
+        if os.environ.get("SLOTKEEPER_REQUIRE_LLAMA_SERVER"):
+            pytest.fail(f"a real llama-server is required here: {exc}")
+        pytest.skip(f"no real llama-server: {exc}")
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """Tiny random-weight GGUF models: A, B (same shape as A, other weights), and W (other dimensions)."""
+    from slotkeeper.testing.tinymodel import TinyModelSpec, write_tiny_model
+
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "A": write_tiny_model(root / "a.gguf", TinyModelSpec(seed=1)),
+        "B": write_tiny_model(root / "b.gguf", TinyModelSpec(seed=2)),
+        "W": write_tiny_model(root / "w.gguf", TinyModelSpec(seed=1, width=96, n_heads=4, n_kv_heads=4)),
+    }
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import signal
 import threading
 import time
 
-from harness import pid_alive, read_events, stream_lines, wait_until
+from slotkeeper.testing.harness import pid_alive, read_events, stream_lines, wait_until
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 

@@ -50,6 +50,10 @@ class Options(BaseModel):
     llama_idle_slot_caching: bool = Field(
         False, description="keep llama-server's --cache-idle-slots default (idle slots leave the KV cache)"
     )
+    restore_unverified: bool = Field(
+        False, description="also restore <id>.bin files without a slotkeeper manifest (llama-server still checks shape)"
+    )
+    fsync: bool = Field(True, description="fsync each saved cache file and its directory before renaming it in place")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["plain", "json"] = "plain"
 

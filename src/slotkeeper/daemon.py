@@ -71,6 +71,22 @@ class Daemon:
             log.warning("%s received again: stopping now, without saving", signal.Signals(signum).name)
             self.force_requested.set()
 
+    async def status(self, _request: web.Request) -> web.Response:
+        """GET /slotkeeper/status: is the cache back, and what is on disk."""
+        slots = {} if self.store is None else {
+            str(info.slot_id): {k: v for k, v in vars(info).items() if k != "slot_id" and v is not None}
+            for info in self.store.slots.values()
+        }
+        return web.json_response({
+            "state": self.state.value,
+            "child_pid": self.child.pid,
+            "uptime_s": round(time.monotonic() - self.started_at, 3),
+            "save_dir": str(self.config.save_dir),
+            "total_slots": self.total_slots,
+            "fingerprint": None if self.store is None else self.store.fingerprint,
+            "slots": slots,
+        })
+
     # ---- the script ----------------------------------------------------------------------------------------
 
     async def run(self) -> int:
@@ -85,6 +101,7 @@ class Daemon:
         client = LlamaClient(session, self.config.api_key)
         gate = Gate()
         proxy = Proxy(session, gate, lambda: self.state.value, startup_deadline)
+        proxy.own_routes["/slotkeeper/status"] = self.status
         runner = web.AppRunner(build_app(proxy), handler_cancellation=True, access_log=None)
         try:
             await runner.setup()
@@ -182,7 +199,10 @@ class Daemon:
         fingerprint = await asyncio.to_thread(
             build_fingerprint, model, self.config.child_args, self.total_slots, n_ctx
         )
-        self.store = SlotStore(self.config.save_dir, client, fingerprint)
+        self.store = SlotStore(
+            self.config.save_dir, client, fingerprint,
+            fsync=self.options.fsync, restore_unverified=self.options.restore_unverified,
+        )
         self.store.recover()
         log.info("%d slot(s); caches in %s", self.total_slots, self.config.save_dir)
         await self.store.restore_all(self.total_slots)

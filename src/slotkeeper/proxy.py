@@ -33,9 +33,9 @@ SLOT_ACTION_PREFIX = "/slots/"
 PROTECTED_SLOT_ACTIONS = frozenset({"save", "restore"})
 
 
-def error_response(status: int, message: str, error_type: str, **extra: object) -> web.Response:
+def error_response(status: int, message: str, error_type: str, extra: dict[str, object] | None = None) -> web.Response:
     """An error in llama-server's own shape, so clients cannot tell who answered."""
-    body = {"error": {"code": status, "message": message, "type": error_type}, **extra}
+    body = {"error": {"code": status, "message": message, "type": error_type}, **(extra or {})}
     return web.json_response(body, status=status)
 
 
@@ -127,7 +127,7 @@ class Proxy:
         if not self.gate.is_open:
             if path in HEALTH_PATHS:
                 state = self.describe_state()
-                return error_response(503, f"slotkeeper: {state}", "unavailable_error", status=state)
+                return error_response(503, f"slotkeeper: {state}", "unavailable_error", {"status": state})
             if not await self.gate.wait(max(0.0, self.startup_deadline - time.monotonic())):
                 return error_response(503, "llama-server is not ready", "unavailable_error")
             if not self.accepting:

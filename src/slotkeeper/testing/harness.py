@@ -160,3 +160,42 @@ def stream_lines(port: int, path: str, body: Any, timeout: float = 30.0) -> Iter
             yield time.monotonic(), line
     finally:
         conn.close()
+
+
+@dataclass
+class StreamTiming:
+    """One streamed completion as a user feels it: time to the first token, and llama-server's own timings."""
+
+    first_token_s: float
+    total_s: float
+    content: str
+    timings: dict[str, Any]
+
+
+def stream_completion(port: int, body: dict[str, Any], headers: dict[str, str] | None = None,
+                      timeout: float = 600.0) -> StreamTiming:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    started = time.monotonic()
+    first: float | None = None
+    content: list[str] = []
+    timings: dict[str, Any] = {}
+    try:
+        conn.request("POST", "/completion", body=json.dumps({**body, "stream": True}).encode(),
+                     headers={"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise AssertionError(f"/completion answered {resp.status}: {resp.read()[:300]!r}")
+        while line := resp.fp.readline():
+            if not line.startswith(b"data: "):
+                continue
+            event = json.loads(line[6:])
+            if event.get("content") and first is None:
+                first = time.monotonic() - started
+            content.append(event.get("content", ""))
+            timings = event.get("timings", timings)
+            if event.get("stop"):
+                break
+    finally:
+        conn.close()
+    total = time.monotonic() - started
+    return StreamTiming(first if first is not None else total, total, "".join(content), timings)

@@ -1,0 +1,136 @@
+"""The claims that matter, on a real llama.cpp llama-server with a tiny random-weight model (issue 3).
+
+Numbered as in issue 3; foreign-cache scenarios from issue 4 are marked so.
+"""
+
+from __future__ import annotations
+
+import signal
+import pytest
+
+from slotkeeper.testing.harness import wait_until
+
+PROMPT = "".join(f"Line {i}: the slot cache keeps every token of this conversation. " for i in range(30))
+BASE = ["-c", "8192", "-t", "2", "--no-warmup"]
+
+
+@pytest.fixture
+def real(starter, llama_server, models):
+    """start(model="A", *extra, ...) around the real llama-server."""
+    def start(*extra: str, model: str = "A", **kw):
+        return starter(llama_server, ["-m", str(models[model]), *BASE])(*extra, **kw)
+    return start
+
+
+def complete(sk, prompt: str = PROMPT, n_predict: int = 12, headers: dict[str, str] | None = None, **kw):
+    reply = sk.call("POST", "/completion", {"prompt": prompt, "n_predict": n_predict, "temperature": 0,
+                                             "cache_prompt": True, **kw}, headers=headers)
+    assert reply.status == 200, reply.body
+    return reply.body
+
+
+def n_tokens(sk, text: str) -> int:
+    return len(sk.call("POST", "/tokenize", {"content": text, "add_special": True}).body["tokens"])
+
+
+def swap_out(sk) -> None:
+    """What llama-swap does to unload a model: SIGTERM to the whole process group."""
+    sk.killpg(signal.SIGTERM)
+    assert sk.wait(30) == 0, sk.logs()
+
+
+def test_1_cache_survives_a_restart(real):
+    """1. Converse, SIGTERM the group, start again: the repeated request reuses the cache, same output."""
+    sk = real("-np", "1")
+    cold = complete(sk)
+    assert cold["timings"]["cache_n"] == 0
+    prompt_tokens = n_tokens(sk, PROMPT)
+    swap_out(sk)
+    assert "slot 0 saved:" in sk.logs()
+    sk2 = real("-np", "1")
+    assert "slot 0 restored:" in sk2.logs()
+    warm = complete(sk2)
+    assert warm["timings"]["cache_n"] >= prompt_tokens - 1
+    assert warm["content"] == cold["content"]
+
+
+def test_2_first_request_never_races_the_restore(real):
+    """2. A request fired the moment the public port accepts still finds the cache restored."""
+    sk = real("-np", "1")
+    complete(sk)
+    swap_out(sk)
+    sk2 = real("-np", "1", wait=False)
+    assert wait_until(sk2.accepting, 30, interval=0.001), sk2.logs()
+    first = complete(sk2)
+    assert first["timings"]["cache_n"] > 0, sk2.logs()
+
+
+def test_3_default_slots_both_conversations_restored(real):
+    """3. llama-server's default slots (auto = 4, unified KV, idle-slot caching): both conversations come back."""
+    sk = real()
+    other = PROMPT.replace("Line", "Row")
+    first_a = complete(sk, PROMPT)
+    first_b = complete(sk, other)
+    assert first_a["id_slot"] != first_b["id_slot"]
+    swap_out(sk)
+    sk2 = real()
+    again_a = complete(sk2, PROMPT)
+    again_b = complete(sk2, other)
+    assert again_a["timings"]["cache_n"] >= n_tokens(sk2, PROMPT) - 1, sk2.logs()
+    assert again_b["timings"]["cache_n"] >= n_tokens(sk2, other) - 1, sk2.logs()
+    assert (again_a["content"], again_b["content"]) == (first_a["content"], first_b["content"])
+
+
+def test_4_api_key(real):
+    """4. With --api-key: slotkeeper's own /props and /slots calls authenticate; the cache comes back."""
+    auth = {"Authorization": "Bearer tok-123"}
+    sk = real("-np", "1", "--api-key", "tok-123")
+    assert sk.call("POST", "/completion", {"prompt": "x"}).status == 401
+    complete(sk, headers=auth)
+    swap_out(sk)
+    sk2 = real("-np", "1", "--api-key", "tok-123")
+    assert complete(sk2, headers=auth)["timings"]["cache_n"] > 0, sk2.logs()
+
+
+def test_5a_truncated_file_starts_cold(real):
+    """5. A truncated cache file: the server still becomes ready, that slot starts cold, one clear log line."""
+    sk = real("-np", "1")
+    complete(sk)
+    swap_out(sk)
+    cache = sk.extra["save_dir"] / "0.bin"
+    cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 2])
+    sk2 = real("-np", "1")
+    assert complete(sk2)["timings"]["cache_n"] == 0
+    assert "slot 0: cache quarantined" in sk2.logs()
+    assert "Traceback" not in sk2.logs()
+
+
+def test_5b_file_from_other_dimensions_starts_cold(real):
+    """5. A cache from a model with other dimensions is refused: ready, cold, one line naming the difference."""
+    sk = real("-np", "1", model="W")
+    complete(sk)
+    swap_out(sk)
+    sk2 = real("-np", "1")
+    assert complete(sk2)["timings"]["cache_n"] == 0
+    assert "slot 0: cache skipped, saved for another configuration: model" in sk2.logs()
+
+
+def test_5c_unverified_foreign_file_is_refused_by_llama_server(real):
+    """5. Even when the fingerprint check is bypassed, llama-server's refusal leaves the slot cold and quarantined."""
+    sk = real("-np", "1", model="W")
+    complete(sk)
+    swap_out(sk)
+    (sk.extra["save_dir"] / "0.json").unlink()
+    sk2 = real("-np", "1", own=("--restore-unverified",))
+    assert complete(sk2)["timings"]["cache_n"] == 0
+    assert "slot 0: cache quarantined (llama-server refused it" in sk2.logs()
+
+
+def test_issue4_2_same_shape_foreign_model_never_restored(real):
+    """Issue 4, 2: model A's cache is not restored into model B of the same shape (which llama-server accepts)."""
+    sk = real("-np", "1", model="A")
+    complete(sk)
+    swap_out(sk)
+    sk2 = real("-np", "1", model="B")
+    assert complete(sk2)["timings"]["cache_n"] == 0
+    assert "saved for another configuration: model" in sk2.logs()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from slotkeeper.config import ConfigError, Options, find_llama_server
+from slotkeeper.cmdline import ConfigError, find_llama_server
 from slotkeeper.testing.harness import STUB_COMMAND, Slotkeeper, free_port
 
 Starter = Callable[..., Slotkeeper]
@@ -67,7 +67,7 @@ def stub_slotkeeper(starter) -> Starter:
 def llama_server() -> str:
     """A real llama-server. CI sets SLOTKEEPER_REQUIRE_LLAMA_SERVER=1 so these tests fail there, never skip."""
     try:
-        return find_llama_server(Options(), os.environ)[0]
+        return find_llama_server(None, os.environ)[0]
     except ConfigError as exc:
         if os.environ.get("SLOTKEEPER_REQUIRE_LLAMA_SERVER"):
             pytest.fail(f"a real llama-server is required here: {exc}")

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from slotkeeper.config import ConfigError, build_run_config
-from slotkeeper.llama_args import parse_llama_args
+from slotkeeper.cmdline import ConfigError
+from slotkeeper.config import build_run_config
+from slotkeeper.cmdline import parse_llama_args, plan_launch
 
 
 def env_for(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -34,8 +35,8 @@ def test_6_argument_forms(tmp_path, argv):
     assert not any(a.startswith(("--port", "--host", "--slot-save-path", "--slot_save_path")) for a in config.child_args)
     assert any(a in ("-np", "--parallel") for a in config.child_args)
     assert "--no-cache-idle-slots" in config.child_args
-    command = config.child_command(["--host", "/x.sock"])
-    assert command[-2:] == ["--slot-save-path", str(config.save_dir)]
+    command = plan_launch(argv, env_for(tmp_path)).child_command(["--host", "/x.sock"])
+    assert command[0] == sys.executable and command[-2:] == ["--slot-save-path", str(config.save_dir)]
 
 
 def test_6_env_forms(tmp_path):
@@ -104,7 +105,16 @@ def test_missing_llama_server(tmp_path):
 @pytest.mark.parametrize("argv", [["--port", "abc"], ["--drain-timeout", "x", "--"]])
 def test_6_cli_bad_value_exit_2_one_line(tmp_path, argv):
     proc = subprocess.run([sys.executable, "-m", "slotkeeper.cli", *argv], capture_output=True, text=True,
-                          env={**env_for(tmp_path), "PATH": "/usr/bin:/bin"}, cwd=tmp_path, timeout=30)
+                          env={**env_for(tmp_path), "LLAMA_SERVER": "true", "PATH": "/usr/bin:/bin"},
+                          cwd=tmp_path, timeout=30)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("slotkeeper: error: invalid"), proc.stderr
+
+
+def test_own_options_table_matches_the_model():
+    """cmdline parses own options before pydantic is imported; its table must list exactly Options' fields."""
+    from slotkeeper.cmdline import OWN_OPTIONS
+    from slotkeeper.config import Options
+
+    assert OWN_OPTIONS == {name: f.annotation is bool for name, f in Options.model_fields.items()}

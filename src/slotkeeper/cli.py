@@ -12,7 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .config import ConfigError, build_run_config
+from .cmdline import ConfigError, plan_launch, raw_flag
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 70
@@ -76,28 +76,38 @@ def run(argv: list[str]) -> int:
 
     load_dotenv(Path.cwd() / ".env", override=False)
     try:
-        config = build_run_config(argv, os.environ)
+        plan = plan_launch(argv, os.environ)
     except ConfigError as exc:
         print(f"slotkeeper: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
-    from .log import log, setup_logging
     from .supervisor import ChildProcess, make_endpoint
 
-    setup_logging(config.options.log_level, config.options.log_format)
-    endpoint = make_endpoint(config.options.child_tcp)
+    endpoint = make_endpoint(raw_flag(plan.own, "child_tcp"))
     try:
         try:
-            child = ChildProcess(config.child_command(endpoint.host_arg), endpoint)
+            child = ChildProcess(plan.child_command(endpoint.host_arg), endpoint)
         except OSError as exc:
-            print(f"slotkeeper: error: cannot start {config.binary[0]}: {exc.strerror or exc}", file=sys.stderr)
+            print(f"slotkeeper: error: cannot start {plan.binary[0]}: {exc.strerror or exc}", file=sys.stderr)
             return EXIT_USAGE
+        # The child is loading now; the heavy imports below overlap its load instead of adding to it.
+        try:
+            from .config import validate
+
+            config = validate(plan)
+        except ConfigError as exc:
+            child.kill_now()
+            print(f"slotkeeper: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        from .log import log, setup_logging
+
+        setup_logging(config.options.log_level, config.options.log_format)
         try:
             import uvloop
 
             from .daemon import Daemon
 
-            return uvloop.run(Daemon(config, child, config.model, early_signals).run())
+            return uvloop.run(Daemon(config, child, early_signals).run())
         except Exception as exc:  # noqa: BLE001 - one line, never a traceback; the child must not outlive us
             child.kill_now()
             log.error("internal error: %r", exc, exc_info=config.options.log_level == "debug")

@@ -42,11 +42,10 @@ class State(enum.Enum):
 class Daemon:
     """Owns the child, the public server and the slot store for one run."""
 
-    def __init__(self, config: RunConfig, child: ChildProcess, model: str | None, early_signals: list[int]) -> None:
+    def __init__(self, config: RunConfig, child: ChildProcess, early_signals: list[int]) -> None:
         self.config = config
         self.options = config.options
         self.child = child
-        self.model = model
         self.state = State.STARTING
         self.started_at = time.monotonic()
         self.total_slots = 0
@@ -195,7 +194,7 @@ class Daemon:
                 "GET /props answered %d (%s); assuming %d slot(s)", props.status, props.error, self.total_slots
             )
         n_ctx = body.get("default_generation_settings", {}).get("n_ctx")
-        model = body.get("model_path") or self.model
+        model = body.get("model_path") or self.config.model
         fingerprint = await asyncio.to_thread(
             build_fingerprint, model, self.config.child_args, self.total_slots, n_ctx
         )

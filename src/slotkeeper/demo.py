@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .config import ConfigError, Options, find_llama_server
+from .cmdline import ConfigError, find_llama_server
 from .log import fmt_bytes
 
 DEMO_PROMPT_TOKENS = 6000
@@ -36,7 +36,7 @@ def demo_cache_dir() -> Path:
 
 def main(argv: list[str]) -> int:
     try:
-        binary = find_llama_server(Options(), os.environ)
+        binary = find_llama_server(None, os.environ)
     except ConfigError as exc:
         print(f"slotkeeper demo: {exc}", file=sys.stderr)
         return 2

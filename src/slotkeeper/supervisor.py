@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .llama_args import CHILD_ENV_REMOVED
+from .cmdline import CHILD_ENV_REMOVED
 
 RUNTIME_DIR_PREFIX = "slotkeeper-"
 CHILD_SOCKET_NAME = "llama-server.sock"

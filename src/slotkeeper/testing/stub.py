@@ -75,7 +75,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import math
 import os
 import re
 import secrets
@@ -84,7 +83,8 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,8 +101,7 @@ LOADING_MESSAGE = "Loading model"
 RESTORE_INVALID = "No available space in KV cache or invalid slot save file"
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/"})  # "/" is the web UI, public even when not built
 FRONTEND_PATHS = frozenset({"/"})  # answered even while loading
-COMPLETION_PATHS = frozenset({"/completion", "/completions", "/v1/completions", "/chat/completions",
-                              "/v1/chat/completions"})
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ERROR_CODES = {
     "invalid_request_error": 400,
     "authentication_error": 401,
@@ -553,8 +552,30 @@ def json_response(data: Any, status: int = 200) -> web.Response:
 
 
 def error_response(message: str, error_type: str, **extra: Any) -> web.Response:
+    """format_error_response's body (handlers); keys in its order, though clients should not care."""
     code = ERROR_CODES[error_type]
     return json_response({"error": {"code": code, "message": message, "type": error_type, **extra}}, code)
+
+
+def middleware_error(message: str, error_type: str) -> web.Response:
+    """The bodies llama-server's HTTP layer writes itself (503 loading, 401, 404): another key order."""
+    code = ERROR_CODES[error_type]
+    return json_response({"error": {"message": message, "type": error_type, "code": code}}, code)
+
+
+def json_type_name(value: Any) -> str:
+    """nlohmann::json's name for a value's type, for its error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object" if isinstance(value, dict) else type(value).__name__
 
 
 def sse(data: Any) -> bytes:
@@ -567,7 +588,7 @@ def sse(data: Any) -> bytes:
 def _require(body: Any, key: str) -> Any:
     """``json.at(key)``: a missing key or a non-object body is a 400, with nlohmann's wording."""
     if not isinstance(body, dict):
-        raise RequestError(f"[json.exception.type_error.304] cannot use at() with {type(body).__name__}")
+        raise RequestError(f"[json.exception.type_error.304] cannot use at() with {json_type_name(body)}")
     if key not in body:
         raise RequestError(f"[json.exception.out_of_range.403] key '{key}' not found")
     return body[key]
@@ -750,9 +771,10 @@ class StubServer:
         self.log.write("crash", reason=reason, code=self.knobs.crash_code, signal=self.knobs.crash_signal)
         eprint(f"stub: injected crash ({reason})")
         if self.knobs.crash_signal:
-            signal.signal(self.knobs.crash_signal, signal.SIG_DFL)
+            if self.knobs.crash_signal not in (signal.SIGKILL, signal.SIGSTOP):
+                signal.signal(self.knobs.crash_signal, signal.SIG_DFL)  # undo asyncio's handler, if any
             os.kill(os.getpid(), self.knobs.crash_signal)
-            time.sleep(1)  # a catchable signal is delivered on return to the interpreter; never reached for 9
+            time.sleep(1)  # the default action happens right away; this is only a fallback
         os._exit(self.knobs.crash_code)
 
     # ---- HTTP plumbing ----------------------------------------------------------------------------------
@@ -784,43 +806,41 @@ class StubServer:
         response.headers.setdefault("Access-Control-Allow-Origin", "*")
 
     @web.middleware
-    async def _middleware(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         self.log.write("request", request)
         response = await self._dispatch(request, handler)
         self.log.write("response", request, status=response.status)
         return response
 
-    async def _dispatch(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
+    async def _dispatch(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """llama-server's pre-routing order: CORS preflight, loading state, API key; then the route."""
         if request.method == "OPTIONS":
             return web.Response(text="", content_type="text/html", headers={
                 "Access-Control-Allow-Credentials": "false", "Access-Control-Allow-Methods": "GET, POST",
                 "Access-Control-Allow-Headers": "*"})
         if not self.ready and request.path not in FRONTEND_PATHS:
-            return error_response(LOADING_MESSAGE, "unavailable_error")
+            return middleware_error(LOADING_MESSAGE, "unavailable_error")
         if self.args.api_keys and request.path not in PUBLIC_PATHS and not self._api_key_ok(request):
             eprint("srv  log_server_r: unauthorized: Invalid API Key")
-            return error_response("Invalid API Key", "authentication_error")
+            return middleware_error("Invalid API Key", "authentication_error")
         if request.path in self.knobs.fail_paths:
             return error_response(f"stub: injected failure on {request.path}", "server_error")
         try:
             return await handler(request)
         except (web.HTTPNotFound, web.HTTPMethodNotAllowed):
-            return error_response("File Not Found", "not_found_error")
+            return middleware_error("File Not Found", "not_found_error")
         except RequestError as exc:
             return error_response(exc.message, exc.error_type, **exc.extra)
         except web.HTTPException:
             raise
-        except Exception as exc:  # ex_wrapper: anything else is a 500 with the exception's text
+        except Exception as exc:  # noqa: BLE001  (ex_wrapper: anything else is a 500 with its text)
             return error_response(str(exc) or type(exc).__name__, "server_error")
 
     def _api_key_ok(self, request: web.Request) -> bool:
         key = request.headers.get("Authorization", "")
         if not key:
             key = request.headers.get("X-Api-Key", "")
-        if key.startswith("Bearer "):
-            key = key[len("Bearer "):]
-        return key in self.args.api_keys
+        return key.removeprefix("Bearer ") in self.args.api_keys
 
     @staticmethod
     async def _read_json(request: web.Request) -> Any:
@@ -862,7 +882,9 @@ class StubServer:
             "endpoint_props": False,
             "endpoint_metrics": self.args.endpoint_metrics,
             "ui": False,
+            "ui_settings": {},
             "chat_template": "",
+            "chat_template_caps": {},
             "bos_token": "",
             "eos_token": "",
             "build_info": BUILD_INFO,
@@ -939,7 +961,7 @@ class StubServer:
             filename = _require(body, "filename")
             if not isinstance(filename, str):
                 raise RequestError(f"[json.exception.type_error.302] type must be string, but is "
-                                   f"{type(filename).__name__}")
+                                   f"{json_type_name(filename)}")
             if not validate_filename(filename):
                 raise RequestError("Invalid filename")
             if action == "save":
@@ -964,7 +986,7 @@ class StubServer:
             tokens = [] if self.knobs.save_zero else list(slot.tokens)
             data = encode_slot_file(tokens, self.args.model, self.knobs.bytes_per_token)
             try:
-                with open(path, "wb") as f:
+                with open(path, "wb") as f:  # noqa: ASYNC230  (blocking, as llama-server's task loop)
                     half = len(data) // 2
                     f.write(data[:half])
                     f.flush()
@@ -997,7 +1019,7 @@ class StubServer:
                 await asyncio.sleep(self.knobs.restore_seconds)
             try:
                 try:
-                    with open(path, "rb") as f:
+                    with open(path, "rb") as f:  # noqa: ASYNC230
                         data = f.read()
                 except OSError:
                     raise SlotFileError(RESTORE_INVALID) from None
@@ -1137,25 +1159,28 @@ class StubServer:
             return_tokens=bool(body.get("return_tokens", False)),
             include_usage=isinstance(stream_options, dict) and bool(stream_options.get("include_usage")),
             params=gen_params)
-        if not stream:
-            try:
-                async for _ in self._generate(request, gen):
-                    pass
-            except ClientGone:
-                return web.Response(status=499)  # never delivered: the client is gone
-            return json_response(self._final(gen))
-        response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
         try:
+            if not stream:
+                async with aclosing(self._generate(request, gen)) as tokens:
+                    async for _ in tokens:
+                        pass
+                return json_response(self._final(gen))
+            response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
-            async for token in self._generate(request, gen):
-                await response.write(sse(self._partial(gen, token)))
+            async with aclosing(self._generate(request, gen)) as tokens:
+                async for token in tokens:
+                    await response.write(sse(self._partial(gen, token)))
             await response.write(sse(self._final(gen)))
             if kind != "native":
                 await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
+            return response
         except (ClientGone, ConnectionError):
             await self._cancel(request, gen)
-        return response
+            return web.Response(status=499)  # never delivered: the client is gone
+        except asyncio.CancelledError:
+            asyncio.get_running_loop().create_task(self._cancel(request, gen))
+            raise
 
     async def _start_generation(self, *, kind: str, prompt: list[int], n_predict: int, stream: bool,
                                 id_slot: int, cache_prompt: bool, return_tokens: bool, include_usage: bool,
@@ -1199,28 +1224,27 @@ class StubServer:
                 gen.n_predict = min(n_predict, slot.n_ctx - len(prompt))
             return gen
 
-    async def _generate(self, request: web.Request, gen: Generation):  # type: ignore[no-untyped-def]
-        """Yield each generated token; the slot is busy meanwhile and freed at the end or on disconnect."""
+    async def _generate(self, request: web.Request, gen: Generation) -> AsyncGenerator[int, None]:
+        """Yield each generated token, keeping the slot busy; frees it at the end (the caller on disconnect).
+
+        The previous token enters the slot's cache as each new one is produced, so a finished slot holds
+        prompt + generated tokens minus the last one, as in llama-server.
+        """
         tokens = generate_tokens(gen.prompt, gen.n_predict)
         t0 = time.perf_counter()
-        try:
-            for i, token in enumerate(tokens):
-                if self.knobs.token_seconds > 0:
-                    await asyncio.sleep(self.knobs.token_seconds)
-                if request.transport is None or request.transport.is_closing():
-                    raise ClientGone()
-                async with self.task_loop:
-                    if i > 0:
-                        gen.slot.tokens.append(tokens[i - 1])  # the previous sample is decoded now
-                    gen.generated.append(token)
-                    gen.slot.n_decoded = i + 1
-                    gen.slot.n_remain = gen.n_predict - (i + 1)
-                gen.predicted_ms = (time.perf_counter() - t0) * 1e3
-                yield token
-        except ClientGone:
-            await self._cancel(request, gen)
-            raise
-        gen.predicted_ms = (time.perf_counter() - t0) * 1e3
+        for i, token in enumerate(tokens):
+            if self.knobs.token_seconds > 0:
+                await asyncio.sleep(self.knobs.token_seconds)
+            if request.transport is None or request.transport.is_closing():
+                raise ClientGone()
+            async with self.task_loop:  # stalls while a save/restore holds the task loop
+                if i > 0:
+                    gen.slot.tokens.append(tokens[i - 1])
+                gen.generated.append(token)
+                gen.slot.n_decoded = i + 1
+                gen.slot.n_remain = gen.n_predict - (i + 1)
+            gen.predicted_ms = (time.perf_counter() - t0) * 1e3
+            yield token
         async with self.task_loop:
             gen.slot.n_remain = 0
             self._release(gen.slot)
@@ -1266,7 +1290,8 @@ class StubServer:
         head = {"created": int(time.time()), "model": self.args.model_name, "system_fingerprint": BUILD_INFO}
         if gen.kind == "native":
             return {
-                "index": 0, "content": text, "tokens": [] if gen.stream else list(gen.generated),
+                "index": 0, "content": text,
+                "tokens": list(gen.generated) if gen.return_tokens and not gen.stream else [],
                 "id_slot": gen.slot.id, "stop": True, "model": self.args.model_name,
                 "tokens_predicted": len(gen.generated), "tokens_evaluated": len(gen.prompt),
                 "generation_settings": gen.params, "prompt": detokenize(gen.prompt), "has_new_line": False,

@@ -67,8 +67,8 @@ ARCH = "llama"
 N_BYTE_TOKENS = 256
 BOS_ID = 256
 EOS_ID = 257
-BOS_TEXT = "<|bos|>"
-EOS_TEXT = "<|eos|>"
+BOS_TEXT = "<|startoftext|>"
+EOS_TEXT = "<|endoftext|>"  # a spelling llama.cpp recognizes as end-of-generation (else it warns)
 
 # gguf TokenType values (gguf.TokenType), kept here so the vocabulary needs no gguf import.
 _TOKEN_NORMAL = 1

@@ -1,0 +1,144 @@
+"""A model swap with plain llama-server vs through slotkeeper, on benchmark model "E".
+
+Prints, from one run:
+  (a) first-token time after a restart with plain llama-server (a cold prefill of the whole prompt)
+  (b) the same through slotkeeper (restored cache); target b/a <= 1/50
+  (c) slotkeeper's time-to-ready - plain llama-server's time-to-ready - llama-server's restore_ms; target <= 50 ms
+  (d) slotkeeper's SIGTERM-to-exit - llama-server's save_ms; target <= 100 ms
+(c) and (d) are medians over --repeat restarts.
+
+    uv run python benchmarks/swap.py [--tokens 7500] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from slotkeeper.cmdline import find_llama_server
+from slotkeeper.demo import DEMO_SEED_TEXT
+from slotkeeper.testing.harness import Slotkeeper, free_port, http_call, stream_completion, wait_until
+from slotkeeper.testing.tinymodel import BENCH_MODEL_E, write_tiny_model
+
+SERVER_ARGS = ["-c", "16384", "-np", "2", "-t", "2", "--no-warmup"]
+
+
+def health(port: int) -> int:
+    try:
+        return http_call(port, "GET", "/health", timeout=2).status
+    except OSError:
+        return 0
+
+
+def plain_ready_time(binary: str, model: Path, port: int) -> tuple[float, subprocess.Popen[bytes]]:
+    started = time.monotonic()
+    proc = subprocess.Popen([binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert wait_until(lambda: health(port) == 200, 120, interval=0.002), "llama-server never became ready"
+    return time.monotonic() - started, proc
+
+
+def stop_plain(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+
+
+def build_prompt(port: int, tokens: int) -> str:
+    probe = DEMO_SEED_TEXT * 8
+    per_char = len(http_call(port, "POST", "/tokenize", {"content": probe}).body["tokens"]) / len(probe)
+    return "".join(f"{i}. {DEMO_SEED_TEXT}" for i in range(int(tokens / (per_char * len(DEMO_SEED_TEXT))) + 1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=7500)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+
+    binary = find_llama_server(None, os.environ)[0]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slotkeeper" / "bench"
+    cache.mkdir(parents=True, exist_ok=True)
+    model = cache / "model-e.gguf"
+    if not model.exists():
+        write_tiny_model(model, BENCH_MODEL_E)
+    work = Path(tempfile.mkdtemp(prefix="slotkeeper-bench-"))
+    body = {"n_predict": 8, "temperature": 0, "cache_prompt": True}
+    try:
+        port = free_port()
+        stop_plain(plain_ready_time(binary, model, port)[1])  # warm the page cache once
+        plain_ready, proc = plain_ready_time(binary, model, port)
+        prompt = build_prompt(port, args.tokens)
+        n_prompt = len(http_call(port, "POST", "/tokenize", {"content": prompt}).body["tokens"])
+        cold = stream_completion(port, {"prompt": prompt, **body})
+        stop_plain(proc)
+
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_ARG_", "SLOTKEEPER_"))}
+        env["LLAMA_SERVER"] = binary
+        sk_args = ["-m", str(model), "--port", str(port), "--slot-save-path", str(work / "cache"), *SERVER_ARGS]
+
+        def start(n: int) -> tuple[Slotkeeper, float]:
+            t0 = time.monotonic()
+            sk = Slotkeeper(sk_args, env, work, port, work / f"sk-{n}.log").start()
+            assert wait_until(lambda: sk.health() == 200, 120, interval=0.002), sk.logs()
+            return sk, time.monotonic() - t0
+
+        def stop(sk: Slotkeeper) -> float:
+            t0 = time.monotonic()
+            sk.killpg(signal.SIGTERM)
+            assert sk.wait(60) == 0, sk.logs()
+            elapsed = time.monotonic() - t0
+            sk.stop()
+            return elapsed
+
+        sk, _ = start(0)
+        stream_completion(port, {"prompt": prompt, **body})
+        stop(sk)
+
+        plain_readies, ready_overheads, stop_overheads, firsts, restores, saves = [], [], [], [], [], []
+        for i in range(args.repeat):
+            p_ready, proc = plain_ready_time(binary, model, port)
+            stop_plain(proc)
+            plain_readies.append(p_ready)
+            sk, ready = start(i + 1)
+            status = http_call(port, "GET", "/slotkeeper/status").body
+            restore_ms = sum(s.get("restore_ms", 0.0) for s in status["slots"].values())
+            warm = stream_completion(port, {"prompt": prompt, **body})
+            assert warm.timings.get("cache_n", 0) >= n_prompt - 1, "the cache was not reused"
+            firsts.append(warm.first_token_s)
+            restores.append(restore_ms)
+            ready_overheads.append((ready - p_ready) * 1000 - restore_ms)
+            # make the slot dirty again with the same tokens so every stop really saves
+            http_call(port, "POST", "/slots/0?action=erase", {})
+            stream_completion(port, {"prompt": prompt, **body, "id_slot": 0})
+            stop_s = stop(sk)
+            manifests = [p for p in (work / "cache").glob("*.json")]
+            save_ms = max(json.loads(p.read_text()).get("save_ms") or 0 for p in manifests)
+            saves.append(save_ms)
+            stop_overheads.append(stop_s * 1000 - save_ms)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    a, b = cold.first_token_s, statistics.median(firsts)
+    print(f"benchmark model E: {BENCH_MODEL_E.n_layers} layers x {BENCH_MODEL_E.width}, f16, "
+          f"{model.stat().st_size / 1e6:.1f} MB; prompt {n_prompt:,} tokens; {' '.join(SERVER_ARGS)}")
+    print(f"(a) first token after restart, plain llama-server (cold prefill): {a * 1000:10.1f} ms")
+    print(f"(b) first token after restart, slotkeeper (restored):              {b * 1000:10.1f} ms")
+    print(f"    b/a = 1/{a / b:.0f}   (target <= 1/50)")
+    print(f"    plain time-to-ready {statistics.median(plain_readies) * 1000:.1f} ms, "
+          f"restore_ms {statistics.median(restores):.1f}, save_ms {statistics.median(saves):.1f}")
+    print(f"(c) slotkeeper ready - plain ready - restore_ms: median {statistics.median(ready_overheads):6.1f} ms "
+          f"(min {min(ready_overheads):.1f}, max {max(ready_overheads):.1f}; target <= 50 ms)")
+    print(f"(d) slotkeeper SIGTERM-to-exit - save_ms:         median {statistics.median(stop_overheads):6.1f} ms "
+          f"(min {min(stop_overheads):.1f}, max {max(stop_overheads):.1f}; target <= 100 ms)")
+
+
+if __name__ == "__main__":
+    main()

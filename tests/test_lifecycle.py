@@ -60,7 +60,7 @@ def test_1_request_before_ready_waits_for_restore(stub_slotkeeper):
 def test_2a_group_sigterm_saves_before_child_stops(stub_slotkeeper):
     """2. llama-swap's stop: killpg(SIGTERM) saves first, then stops the child, exit 0."""
     sk = stub_slotkeeper()
-    complete(sk)
+    complete(sk, id_slot=0)
     pid = child_pid(sk)
     sk.killpg(signal.SIGTERM)
     assert sk.wait() == 0, sk.logs()
@@ -76,7 +76,7 @@ def test_2a_group_sigterm_saves_before_child_stops(stub_slotkeeper):
 def test_2b_group_sigkill_during_slow_save_leaves_no_child(stub_slotkeeper):
     """2. SIGKILL of slotkeeper's group during a slow save: no child process remains."""
     sk = stub_slotkeeper(stub={"STUB_SAVE_SECONDS": "5"})
-    complete(sk)
+    complete(sk, id_slot=0)
     pid = child_pid(sk)
     sk.killpg(signal.SIGTERM)
     assert wait_until(lambda: save_requested(sk), 10), sk.logs()
@@ -138,13 +138,13 @@ def test_5_api_key_restore_and_save(stub_slotkeeper):
     auth = {"Authorization": "Bearer s3cret"}
     sk = stub_slotkeeper("--api-key", "s3cret")
     assert sk.call("POST", "/completion", {"prompt": PROMPT}).status == 401
-    assert sk.call("POST", "/completion", {"prompt": PROMPT, "n_predict": 4}, headers=auth).status == 200
+    assert sk.call("POST", "/completion", {"prompt": PROMPT, "n_predict": 4, "id_slot": 0}, headers=auth).status == 200
     sk.killpg(signal.SIGTERM)
     assert sk.wait() == 0
     assert "slot 0 saved:" in sk.logs()
     sk2 = stub_slotkeeper("--api-key", "s3cret")
     assert "slot 0 restored:" in sk2.logs()
-    body = sk2.call("POST", "/completion", {"prompt": PROMPT, "n_predict": 4}, headers=auth).body
+    body = sk2.call("POST", "/completion", {"prompt": PROMPT, "n_predict": 4, "id_slot": 0}, headers=auth).body
     assert body["timings"]["cache_n"] > 0
 
 

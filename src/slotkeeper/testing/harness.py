@@ -154,7 +154,7 @@ def stream_lines(port: int, path: str, body: Any, timeout: float = 30.0) -> Iter
     resp = conn.getresponse()
     try:
         while True:
-            line = resp.fp.readline()
+            line = resp.readline()
             if not line:
                 return
             yield time.monotonic(), line
@@ -185,7 +185,7 @@ def stream_completion(port: int, body: dict[str, Any], headers: dict[str, str] |
         resp = conn.getresponse()
         if resp.status != 200:
             raise AssertionError(f"/completion answered {resp.status}: {resp.read()[:300]!r}")
-        while line := resp.fp.readline():
+        while line := resp.readline():
             if not line.startswith(b"data: "):
                 continue
             event = json.loads(line[6:])

@@ -27,7 +27,7 @@ class ConfigError(Exception):
 OWN_OPTIONS: dict[str, bool] = {
     "llama_server": False, "startup_timeout": False, "drain_timeout": False, "save_timeout": False,
     "stop_timeout": False, "child_tcp": True, "llama_idle_slot_caching": True, "restore_unverified": True,
-    "fsync": True, "log_level": False, "log_format": False,
+    "fsync": True, "autosave_idle": False, "max_cache_bytes": False, "log_level": False, "log_format": False,
 }
 ENV_PREFIX = "SLOTKEEPER_"
 ENV_LLAMA_SERVER = "LLAMA_SERVER"

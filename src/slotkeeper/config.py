@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
 
 from .cmdline import ConfigError, LaunchPlan
 
@@ -32,6 +32,10 @@ class Options(BaseModel):
         False, description="also restore <id>.bin files without a slotkeeper manifest (llama-server still checks shape)"
     )
     fsync: bool = Field(True, description="fsync each saved cache file and its directory before renaming it in place")
+    autosave_idle: float = Field(
+        5.0, ge=0, description="save changed slots after this many idle seconds, so a crash or SIGKILL loses little (0: off)"
+    )
+    max_cache_bytes: ByteSize | None = Field(None, gt=0, description="cap on the save directory (e.g. 20GB); oldest go first")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["plain", "json"] = "plain"
 

@@ -20,13 +20,14 @@ from .fingerprint import build_fingerprint
 from .llama_client import LlamaClient, make_session
 from .log import fmt_ms, log
 from .proxy import Gate, Proxy
-from .slots import SlotStore
+from .slots import SlotStore, evict_over_cap, read_manifest
 from .supervisor import ChildProcess
 
 HEALTH_POLL_S = 0.01
 EXIT_OK = 0
 EXIT_FORCED = 1
 EXIT_STARTUP_FAILED = 1
+FORCED_STOP_TIMEOUT_S = 0.5  # a second signal: the child gets this long after SIGTERM before SIGKILL
 
 
 class State(enum.Enum):
@@ -54,6 +55,7 @@ class Daemon:
         self.stop_requested = asyncio.Event()
         self.force_requested = asyncio.Event()
         self.store: SlotStore | None = None
+        self._autosave: asyncio.Future[None] | None = None
 
     def set_state(self, state: State) -> None:
         if state is not self.state:
@@ -112,13 +114,16 @@ class Daemon:
             gate.open()
             self.set_state(State.READY)
             log.info("ready in %s (pid %d)", fmt_ms(time.monotonic() - self.started_at), self.child.pid)
-            code = await self.serve(child_exited)
+            self.warn_if_save_exceeds_budget()
+            code = await self.serve(proxy, child_exited)
             if code is not None:
                 proxy.accepting = False
                 return code
             return await self.shutdown(proxy, client, child_exited)
         finally:
             proxy.accepting = False
+            if self._autosave is not None:
+                self._autosave.cancel()
             if not child_exited.done():
                 await self.child.stop(self.options.stop_timeout)
             self.set_state(State.STOPPED)
@@ -206,14 +211,40 @@ class Daemon:
         log.info("%d slot(s); caches in %s", self.total_slots, self.config.save_dir)
         await self.store.restore_all(self.total_slots)
 
-    async def serve(self, child_exited: asyncio.Future[int]) -> int | None:
-        """Until a stop request; returns the child's exit code if it dies first."""
+    async def serve(self, proxy: Proxy, child_exited: asyncio.Future[int]) -> int | None:
+        """Until a stop request, autosaving when idle; returns the child's exit code if it dies first."""
+        autosave = asyncio.ensure_future(self.autosave_loop(proxy)) if self.options.autosave_idle > 0 else None
+        self._autosave = autosave
         outcome = await self._until(asyncio.Event().wait(), child_exited, None)
         if outcome == "child_exited":
+            if autosave is not None:
+                autosave.cancel()
             code = child_exited.result()
             log.error("llama-server exited with code %d while serving; exiting", code)
             return code
         return None
+
+    async def autosave_loop(self, proxy: Proxy) -> None:
+        """After --autosave-idle seconds with no request in flight, save what changed (in the background).
+
+        A cache saved while idle survives a crash or a SIGKILL, and leaves little for the stop-time save.
+        """
+        assert self.store is not None
+        idle_s = self.options.autosave_idle
+        seen = proxy.requests_total
+        while not self.stop_requested.is_set():
+            quiet = time.monotonic() - proxy.last_activity
+            if proxy.in_flight or proxy.requests_total == seen or quiet < idle_s:
+                await asyncio.sleep(max(idle_s - quiet, 0.2) if not proxy.in_flight else idle_s)
+                continue
+            seen = proxy.requests_total
+            outcomes = await self.store.save_dirty(self.total_slots, self.config.slots_endpoint, None)
+            if outcomes:
+                self.enforce_cache_cap()
+
+    def enforce_cache_cap(self) -> None:
+        if self.options.max_cache_bytes:
+            evict_over_cap(self.config.save_dir, int(self.options.max_cache_bytes))
 
     async def shutdown(self, proxy: Proxy, client: LlamaClient, child_exited: asyncio.Future[int]) -> int:
         """Drain, save what changed inside the budget, stop the child. A second signal skips the rest of the save."""
@@ -229,32 +260,62 @@ class Daemon:
             return EXIT_FORCED
         self.set_state(State.SAVING)
         assert self.store is not None
-        save = asyncio.ensure_future(self._save_dirty(budget_end))
+        save = asyncio.ensure_future(self.save_at_stop(budget_end))
         force = asyncio.ensure_future(self.force_requested.wait())
         done, _ = await asyncio.wait({save, force, child_exited}, return_when=asyncio.FIRST_COMPLETED)
         force.cancel()
         if save not in done:
             save.cancel()
             await asyncio.gather(save, return_exceptions=True)
+        if self._autosave is not None:
+            self._autosave.cancel()
         self.set_state(State.STOPPING)
         if force in done:
-            await self.child.stop(min(self.options.stop_timeout, 0.5))
+            await self.child.stop(min(self.options.stop_timeout, FORCED_STOP_TIMEOUT_S))
+            await self.store.flush()
             return EXIT_FORCED
         if child_exited.done() and save not in done:
             log.error("llama-server exited with code %d while saving", child_exited.result())
-        await self.child.stop(self.options.stop_timeout)
+        # Saved files are complete once llama-server has answered: fsync and rename them while it exits.
+        committed, _ = await asyncio.gather(self.store.flush(), self.child.stop(self.options.stop_timeout))
+        if save in done and not save.cancelled():
+            attempted = save.result()
+            if attempted:
+                log.info("saved %d of %d changed slot(s)", sum(o.saved for o in committed), len(attempted))
+        self.enforce_cache_cap()
         return EXIT_OK
 
-    async def _save_dirty(self, budget_end: float) -> None:
+    async def save_at_stop(self, budget_end: float) -> list[Any]:
         assert self.store is not None
-        targets = await self.store.dirty_slots(self.total_slots, self.config.slots_endpoint)
-        if not targets:
+        remaining = budget_end - time.monotonic()
+        try:
+            outcomes = await asyncio.wait_for(
+                self.store.save_dirty(self.total_slots, self.config.slots_endpoint, budget_end, overlap_commits=True),
+                max(remaining, 0.0),
+            )
+        except asyncio.TimeoutError:
+            log.warning("the save budget (--save-timeout %.1f s) ran out; slots not saved yet keep their previous file",
+                        self.options.save_timeout)
+            return []
+        if not outcomes:
             log.info("no slot changed since its cache was written; nothing to save")
+        return outcomes
+
+    def warn_if_save_exceeds_budget(self) -> None:
+        """From the last saves' speed, warn when saving this cache at stop would not fit the budget."""
+        manifests = [m for m in (read_manifest(p) for p in self.config.save_dir.glob("*.json")) if m]
+        timed = [(m["bytes"], m["save_ms"]) for m in manifests if m.get("save_ms") and m.get("bytes")]
+        if not timed:
             return
-        started = time.monotonic()
-        outcomes = await self.store.save_slots(targets, budget_end)
-        saved = [o for o in outcomes if o.saved]
-        log.info("saved %d of %d slot(s) in %s", len(saved), len(targets), fmt_ms(time.monotonic() - started))
+        rate = sum(b for b, _ in timed) / (sum(ms for _, ms in timed) / 1000)  # bytes per second
+        total = sum(int(m.get("bytes", 0)) for m in manifests)
+        estimate = total / rate if rate > 0 else 0.0
+        if estimate > self.options.save_timeout:
+            log.warning(
+                "saving these caches (%s) takes ~%.1f s at the last measured %s/s, more than --save-timeout %.1f s: "
+                "raise --save-timeout, and llama-swap's unloadTimeout (and healthCheckTimeout for swaps) above it",
+                fmt_bytes(total), estimate, fmt_bytes(int(rate)), self.options.save_timeout,
+            )
 
 
 def build_app(proxy: Proxy) -> web.Application:

@@ -28,7 +28,8 @@ PARTIAL_SUFFIX = ".partial"
 QUARANTINE_DIR = "quarantine"
 QUARANTINE_KEEP = 8  # newest pairs kept in quarantine/
 MANIFEST_VERSION = 1
-FREE_SPACE_MARGIN = 64 * 1024 * 1024
+FREE_SPACE_HEADROOM = 1.1  # a save needs the previous size of this slot plus 10% free
+PROGRESS_INTERVAL_S = 2.0
 
 
 def bin_name(slot_id: int) -> str:
@@ -77,6 +78,7 @@ class SaveOutcome:
     tokens: int = 0
     nbytes: int = 0
     seconds: float = 0.0
+    save_ms: float | None = None  # llama-server's own time for the save
 
 
 @dataclass
@@ -90,6 +92,7 @@ class SlotStore:
     restore_unverified: bool = False
     slots: dict[int, SlotInfo] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _commits: list[asyncio.Future[SaveOutcome]] = field(default_factory=list)
 
     # ---- start --------------------------------------------------------------------------------------------
 
@@ -200,10 +203,19 @@ class SlotStore:
                 log.warning("GET /slots answered %d (%s); trying every slot", reply.status, reply.error)
         return [(slot_id, None) for slot_id in range(total_slots)]
 
-    async def save_slots(self, targets: list[tuple[int, int | None]], deadline: float | None) -> list[SaveOutcome]:
-        """Save slots one after another until the deadline (monotonic); what cannot finish is abandoned cleanly."""
-        outcomes = []
+    async def save_dirty(
+        self, total_slots: int, slots_endpoint: bool, deadline: float | None, overlap_commits: bool = False
+    ) -> list[SaveOutcome]:
+        """Save the slots that changed, most recently used first, until the deadline (monotonic).
+
+        Holds the store's lock, so an idle autosave and the stop-time save never interleave: a save that
+        starts after an autosave finds those slots clean. Commits (fsync + rename) may still be pending when
+        this returns when `overlap_commits` is set: `flush()` waits for them, so they can overlap stopping
+        the child.
+        """
         async with self.lock:
+            targets = await self.dirty_slots(total_slots, slots_endpoint)
+            outcomes = []
             for slot_id, task_id in targets:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -215,9 +227,19 @@ class SlotStore:
                 except asyncio.TimeoutError:
                     self._discard_partials(slot_id)
                     outcome = SaveOutcome(slot_id, False, "timed out")
-                    log.warning("slot %d save abandoned: the save budget ran out; its previous file is kept", slot_id)
+                    log.warning(
+                        "slot %d save abandoned after %.1f s: the save budget (--save-timeout) ran out; "
+                        "its previous file is kept", slot_id, remaining or 0.0,
+                    )
                 outcomes.append(outcome)
-        return outcomes
+            if not overlap_commits:
+                return await self.flush()
+            return outcomes
+
+    async def flush(self) -> list[SaveOutcome]:
+        """Wait for the pending commits of saved slots; their outcomes say which reached their final name."""
+        pending, self._commits = self._commits, []
+        return list(await asyncio.gather(*pending)) if pending else []
 
     def _discard_partials(self, slot_id: int) -> None:
         for name in (bin_name(slot_id), manifest_name(slot_id)):
@@ -227,63 +249,89 @@ class SlotStore:
         previous = read_manifest(self.save_dir / manifest_name(slot_id))
         expected = int(previous.get("bytes", 0)) if previous else 0
         free = shutil.disk_usage(self.save_dir).free
-        if free < expected + FREE_SPACE_MARGIN:
+        if free < expected * FREE_SPACE_HEADROOM:
             return f"only {fmt_bytes(free)} free in {self.save_dir}, ~{fmt_bytes(expected)} needed"
         return None
 
+    async def _report_progress(self, slot_id: int, partial: Path) -> None:
+        """For long saves: `slot 0 saving: 1.2 GB of ~3.4 GB` every couple of seconds."""
+        previous = read_manifest(self.save_dir / manifest_name(slot_id))
+        expected = f" of ~{fmt_bytes(previous['bytes'])}" if previous and previous.get("bytes") else ""
+        while True:
+            await asyncio.sleep(PROGRESS_INTERVAL_S)
+            with contextlib.suppress(OSError):
+                log.info("slot %d saving: %s%s", slot_id, fmt_bytes(partial.stat().st_size), expected)
+
     async def _save_one(self, slot_id: int, task_id: int | None) -> SaveOutcome:
+        """Ask llama-server to save to a partial name and check its work; the commit happens in `_commit_async`."""
         partial = self.save_dir / (bin_name(slot_id) + PARTIAL_SUFFIX)
-        final = self.save_dir / bin_name(slot_id)
+        started = time.monotonic()
+        progress = asyncio.ensure_future(self._report_progress(slot_id, partial))
+        outcome = SaveOutcome(slot_id, False)
+        try:
+            outcome = await self._request_save(slot_id, partial)
+        except Exception as exc:  # noqa: BLE001 - a dead or confused child must not stop the rest of the stop
+            outcome.reason = repr(exc)
+            log.warning("slot %d save failed: %r; its previous file is kept", slot_id, exc)
+        finally:  # also on cancellation (budget): never leave a partial file behind
+            progress.cancel()
+            if not outcome.saved:
+                self._discard_partials(slot_id)
+        if not outcome.saved:
+            return outcome
+        outcome.seconds = time.monotonic() - started
+        self._commits.append(asyncio.ensure_future(self._commit_async(slot_id, task_id, outcome)))
+        return outcome
+
+    async def _request_save(self, slot_id: int, partial: Path) -> SaveOutcome:
+        low_space = self._check_free_space(slot_id)
+        if low_space:
+            log.warning("slot %d not saved: %s; its previous file is kept", slot_id, low_space)
+            return SaveOutcome(slot_id, False, low_space)
+        reply = await self.client.slot_action(slot_id, "save", partial.name)
+        if not reply.ok:
+            reason = f"llama-server answered {reply.status}: {reply.error}"
+            log.warning("slot %d save failed: %s; its previous file is kept", slot_id, reason)
+            return SaveOutcome(slot_id, False, reason)
+        tokens = int(reply.body.get("n_saved", 0))
+        written = int(reply.body.get("n_written", -1))
+        if tokens == 0:
+            log.info("slot %d: nothing to save (0 tokens)", slot_id)
+            return SaveOutcome(slot_id, False, "0 tokens")
+        size = partial.stat().st_size if partial.exists() else -1
+        if size != written:
+            reason = f"file has {size} bytes, llama-server reported {written}"
+            log.warning("slot %d save failed: %s; its previous file is kept", slot_id, reason)
+            return SaveOutcome(slot_id, False, reason)
+        save_ms = reply.body.get("timings", {}).get("save_ms")
+        return SaveOutcome(slot_id, True, tokens=tokens, nbytes=written, save_ms=save_ms)
+
+    async def _commit_async(self, slot_id: int, task_id: int | None, saved: SaveOutcome) -> SaveOutcome:
+        partial = self.save_dir / (bin_name(slot_id) + PARTIAL_SUFFIX)
         started = time.monotonic()
         try:
-            low_space = self._check_free_space(slot_id)
-            if low_space:
-                log.warning("slot %d not saved: %s; its previous file is kept", slot_id, low_space)
-                return SaveOutcome(slot_id, False, low_space)
-            reply = await self.client.slot_action(slot_id, "save", partial.name)
-            if not reply.ok:
-                reason = f"llama-server answered {reply.status}: {reply.error}"
-                log.warning("slot %d save failed: %s; its previous file is kept", slot_id, reason)
-                return SaveOutcome(slot_id, False, reason)
-            tokens = int(reply.body.get("n_saved", 0))
-            written = int(reply.body.get("n_written", -1))
-            if tokens == 0:
-                log.info("slot %d: nothing to save (0 tokens)", slot_id)
-                return SaveOutcome(slot_id, False, "0 tokens")
-            size = partial.stat().st_size if partial.exists() else -1
-            if size != written:
-                reason = f"file has {size} bytes, llama-server reported {written}"
-                log.warning("slot %d save failed: %s; its previous file is kept", slot_id, reason)
-                return SaveOutcome(slot_id, False, reason)
-            await asyncio.to_thread(self._commit, slot_id, partial, final, tokens, written, reply.body)
-        except asyncio.CancelledError:
-            self._discard_partials(slot_id)
-            raise
+            await asyncio.to_thread(self._commit, slot_id, partial, saved)
         except OSError as exc:
+            self._discard_partials(slot_id)
             log.warning("slot %d save failed: %s; its previous file is kept", slot_id, exc.strerror or exc)
             return SaveOutcome(slot_id, False, str(exc))
-        except Exception as exc:  # noqa: BLE001 - a dead or confused child must not stop the rest of the stop
-            log.warning("slot %d save failed: %r; its previous file is kept", slot_id, exc)
-            return SaveOutcome(slot_id, False, repr(exc))
-        finally:
-            if partial.exists():
-                self._discard_partials(slot_id)
-        elapsed = time.monotonic() - started
+        elapsed = saved.seconds + time.monotonic() - started
         info = self.slots.setdefault(slot_id, SlotInfo(slot_id))
         info.saved_task = task_id
-        info.last_save = {"tokens": tokens, "bytes": written, "ms": round(elapsed * 1000, 1), "at": time.time()}
-        log.info("slot %d saved: %s tokens, %s in %s", slot_id, f"{tokens:,}", fmt_bytes(written), fmt_ms(elapsed))
-        return SaveOutcome(slot_id, True, tokens=tokens, nbytes=written, seconds=elapsed)
+        info.last_save = {"tokens": saved.tokens, "bytes": saved.nbytes, "ms": round(elapsed * 1000, 1), "at": time.time()}
+        log.info("slot %d saved: %s tokens, %s in %s", slot_id, f"{saved.tokens:,}", fmt_bytes(saved.nbytes), fmt_ms(elapsed))
+        return SaveOutcome(slot_id, True, tokens=saved.tokens, nbytes=saved.nbytes, seconds=elapsed)
 
-    def _commit(self, slot_id: int, partial: Path, final: Path, tokens: int, nbytes: int, reply: dict) -> None:
+    def _commit(self, slot_id: int, partial: Path, saved: SaveOutcome) -> None:
         """fsync the new file, rename it over the old one, then put its manifest in place (manifest last)."""
+        final = self.save_dir / bin_name(slot_id)
         manifest = {
             "version": MANIFEST_VERSION,
             "slot": slot_id,
-            "tokens": tokens,
-            "bytes": nbytes,
+            "tokens": saved.tokens,
+            "bytes": saved.nbytes,
             "saved_at": time.time(),
-            "save_ms": reply.get("timings", {}).get("save_ms"),
+            "save_ms": saved.save_ms,
             "fingerprint": self.fingerprint,
         }
         manifest_partial = self.save_dir / (manifest_name(slot_id) + PARTIAL_SUFFIX)
@@ -300,6 +348,27 @@ class SlotStore:
         os.replace(manifest_partial, self.save_dir / manifest_name(slot_id))
         if self.fsync:
             fsync_path(self.save_dir)
+
+
+def evict_over_cap(save_dir: Path, cap: int) -> list[int]:
+    """Remove the oldest cache pairs (manifest first) until the directory's cache files fit in `cap` bytes."""
+    pairs = []
+    for bin_path in save_dir.glob(f"*{BIN_SUFFIX}"):
+        stem = bin_path.name.removesuffix(BIN_SUFFIX)
+        if stem.isdigit():
+            manifest = read_manifest(save_dir / manifest_name(int(stem))) or {}
+            pairs.append((manifest.get("saved_at", bin_path.stat().st_mtime), int(stem), bin_path.stat().st_size))
+    total = sum(size for _, _, size in pairs)
+    evicted = []
+    for _, slot_id, size in sorted(pairs):
+        if total <= cap:
+            break
+        (save_dir / manifest_name(slot_id)).unlink(missing_ok=True)
+        (save_dir / bin_name(slot_id)).unlink(missing_ok=True)
+        total -= size
+        evicted.append(slot_id)
+        log.info("slot %d cache evicted (%s): the directory is over --max-cache-bytes %s", slot_id, fmt_bytes(size), fmt_bytes(cap))
+    return evicted
 
 
 def read_manifest(path: Path) -> dict[str, Any] | None:

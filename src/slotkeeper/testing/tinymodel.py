@@ -58,6 +58,8 @@ __all__ = [
     "PRESETS",
     "write_tiny_model",
     "vocab_tokens",
+    "BOS_ID",
+    "EOS_ID",
     "main",
 ]
 
@@ -178,10 +180,11 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-_VOCAB_CACHE: tuple[list[str], list[int], list[str], list[bool]] | None = None
+_Vocab = tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...], tuple[bool, ...]]
+_VOCAB_CACHE: _Vocab | None = None
 
 
-def vocab_tokens() -> tuple[list[str], list[int], list[str], list[bool]]:
+def vocab_tokens() -> _Vocab:
     """Return ``(tokens, token_types, merges, allowed)`` of the fixed tiny vocabulary.
 
     ``allowed[i]`` says whether the output head lets token ``i`` be generated: printable
@@ -210,7 +213,7 @@ def vocab_tokens() -> tuple[list[str], list[int], list[str], list[bool]]:
     types += [_TOKEN_NORMAL] * len(pairs)
     allowed += [True] * len(pairs)
     assert len(set(tokens)) == len(tokens), "duplicate token spelling"
-    _VOCAB_CACHE = (tokens, types, merges, allowed)
+    _VOCAB_CACHE = (tuple(tokens), tuple(types), tuple(merges), tuple(allowed))
     return _VOCAB_CACHE
 
 
@@ -293,9 +296,9 @@ def _add_metadata(w: Any, spec: TinyModelSpec) -> None:
 
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", "gpt-2")
-    w.add_array("tokenizer.ggml.tokens", tokens)
-    w.add_array("tokenizer.ggml.token_type", types)
-    w.add_array("tokenizer.ggml.merges", merges)
+    w.add_array("tokenizer.ggml.tokens", list(tokens))
+    w.add_array("tokenizer.ggml.token_type", list(types))  # int32 array, as llama.cpp reads it
+    w.add_array("tokenizer.ggml.merges", list(merges))
     w.add_uint32("tokenizer.ggml.bos_token_id", BOS_ID)
     w.add_uint32("tokenizer.ggml.eos_token_id", EOS_ID)
     w.add_bool("tokenizer.ggml.add_bos_token", True)

@@ -18,7 +18,8 @@ from aiohttp import web
 from .config import RunConfig
 from .fingerprint import build_fingerprint
 from .llama_client import LlamaClient, make_session
-from .log import fmt_ms, log
+from .log import fmt_bytes, fmt_ms, log
+from .metrics import Metrics
 from .proxy import Gate, Proxy
 from .slots import SlotStore, evict_over_cap, read_manifest
 from .supervisor import ChildProcess
@@ -56,6 +57,7 @@ class Daemon:
         self.force_requested = asyncio.Event()
         self.store: SlotStore | None = None
         self._autosave: asyncio.Future[None] | None = None
+        self.metrics = Metrics(state=lambda: self.state.value)
 
     def set_state(self, state: State) -> None:
         if state is not self.state:
@@ -72,12 +74,22 @@ class Daemon:
             log.warning("%s received again: stopping now, without saving", signal.Signals(signum).name)
             self.force_requested.set()
 
+    async def metrics_endpoint(self, _request: web.Request) -> web.Response:
+        """GET /slotkeeper/metrics: Prometheus text exposition."""
+        body, content_type = self.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
     async def status(self, _request: web.Request) -> web.Response:
         """GET /slotkeeper/status: is the cache back, and what is on disk."""
-        slots = {} if self.store is None else {
-            str(info.slot_id): {k: v for k, v in vars(info).items() if k != "slot_id" and v is not None}
-            for info in self.store.slots.values()
-        }
+        slots: dict[str, dict[str, Any]] = {}
+        if self.store is not None:
+            dirty: set[int] = set()
+            if self.state is State.READY and self.config.slots_endpoint:
+                dirty = {slot_id for slot_id, _ in await self.store.dirty_slots(self.total_slots, True)}
+            for info in self.store.slots.values():
+                entry = {k: v for k, v in vars(info).items() if k not in ("slot_id", "saved_task") and v is not None}
+                entry["dirty"] = info.slot_id in dirty
+                slots[str(info.slot_id)] = entry
         return web.json_response({
             "state": self.state.value,
             "child_pid": self.child.pid,
@@ -86,6 +98,7 @@ class Daemon:
             "total_slots": self.total_slots,
             "fingerprint": None if self.store is None else self.store.fingerprint,
             "slots": slots,
+            "save_estimate": self.save_estimate(),
         })
 
     # ---- the script ----------------------------------------------------------------------------------------
@@ -103,6 +116,8 @@ class Daemon:
         gate = Gate()
         proxy = Proxy(session, gate, lambda: self.state.value, startup_deadline)
         proxy.own_routes["/slotkeeper/status"] = self.status
+        proxy.own_routes["/slotkeeper/metrics"] = self.metrics_endpoint
+        self.metrics.requests_in_flight = lambda: len(proxy.in_flight)
         runner = web.AppRunner(build_app(proxy), handler_cancellation=True, access_log=None)
         try:
             await runner.setup()
@@ -205,7 +220,7 @@ class Daemon:
         )
         self.store = SlotStore(
             self.config.save_dir, client, fingerprint,
-            fsync=self.options.fsync, restore_unverified=self.options.restore_unverified,
+            fsync=self.options.fsync, restore_unverified=self.options.restore_unverified, metrics=self.metrics,
         )
         self.store.recover()
         log.info("%d slot(s); caches in %s", self.total_slots, self.config.save_dir)
@@ -301,20 +316,24 @@ class Daemon:
             log.info("no slot changed since its cache was written; nothing to save")
         return outcomes
 
-    def warn_if_save_exceeds_budget(self) -> None:
-        """From the last saves' speed, warn when saving this cache at stop would not fit the budget."""
+    def save_estimate(self) -> dict[str, float] | None:
+        """What saving every cache in the directory would take, at the speed the last saves measured."""
         manifests = [m for m in (read_manifest(p) for p in self.config.save_dir.glob("*.json")) if m]
         timed = [(m["bytes"], m["save_ms"]) for m in manifests if m.get("save_ms") and m.get("bytes")]
         if not timed:
-            return
+            return None
         rate = sum(b for b, _ in timed) / (sum(ms for _, ms in timed) / 1000)  # bytes per second
         total = sum(int(m.get("bytes", 0)) for m in manifests)
-        estimate = total / rate if rate > 0 else 0.0
-        if estimate > self.options.save_timeout:
+        return {"bytes": total, "bytes_per_s": rate, "seconds": total / rate, "budget_s": self.options.save_timeout}
+
+    def warn_if_save_exceeds_budget(self) -> None:
+        estimate = self.save_estimate()
+        if estimate and estimate["seconds"] > self.options.save_timeout:
             log.warning(
                 "saving these caches (%s) takes ~%.1f s at the last measured %s/s, more than --save-timeout %.1f s: "
                 "raise --save-timeout, and llama-swap's unloadTimeout (and healthCheckTimeout for swaps) above it",
-                fmt_bytes(total), estimate, fmt_bytes(int(rate)), self.options.save_timeout,
+                fmt_bytes(int(estimate["bytes"])), estimate["seconds"], fmt_bytes(int(estimate["bytes_per_s"])),
+                self.options.save_timeout,
             )
 
 

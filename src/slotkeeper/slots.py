@@ -21,6 +21,7 @@ from typing import Any
 from .fingerprint import first_difference
 from .llama_client import LlamaClient
 from .log import fmt_bytes, fmt_ms, log
+from .metrics import Metrics
 
 BIN_SUFFIX = ".bin"
 MANIFEST_SUFFIX = ".json"
@@ -92,6 +93,7 @@ class SlotStore:
     restore_unverified: bool = False
     slots: dict[int, SlotInfo] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    metrics: Metrics = field(default_factory=Metrics)
     _commits: list[asyncio.Future[SaveOutcome]] = field(default_factory=list)
 
     # ---- start --------------------------------------------------------------------------------------------
@@ -122,6 +124,7 @@ class SlotStore:
         bin_path = self.save_dir / bin_name(slot_id)
         if not bin_path.is_file():
             info.not_restored = "no cache file"
+            self.metrics.restores["no_file"] += 1
             log.info("slot %d: no cache file", slot_id)
             return
         manifest = read_manifest(self.save_dir / manifest_name(slot_id))
@@ -129,6 +132,7 @@ class SlotStore:
         if manifest is None:
             if not self.restore_unverified:
                 info.not_restored = "no manifest"
+                self.metrics.restores["no_manifest"] += 1
                 log.warning(
                     "slot %d: %s has no slotkeeper manifest; skipped (--restore-unverified restores such files)",
                     slot_id, bin_path.name,
@@ -138,6 +142,7 @@ class SlotStore:
             difference = first_difference(manifest.get("fingerprint", {}), self.fingerprint)
             if difference:
                 info.not_restored = f"fingerprint differs ({difference})"
+                self.metrics.restores["fingerprint_differs"] += 1
                 log.warning("slot %d: cache skipped, saved for another configuration: %s", slot_id, difference)
                 return
             if manifest.get("bytes") != size:
@@ -149,6 +154,7 @@ class SlotStore:
             reply = await self.client.slot_action(slot_id, "restore", bin_path.name)
         except Exception as exc:  # noqa: BLE001 - any failure to talk to the child leaves the slot cold
             info.not_restored = f"restore request failed: {exc!r}"
+            self.metrics.restores["failed"] += 1
             log.warning("slot %d restore failed: %r; starting cold", slot_id, exc)
             return
         elapsed = time.monotonic() - started
@@ -160,6 +166,7 @@ class SlotStore:
         nbytes = int(reply.body.get("n_read", size))
         info.restored_tokens, info.restored_bytes = tokens, nbytes
         info.restore_ms = float(reply.body.get("timings", {}).get("restore_ms", elapsed * 1000))
+        self.metrics.restored(elapsed, nbytes, tokens)
         log.info("slot %d restored: %s tokens, %s in %s", slot_id, f"{tokens:,}", fmt_bytes(nbytes), fmt_ms(elapsed))
 
     def quarantine(self, slot_id: int, reason: str) -> None:
@@ -171,6 +178,8 @@ class SlotStore:
             source = self.save_dir / name
             if source.exists():
                 os.replace(source, qdir / f"{stamp}-{name}")
+        self.metrics.quarantines += 1
+        self.metrics.restores["quarantined"] += 1
         log.warning("slot %d: cache quarantined (%s); starting cold", slot_id, reason)
         entries = sorted(qdir.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
         for old in entries[QUARANTINE_KEEP * 2 :]:
@@ -220,6 +229,7 @@ class SlotStore:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     outcomes.append(SaveOutcome(slot_id, False, "no time left"))
+                    self.metrics.save_failed("budget")
                     log.warning("slot %d not saved: the save budget ran out; its previous file is kept", slot_id)
                     continue
                 try:
@@ -227,6 +237,7 @@ class SlotStore:
                 except asyncio.TimeoutError:
                     self._discard_partials(slot_id)
                     outcome = SaveOutcome(slot_id, False, "timed out")
+                    self.metrics.save_failed("budget")
                     log.warning(
                         "slot %d save abandoned after %.1f s: the save budget (--save-timeout) ran out; "
                         "its previous file is kept", slot_id, remaining or 0.0,
@@ -272,6 +283,7 @@ class SlotStore:
             outcome = await self._request_save(slot_id, partial)
         except Exception as exc:  # noqa: BLE001 - a dead or confused child must not stop the rest of the stop
             outcome.reason = repr(exc)
+            self.metrics.save_failed("request_failed")
             log.warning("slot %d save failed: %r; its previous file is kept", slot_id, exc)
         finally:  # also on cancellation (budget): never leave a partial file behind
             progress.cancel()
@@ -287,21 +299,25 @@ class SlotStore:
         low_space = self._check_free_space(slot_id)
         if low_space:
             log.warning("slot %d not saved: %s; its previous file is kept", slot_id, low_space)
+            self.metrics.save_failed("disk_space")
             return SaveOutcome(slot_id, False, low_space)
         reply = await self.client.slot_action(slot_id, "save", partial.name)
         if not reply.ok:
             reason = f"llama-server answered {reply.status}: {reply.error}"
             log.warning("slot %d save failed: %s; its previous file is kept", slot_id, reason)
+            self.metrics.save_failed("llama_server_error")
             return SaveOutcome(slot_id, False, reason)
         tokens = int(reply.body.get("n_saved", 0))
         written = int(reply.body.get("n_written", -1))
         if tokens == 0:
             log.info("slot %d: nothing to save (0 tokens)", slot_id)
+            self.metrics.saves["empty"] += 1
             return SaveOutcome(slot_id, False, "0 tokens")
         size = partial.stat().st_size if partial.exists() else -1
         if size != written:
             reason = f"file has {size} bytes, llama-server reported {written}"
             log.warning("slot %d save failed: %s; its previous file is kept", slot_id, reason)
+            self.metrics.save_failed("size_mismatch")
             return SaveOutcome(slot_id, False, reason)
         save_ms = reply.body.get("timings", {}).get("save_ms")
         return SaveOutcome(slot_id, True, tokens=tokens, nbytes=written, save_ms=save_ms)
@@ -314,11 +330,13 @@ class SlotStore:
         except OSError as exc:
             self._discard_partials(slot_id)
             log.warning("slot %d save failed: %s; its previous file is kept", slot_id, exc.strerror or exc)
+            self.metrics.save_failed("commit_failed")
             return SaveOutcome(slot_id, False, str(exc))
         elapsed = saved.seconds + time.monotonic() - started
         info = self.slots.setdefault(slot_id, SlotInfo(slot_id))
         info.saved_task = task_id
         info.last_save = {"tokens": saved.tokens, "bytes": saved.nbytes, "ms": round(elapsed * 1000, 1), "at": time.time()}
+        self.metrics.saved(elapsed, saved.nbytes, saved.tokens)
         log.info("slot %d saved: %s tokens, %s in %s", slot_id, f"{saved.tokens:,}", fmt_bytes(saved.nbytes), fmt_ms(elapsed))
         return SaveOutcome(slot_id, True, tokens=saved.tokens, nbytes=saved.nbytes, seconds=elapsed)
 

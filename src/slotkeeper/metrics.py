@@ -1,0 +1,117 @@
+"""Prometheus metrics at GET /slotkeeper/metrics, prefixed `slotkeeper_`.
+
+Events are counted in plain attributes (cheap, no import on the start-up path); prometheus-client is
+imported at the first scrape and renders them through a collector. One Metrics per daemon, no globals.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+@dataclass
+class Histogram:
+    """Cumulative-bucket histogram state in Prometheus' shape."""
+
+    buckets: tuple[float, ...] = SECONDS_BUCKETS
+    counts: list[int] = field(default_factory=lambda: [0] * (len(SECONDS_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        running, out = 0, []
+        for bound, count in zip((*map(str, self.buckets), "+Inf"), self.counts):
+            running += count
+            out.append((bound, running))
+        return out
+
+
+@dataclass
+class Metrics:
+    restores: collections.Counter[str] = field(default_factory=collections.Counter)  # by outcome
+    restore_seconds: Histogram = field(default_factory=Histogram)
+    restored_bytes: int = 0
+    restored_tokens: int = 0
+    saves: collections.Counter[str] = field(default_factory=collections.Counter)  # by outcome
+    save_seconds: Histogram = field(default_factory=Histogram)
+    saved_bytes: int = 0
+    saved_tokens: int = 0
+    save_failures: collections.Counter[str] = field(default_factory=collections.Counter)  # by reason
+    quarantines: int = 0
+    requests_by_status: Callable[[], dict[int, int]] = dict
+    requests_in_flight: Callable[[], int] = lambda: 0
+    state: Callable[[], str] = lambda: "starting"
+
+    def restored(self, seconds: float, nbytes: int, tokens: int) -> None:
+        self.restores["restored"] += 1
+        self.restore_seconds.observe(seconds)
+        self.restored_bytes += nbytes
+        self.restored_tokens += tokens
+
+    def saved(self, seconds: float, nbytes: int, tokens: int) -> None:
+        self.saves["saved"] += 1
+        self.save_seconds.observe(seconds)
+        self.saved_bytes += nbytes
+        self.saved_tokens += tokens
+
+    def save_failed(self, reason: str) -> None:
+        self.saves["failed"] += 1
+        self.save_failures[reason] += 1
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Collector(self))
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+class _Collector:
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        m = self.metrics
+
+        def counter(name: str, doc: str, label: str | None = None, values: dict[Any, int] | int = 0) -> Any:
+            family = CounterMetricFamily(f"slotkeeper_{name}", doc, labels=[label] if label else None)
+            if isinstance(values, dict):
+                for key, value in sorted(values.items()):
+                    family.add_metric([str(key)], value)
+            else:
+                family.add_metric([], values)
+            return family
+
+        yield counter("restores", "Slot restores at start, by outcome", "outcome", dict(m.restores))
+        yield HistogramMetricFamily("slotkeeper_restore_seconds", "Duration of successful slot restores",
+                                    buckets=m.restore_seconds.cumulative(), sum_value=m.restore_seconds.total)
+        yield counter("restored_bytes", "Bytes of slot cache restored", values=m.restored_bytes)
+        yield counter("restored_tokens", "Tokens of slot cache restored", values=m.restored_tokens)
+        yield counter("saves", "Slot saves, by outcome", "outcome", dict(m.saves))
+        yield HistogramMetricFamily("slotkeeper_save_seconds", "Duration of successful slot saves (incl. fsync)",
+                                    buckets=m.save_seconds.cumulative(), sum_value=m.save_seconds.total)
+        yield counter("saved_bytes", "Bytes of slot cache saved", values=m.saved_bytes)
+        yield counter("saved_tokens", "Tokens of slot cache saved", values=m.saved_tokens)
+        yield counter("save_failures", "Failed or abandoned slot saves, by reason", "reason", dict(m.save_failures))
+        yield counter("quarantines", "Cache files moved to quarantine/", values=m.quarantines)
+        yield counter("proxied_requests", "Requests proxied to llama-server, by status", "status",
+                      m.requests_by_status())
+        in_flight = GaugeMetricFamily("slotkeeper_requests_in_flight", "Requests being proxied now")
+        in_flight.add_metric([], m.requests_in_flight())
+        yield in_flight
+        state = GaugeMetricFamily("slotkeeper_state", "Lifecycle state (1 for the current one)", labels=["state"])
+        for name in ("starting", "restoring", "ready", "draining", "saving", "stopping", "stopped"):
+            state.add_metric([name], 1 if m.state() == name else 0)
+        yield state

@@ -1,0 +1,38 @@
+"""Issue 6: is there any way to know the slots were restored? /slotkeeper/status and /slotkeeper/metrics."""
+
+from __future__ import annotations
+
+import signal
+
+
+def test_status_reports_restore_and_dirty_slots(stub_slotkeeper):
+    sk = stub_slotkeeper("-np", "2", own=("--autosave-idle", "0"))
+    status = sk.call("GET", "/slotkeeper/status").body
+    assert status["state"] == "ready" and status["total_slots"] == 2
+    assert status["slots"]["0"]["not_restored"] == "no cache file"
+    sk.call("POST", "/completion", {"prompt": "remember this " * 8, "n_predict": 4, "id_slot": 0})
+    assert sk.call("GET", "/slotkeeper/status").body["slots"]["0"]["dirty"] is True
+    sk.killpg(signal.SIGTERM)
+    assert sk.wait() == 0
+    sk2 = stub_slotkeeper("-np", "2", own=("--autosave-idle", "0"))
+    status = sk2.call("GET", "/slotkeeper/status").body
+    slot0 = status["slots"]["0"]
+    assert slot0["restored_tokens"] > 0 and slot0["restored_bytes"] > 0 and "restore_ms" in slot0
+    assert slot0["dirty"] is False
+    assert status["save_estimate"]["bytes"] == (sk2.extra["save_dir"] / "0.bin").stat().st_size
+    assert status["child_pid"] > 0 and status["save_dir"] == str(sk2.extra["save_dir"].resolve())
+
+
+def test_metrics_count_restores_and_requests(stub_slotkeeper):
+    sk = stub_slotkeeper("-np", "1", own=("--autosave-idle", "0"))
+    sk.call("POST", "/completion", {"prompt": "remember this " * 8, "n_predict": 4})
+    sk.killpg(signal.SIGTERM)
+    assert sk.wait() == 0
+    sk2 = stub_slotkeeper("-np", "1")
+    reply = sk2.call("GET", "/slotkeeper/metrics")
+    assert reply.status == 200 and reply.headers["Content-Type"].startswith("text/plain")
+    text = reply.body
+    assert 'slotkeeper_restores_total{outcome="restored"} 1.0' in text
+    assert "slotkeeper_restore_seconds_count 1.0" in text
+    assert 'slotkeeper_state{state="ready"} 1.0' in text
+    assert sk2.call("GET", "/slotkeeper/nope").status == 404

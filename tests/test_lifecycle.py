@@ -6,6 +6,7 @@ Scenarios are numbered as in issue 2; each drives a real slotkeeper process in i
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -167,3 +168,48 @@ def test_8_sse_chunks_arrive_incrementally(stub_slotkeeper):
                 if line.startswith(b"data:")]
     assert len(arrivals) >= 6
     assert arrivals[-1] - arrivals[0] > 0.5, "events arrived together: the stream was buffered"
+
+
+def test_child_output_passes_through_unchanged(stub_slotkeeper):
+    """llama-server's output reaches slotkeeper's own stream byte for byte, however long its lines."""
+    sk = stub_slotkeeper(stub={"STUB_CHATTY": "3", "STUB_CHATTY_BYTES": "200000"})
+    long_lines = [line for line in sk.log_path.read_bytes().split(b"\n") if len(line) >= 200000]
+    assert len(long_lines) == 3, "long child lines were cut, merged or lost"
+
+
+def test_child_ignoring_sigterm_is_killed_after_stop_timeout(stub_slotkeeper):
+    """A child that ignores SIGTERM is SIGKILLed after --stop-timeout; slotkeeper still saves and exits 0."""
+    sk = stub_slotkeeper(own=("--stop-timeout", "0.5"), stub={"STUB_IGNORE_SIGTERM": "1"})
+    complete(sk, id_slot=0)
+    pid = child_pid(sk)
+    started = time.monotonic()
+    sk.killpg(signal.SIGTERM)
+    assert sk.wait(10) == 0
+    assert time.monotonic() - started < 2.0
+    assert "did not exit 0.5 s after SIGTERM; sending SIGKILL" in sk.logs()
+    assert "slot 0 saved:" in sk.logs()
+    assert wait_until(lambda: not pid_alive(pid), 2)
+
+
+def test_no_slots_endpoint_still_saves(stub_slotkeeper):
+    """With --no-slots, slotkeeper cannot see which slots hold tokens: it tries each; empty ones are skipped."""
+    sk = stub_slotkeeper("-np", "2", "--no-slots")
+    complete(sk, id_slot=1)
+    sk.killpg(signal.SIGTERM)
+    assert sk.wait() == 0
+    assert "slot 1 saved:" in sk.logs() and "slot 0: nothing to save (0 tokens)" in sk.logs()
+    assert not (sk.extra["save_dir"] / "0.bin").exists()
+
+
+def test_crash_while_saving_keeps_the_old_file(stub_slotkeeper):
+    """The child dies in the middle of the stop-time save: no half file is put in place, exit is prompt."""
+    seed_cache(stub_slotkeeper)
+    sk = stub_slotkeeper("-np", "2", stub={"STUB_SAVE_SECONDS": "5"})
+    good = (sk.extra["save_dir"] / "0.bin").read_bytes()
+    complete(sk, prompt="a changed conversation", id_slot=0)
+    sk.killpg(signal.SIGTERM)
+    assert wait_until(lambda: save_requested(sk), 10), sk.logs()
+    os.kill(child_pid(sk), signal.SIGKILL)
+    sk.wait(5)
+    assert (sk.extra["save_dir"] / "0.bin").read_bytes() == good
+    assert "Traceback" not in sk.logs()

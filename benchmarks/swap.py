@@ -28,7 +28,7 @@ from slotkeeper.demo import DEMO_SEED_TEXT
 from slotkeeper.testing.harness import Slotkeeper, free_port, http_call, stream_completion, wait_until
 from slotkeeper.testing.tinymodel import BENCH_MODEL_E, write_tiny_model
 
-SERVER_ARGS = ["-c", "16384", "-np", "2", "-t", "2", "--no-warmup"]
+SERVER_ARGS = ["-c", "16384", "-np", "2", "-t", "2"]
 
 
 def health(port: int) -> int:

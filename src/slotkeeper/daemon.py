@@ -11,12 +11,13 @@ import asyncio
 import enum
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from .config import RunConfig
-from .fingerprint import build_fingerprint
+from .fingerprint import build_fingerprint, model_identity
 from .llama_client import LlamaClient, make_session
 from .log import fmt_bytes, fmt_ms, log
 from .metrics import Metrics
@@ -58,6 +59,7 @@ class Daemon:
         self.store: SlotStore | None = None
         self._autosave: asyncio.Future[None] | None = None
         self.metrics = Metrics(state=lambda: self.state.value)
+        self._identity: asyncio.Future[dict[str, Any]] | None = None
 
     def set_state(self, state: State) -> None:
         if state is not self.state:
@@ -110,6 +112,8 @@ class Daemon:
         for sig in self._early_signals:
             self.on_signal(sig)
         child_exited = self.child.watch(loop)
+        # Hash the model file while llama-server loads it (hashlib releases the GIL): ready for the restore.
+        self._identity = asyncio.ensure_future(asyncio.to_thread(model_identity, self.config.model))
         startup_deadline = self.started_at + self.options.startup_timeout
         session = make_session(self.child.endpoint)
         client = LlamaClient(session, self.config.api_key)
@@ -215,9 +219,11 @@ class Daemon:
             )
         n_ctx = body.get("default_generation_settings", {}).get("n_ctx")
         model = body.get("model_path") or self.config.model
-        fingerprint = await asyncio.to_thread(
-            build_fingerprint, model, self.config.child_args, self.total_slots, n_ctx
-        )
+        assert self._identity is not None
+        identity = await self._identity
+        if model and identity.get("model") != str(Path(model).resolve()):  # e.g. -hf: /props names the file
+            identity = await asyncio.to_thread(model_identity, model)
+        fingerprint = build_fingerprint(identity, self.config.child_args, self.total_slots, n_ctx)
         self.store = SlotStore(
             self.config.save_dir, client, fingerprint,
             fsync=self.options.fsync, restore_unverified=self.options.restore_unverified, metrics=self.metrics,

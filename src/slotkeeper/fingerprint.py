@@ -58,9 +58,11 @@ def kv_flags(child_args: list[str]) -> dict[str, str]:
     return found
 
 
-def build_fingerprint(model: str | None, child_args: list[str], total_slots: int, n_ctx_slot: int | None) -> dict[str, Any]:
+def build_fingerprint(
+    identity: dict[str, Any], child_args: list[str], total_slots: int, n_ctx_slot: int | None
+) -> dict[str, Any]:
     """Everything that must match for a saved state to be restored; compared field by field."""
-    fingerprint: dict[str, Any] = dict(model_identity(model))
+    fingerprint: dict[str, Any] = dict(identity)
     fingerprint.update(kv_flags(child_args))
     fingerprint["total_slots"] = total_slots
     fingerprint["n_ctx_slot"] = n_ctx_slot

@@ -9,18 +9,20 @@ be blocked by slotkeeper. Stdlib only: the child is spawned before slotkeeper's 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # asyncio is imported after the child is spawned: its import would delay the model load
+    import asyncio
 
 from .cmdline import CHILD_ENV_REMOVED
 
@@ -57,6 +59,8 @@ def make_endpoint(tcp: bool) -> ChildEndpoint:
     runtime_dir = Path(tempfile.mkdtemp(prefix=f"{RUNTIME_DIR_PREFIX}{os.getpid()}-"))
     if not tcp:
         return ChildEndpoint(runtime_dir, socket_path=runtime_dir / CHILD_SOCKET_NAME)
+    import socket
+
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -134,6 +138,8 @@ class ChildProcess:
         return self._exited
 
     async def _poll_exit(self) -> None:
+        import asyncio
+
         while (code := self.popen.poll()) is None:
             await asyncio.sleep(0.05)
         self._resolve(code)
@@ -153,6 +159,8 @@ class ChildProcess:
 
     async def stop(self, timeout: float) -> int:
         """SIGTERM the child's group, wait up to `timeout`, then SIGKILL. Safe to call at any time, repeatedly."""
+        import asyncio
+
         exited = self._exited
         assert exited is not None, "watch() first"
         if not exited.done():

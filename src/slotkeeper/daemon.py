@@ -50,7 +50,8 @@ class Daemon:
         self.options = config.options
         self.child = child
         self.state = State.STARTING
-        self.started_at = time.monotonic()
+        self.started_at = child.started_at  # the spawn: imports and the model load overlap from here
+        self.healthy_at: float | None = None
         self.total_slots = 0
         self.signals_received = 0
         self._early_signals = early_signals
@@ -132,7 +133,12 @@ class Daemon:
                 return code
             gate.open()
             self.set_state(State.READY)
-            log.info("ready in %s (pid %d)", fmt_ms(time.monotonic() - self.started_at), self.child.pid)
+            now = time.monotonic()
+            log.info(
+                "ready %s after starting llama-server (pid %d; it answered healthy at %s, restore took %s)",
+                fmt_ms(now - self.started_at), self.child.pid, fmt_ms((self.healthy_at or now) - self.started_at),
+                fmt_ms(now - (self.healthy_at or now)),
+            )
             self.warn_if_save_exceeds_budget()
             code = await self.serve(proxy, child_exited)
             if code is not None:
@@ -200,6 +206,7 @@ class Daemon:
         while True:
             try:
                 if (await client.health()).ok:
+                    self.healthy_at = time.monotonic()
                     return
             except (OSError, Exception):  # noqa: BLE001 - socket not there yet, connection refused while loading
                 pass

@@ -16,11 +16,13 @@ from .cmdline import ConfigError, plan_launch, raw_flag
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 70
-SUBCOMMANDS = ("demo", "help", "version")
+SUBCOMMANDS = ("demo", "ls", "prune", "help", "version")
 
 USAGE = """\
 usage: slotkeeper [SLOTKEEPER OPTIONS --] LLAMA-SERVER ARGS...
-       slotkeeper demo
+       slotkeeper demo                      a model swap on a real llama-server, cold vs restored
+       slotkeeper ls [DIR...] [--json]      the caches on disk (slotkeeper ls --help)
+       slotkeeper prune [DIR...] ...        remove old, oversized, quarantined or orphaned caches
 
 Runs llama-server as a private child and keeps its slot (KV) caches across restarts: restores them before
 /health turns 200, saves them on SIGTERM. Every argument goes to llama-server, except --host/--port (the
@@ -57,6 +59,14 @@ def run_subcommand(name: str, args: list[str]) -> int:
         from .demo import main as demo_main
 
         return demo_main(args)
+    if name == "ls":
+        from .catalog import ls_main
+
+        return ls_main(args)
+    if name == "prune":
+        from .catalog import prune_main
+
+        return prune_main(args)
     if name == "version":
         from importlib.metadata import version
 

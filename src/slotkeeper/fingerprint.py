@@ -49,6 +49,8 @@ def kv_flags(child_args: list[str]) -> dict[str, str]:
     """The KV-relevant llama-server flags as given (unset flags are absent: llama-server's defaults)."""
     found: dict[str, str] = {}
     for i, token in enumerate(child_args):
+        if token.startswith("--"):
+            token = token.replace("_", "-")  # llama-server reads `--cache_type_k` as `--cache-type-k`
         for field, names in KV_FLAGS.items():
             if token in names:
                 if token in BOOLEAN_KV_FLAGS:

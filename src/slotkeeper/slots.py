@@ -18,10 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 from .fingerprint import first_difference
-from .llama_client import LlamaClient
 from .log import fmt_bytes, fmt_ms, log
 from .metrics import Metrics
+
+if TYPE_CHECKING:  # `slotkeeper ls` reads the save directory without importing aiohttp
+    from .llama_client import LlamaClient
 
 BIN_SUFFIX = ".bin"
 MANIFEST_SUFFIX = ".json"
@@ -41,11 +45,16 @@ def manifest_name(slot_id: int) -> str:
     return f"{slot_id}{MANIFEST_SUFFIX}"
 
 
+def is_slot_id(text: str) -> bool:
+    """`0`, `12`: ASCII digits only (str.isdigit() also accepts `²`)."""
+    return text.isascii() and text.isdigit()
+
+
 def is_reserved_filename(name: str) -> bool:
     """Names slotkeeper owns in the save directory: `<id>.bin`, `<id>.json` and their partials."""
     stem = name.removesuffix(PARTIAL_SUFFIX)
     for suffix in (BIN_SUFFIX, MANIFEST_SUFFIX):
-        if stem.endswith(suffix) and stem[: -len(suffix)].isdigit():
+        if stem.endswith(suffix) and is_slot_id(stem[: -len(suffix)]):
             return True
     return False
 
@@ -373,7 +382,7 @@ def evict_over_cap(save_dir: Path, cap: int) -> list[int]:
     pairs = []
     for bin_path in save_dir.glob(f"*{BIN_SUFFIX}"):
         stem = bin_path.name.removesuffix(BIN_SUFFIX)
-        if stem.isdigit():
+        if is_slot_id(stem) and str(int(stem)) == stem:
             manifest = read_manifest(save_dir / manifest_name(int(stem))) or {}
             pairs.append((manifest.get("saved_at", bin_path.stat().st_mtime), int(stem), bin_path.stat().st_size))
     total = sum(size for _, _, size in pairs)

@@ -117,4 +117,4 @@ def test_own_options_table_matches_the_model():
     from slotkeeper.cmdline import OWN_OPTIONS
     from slotkeeper.config import Options
 
-    assert OWN_OPTIONS == {name: f.annotation is bool for name, f in Options.model_fields.items()}
+    assert {name: f.annotation is bool for name, f in Options.model_fields.items()} == OWN_OPTIONS

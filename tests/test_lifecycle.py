@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 
 from slotkeeper.testing.harness import pid_alive, read_events, stream_lines, wait_until

@@ -62,7 +62,7 @@ def test_1_sigkill_at_random_moments_of_a_stop_never_loses_the_cache(stub_slotke
         time.sleep(rng.uniform(0.0, 0.5))
         sk.killpg(signal.SIGKILL)
         sk.wait()
-        assert wait_until(lambda: not pid_alive(pid), 5), f"trial {trial}: llama-server outlived slotkeeper"
+        assert wait_until(lambda pid=pid: not pid_alive(pid), 5), f"trial {trial}: llama-server outlived slotkeeper"
         if not (save_dir / "0.bin").exists():
             assert not have_file, f"trial {trial}: the previous cache file was lost"
             continue  # killed before the very first save completed: nothing to keep yet

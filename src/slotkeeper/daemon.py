@@ -321,7 +321,7 @@ class Daemon:
                 self.store.save_dirty(self.total_slots, self.config.slots_endpoint, budget_end, overlap_commits=True),
                 max(remaining, 0.0),
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("the save budget (--save-timeout %.1f s) ran out; slots not saved yet keep their previous file",
                         self.options.save_timeout)
             return []

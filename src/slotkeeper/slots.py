@@ -243,7 +243,7 @@ class SlotStore:
                     continue
                 try:
                     outcome = await asyncio.wait_for(self._save_one(slot_id, task_id), remaining)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     self._discard_partials(slot_id)
                     outcome = SaveOutcome(slot_id, False, "timed out")
                     self.metrics.save_failed("budget")

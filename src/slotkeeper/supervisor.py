@@ -167,7 +167,7 @@ class ChildProcess:
             self._signal_group(signal.SIGTERM)
             try:
                 await asyncio.wait_for(asyncio.shield(exited), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 from .log import log
 
                 log.warning("llama-server did not exit %.1f s after SIGTERM; sending SIGKILL", timeout)

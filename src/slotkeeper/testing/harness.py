@@ -87,7 +87,7 @@ class Slotkeeper:
     proc: subprocess.Popen[bytes] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def start(self) -> "Slotkeeper":
+    def start(self) -> Slotkeeper:
         self.log_file = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "slotkeeper.cli", *self.args],

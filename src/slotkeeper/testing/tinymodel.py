@@ -47,7 +47,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import numpy as np
@@ -217,7 +218,7 @@ def vocab_tokens() -> _Vocab:
     return _VOCAB_CACHE
 
 
-def _weights(spec: TinyModelSpec) -> list[tuple[str, "np.ndarray[Any, Any]"]]:
+def _weights(spec: TinyModelSpec) -> list[tuple[str, np.ndarray[Any, Any]]]:
     """All tensors, in file order, as numpy arrays shaped (rows=out, cols=in).
 
     gguf stores numpy shape reversed, so a ``(n_out, n_in)`` array becomes the
@@ -232,10 +233,10 @@ def _weights(spec: TinyModelSpec) -> list[tuple[str, "np.ndarray[Any, Any]"]]:
     _, _, _, allowed = vocab_tokens()
     n_vocab = len(allowed)
 
-    def normal(shape: tuple[int, int], std: float) -> "np.ndarray[Any, Any]":
+    def normal(shape: tuple[int, int], std: float) -> np.ndarray[Any, Any]:
         return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
 
-    def mat(a: "np.ndarray[Any, Any]") -> "np.ndarray[Any, Any]":
+    def mat(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         return np.ascontiguousarray(a.astype(mat_dtype, copy=False))
 
     # Layer norms read every dimension but the constant one (see module docstring).

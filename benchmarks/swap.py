@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import os
 import shutil
 import signal
@@ -103,6 +104,7 @@ def main() -> None:
         stop(sk)
 
         plain_readies, ready_overheads, stop_overheads, firsts, restores, saves = [], [], [], [], [], []
+        first_polls = []
         for i in range(args.repeat):
             p_ready, proc = plain_ready_time(binary, model, port)
             stop_plain(proc)
@@ -118,6 +120,9 @@ def main() -> None:
             # make the slot dirty again with the same tokens so every stop really saves
             http_call(port, "POST", "/slots/0?action=erase", {})
             stream_completion(port, {"prompt": prompt, **body, "id_slot": 0})
+            found = re.search(r"answered healthy at ([\d,]+) ms", sk.logs())
+            if found:
+                first_polls.append(float(found.group(1).replace(",", "")))
             stop_s = stop(sk)
             manifests = [p for p in (work / "cache").glob("*.json")]
             save_ms = max(json.loads(p.read_text()).get("save_ms") or 0 for p in manifests)
@@ -136,6 +141,9 @@ def main() -> None:
           f"restore_ms {statistics.median(restores):.1f}, save_ms {statistics.median(saves):.1f}")
     print(f"(c) slotkeeper ready - plain ready - restore_ms: median {statistics.median(ready_overheads):6.1f} ms "
           f"(min {min(ready_overheads):.1f}, max {max(ready_overheads):.1f}; target <= 50 ms)")
+    if first_polls:
+        print(f"    slotkeeper's first health poll came {statistics.median(first_polls):.0f} ms after it spawned "
+              "llama-server: until then it is importing aiohttp and pydantic, which overlaps the model load")
     print(f"(d) slotkeeper SIGTERM-to-exit - save_ms:         median {statistics.median(stop_overheads):6.1f} ms "
           f"(min {min(stop_overheads):.1f}, max {max(stop_overheads):.1f}; target <= 100 ms)")
 

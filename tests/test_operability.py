@@ -35,4 +35,9 @@ def test_metrics_count_restores_and_requests(stub_slotkeeper):
     assert 'slotkeeper_restores_total{outcome="restored"} 1.0' in text
     assert "slotkeeper_restore_seconds_count 1.0" in text
     assert 'slotkeeper_state{state="ready"} 1.0' in text
+    sk2.call("POST", "/completion", {"prompt": "x", "n_predict": 2})
+    sk2.call("GET", "/no-such-path")
+    text = sk2.call("GET", "/slotkeeper/metrics").body
+    assert 'slotkeeper_proxied_requests_total{status="200"}' in text
+    assert 'slotkeeper_proxied_requests_total{status="404"} 1.0' in text
     assert sk2.call("GET", "/slotkeeper/nope").status == 404

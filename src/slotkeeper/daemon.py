@@ -21,7 +21,7 @@ from .fingerprint import build_fingerprint, model_identity
 from .llama_client import LlamaClient, make_session
 from .log import fmt_bytes, fmt_ms, log
 from .metrics import Metrics
-from .proxy import Gate, Proxy
+from .proxy import Gate, Proxy, make_runner
 from .slots import SlotStore, evict_over_cap, read_manifest
 from .supervisor import ChildProcess
 
@@ -119,11 +119,12 @@ class Daemon:
         session = make_session(self.child.endpoint)
         client = LlamaClient(session, self.config.api_key)
         gate = Gate()
-        proxy = Proxy(session, gate, lambda: self.state.value, startup_deadline)
+        proxy = Proxy(self.child.endpoint, gate, lambda: self.state.value, startup_deadline)
         proxy.own_routes["/slotkeeper/status"] = self.status
         proxy.own_routes["/slotkeeper/metrics"] = self.metrics_endpoint
         self.metrics.requests_in_flight = lambda: len(proxy.in_flight)
-        runner = web.AppRunner(build_app(proxy), handler_cancellation=True, access_log=None)
+        self.metrics.requests_by_status = lambda: dict(proxy.status_counts)
+        runner = make_runner(proxy)
         try:
             await runner.setup()
             await self.listen(runner)
@@ -153,9 +154,10 @@ class Daemon:
                 await self.child.stop(self.options.stop_timeout)
             self.set_state(State.STOPPED)
             await runner.cleanup()
+            proxy.close()
             await session.close()
 
-    async def listen(self, runner: web.AppRunner) -> None:
+    async def listen(self, runner: web.BaseRunner) -> None:
         """Public sockets open early so health checks see 503 (not connection refused) while loading."""
         for host in self.config.hosts:
             if host.endswith(".sock"):
@@ -348,9 +350,3 @@ class Daemon:
                 fmt_bytes(int(estimate["bytes"])), estimate["seconds"], fmt_bytes(int(estimate["bytes_per_s"])),
                 self.options.save_timeout,
             )
-
-
-def build_app(proxy: Proxy) -> web.Application:
-    app = web.Application(client_max_size=0)
-    app.router.add_route("*", "/{tail:.*}", proxy.handle)
-    return app

@@ -1,6 +1,7 @@
 """slotkeeper's own HTTP calls to its llama-server child, over the private endpoint.
 
-One aiohttp session serves both these calls and the proxy, so both share the keep-alive pool to the child.
+These few calls use an aiohttp session; the proxy has its own lean keep-alive pool to the same child
+(proxy.ChildPool).
 """
 
 from __future__ import annotations

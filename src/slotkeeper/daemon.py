@@ -145,7 +145,7 @@ class Daemon:
             if code is not None:
                 proxy.accepting = False
                 return code
-            return await self.shutdown(proxy, client, child_exited)
+            return await self.shutdown(proxy, child_exited)
         finally:
             proxy.accepting = False
             if self._autosave is not None:
@@ -276,7 +276,7 @@ class Daemon:
         if self.options.max_cache_bytes:
             evict_over_cap(self.config.save_dir, int(self.options.max_cache_bytes))
 
-    async def shutdown(self, proxy: Proxy, client: LlamaClient, child_exited: asyncio.Future[int]) -> int:
+    async def shutdown(self, proxy: Proxy, child_exited: asyncio.Future[int]) -> int:
         """Drain, save what changed inside the budget, stop the child. A second signal skips the rest of the save."""
         budget_end = time.monotonic() + self.options.save_timeout
         self.set_state(State.DRAINING)

@@ -35,6 +35,10 @@ def demo_cache_dir() -> Path:
 
 
 def main(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="slotkeeper demo", description="One model swap on a real llama-server: cold vs restored.")
+    parser.parse_args(argv)
     try:
         binary = find_llama_server(None, os.environ)
     except ConfigError as exc:

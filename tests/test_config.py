@@ -118,3 +118,14 @@ def test_own_options_table_matches_the_model():
     from slotkeeper.config import Options
 
     assert {name: f.annotation is bool for name, f in Options.model_fields.items()} == OWN_OPTIONS
+
+
+def test_dotenv_in_the_working_directory_is_read(tmp_path):
+    """A .env next to where slotkeeper runs supplies SLOTKEEPER_* settings (bad ones fail the same way)."""
+    (tmp_path / ".env").write_text("SLOTKEEPER_DRAIN_TIMEOUT=soon\n")
+    proc = subprocess.run([sys.executable, "-m", "slotkeeper.cli", "-m", "m.gguf"], capture_output=True, text=True,
+                          env={**env_for(tmp_path), "LLAMA_SERVER": "true", "PATH": "/usr/bin:/bin"},
+                          cwd=tmp_path, timeout=30)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "slotkeeper: error: invalid --drain-timeout: input should be a valid number, " \
+        "unable to parse string as a number (got 'soon')"

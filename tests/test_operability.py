@@ -41,3 +41,13 @@ def test_metrics_count_restores_and_requests(stub_slotkeeper):
     assert 'slotkeeper_proxied_requests_total{status="200"}' in text
     assert 'slotkeeper_proxied_requests_total{status="404"} 1.0' in text
     assert sk2.call("GET", "/slotkeeper/nope").status == 404
+
+
+def test_json_log_format(stub_slotkeeper):
+    """--log-format json: slotkeeper's own lines are JSON objects; the child's lines pass through as they are."""
+    import json
+
+    sk = stub_slotkeeper(own=("--log-format", "json"))
+    ours = [json.loads(line) for line in sk.logs().splitlines() if line.startswith("{")]
+    assert any(entry["msg"].startswith("ready ") and entry["level"] == "info" for entry in ours)
+    assert any(line.startswith("stub: ") for line in sk.logs().splitlines())

@@ -207,3 +207,38 @@ def test_7_save_over_budget_is_abandoned_within_budget(stub_slotkeeper):
     assert time.monotonic() - started < 1 + 1 + 0.8, sk2.logs()
     assert (sk.extra["save_dir"] / "0.bin").read_bytes() == good
     assert "the save budget (--save-timeout 1.0 s) ran out" in sk2.logs()
+
+
+def test_long_save_reports_progress(stub_slotkeeper):
+    """A save that takes seconds logs the partial file's growth, so llama-swap's log shows it is alive."""
+    sk = stub_slotkeeper("-np", "1", own=("--autosave-idle", "0"), stub={"STUB_SAVE_SECONDS": "2.5"})
+    complete(sk)
+    stop(sk)
+    assert "slot 0 saving: " in sk.logs() and "slot 0 saved:" in sk.logs()
+
+
+def test_startup_warns_when_the_cache_would_not_fit_the_budget(stub_slotkeeper):
+    """From the last saves' speed, a cache that cannot be saved inside --save-timeout is announced at start."""
+    sk = stub_slotkeeper("-np", "1")
+    complete(sk)
+    stop(sk)
+    manifest_path = sk.extra["save_dir"] / "0.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["save_ms"] = 20_000.0  # as if this file took 20 s to write
+    manifest_path.write_text(json.dumps(manifest))
+    sk2 = stub_slotkeeper("-np", "1", own=("--save-timeout", "8"))
+    assert "more than --save-timeout 8.0 s" in sk2.logs() and "unloadTimeout" in sk2.logs()
+
+
+def test_max_cache_bytes_evicts_the_oldest(stub_slotkeeper):
+    """--max-cache-bytes keeps the directory under the cap, oldest pair first, manifest with it."""
+    sk = stub_slotkeeper("-np", "2", own=("--autosave-idle", "0"))
+    complete(sk, "the older conversation " * 4, slot=0)
+    stop(sk)
+    size = (sk.extra["save_dir"] / "0.bin").stat().st_size
+    sk2 = stub_slotkeeper("-np", "2", own=("--autosave-idle", "0", "--max-cache-bytes", str(size + size // 2)))
+    complete(sk2, "the newer conversation " * 4, slot=1)
+    stop(sk2)
+    assert not (sk.extra["save_dir"] / "0.bin").exists() and not (sk.extra["save_dir"] / "0.json").exists()
+    assert (sk.extra["save_dir"] / "1.bin").exists()
+    assert "slot 0 cache evicted" in sk2.logs()

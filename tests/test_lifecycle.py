@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 from slotkeeper.testing.harness import pid_alive, read_events, stream_lines, wait_until
@@ -212,3 +213,20 @@ def test_crash_while_saving_keeps_the_old_file(stub_slotkeeper):
     sk.wait(5)
     assert (sk.extra["save_dir"] / "0.bin").read_bytes() == good
     assert "Traceback" not in sk.logs()
+
+
+def test_3c_second_signal_while_draining_stops_at_once(stub_slotkeeper):
+    """3. A second signal while a long request drains: no waiting for --drain-timeout, prompt non-zero exit."""
+    sk = stub_slotkeeper(own=("--drain-timeout", "20", "--save-timeout", "30"), stub={"STUB_TOKEN_SECONDS": "0.5"})
+    streaming = threading.Thread(target=lambda: list(stream_lines(
+        sk.port, "/completion", {"prompt": "hi", "n_predict": 60, "stream": True})), daemon=True)
+    streaming.start()
+    assert wait_until(lambda: any(e["event"] == "request" and e["path"] == "/completion"
+                                  for e in read_events(sk.extra["events"])), 10)
+    sk.killpg(signal.SIGTERM)
+    assert wait_until(lambda: "state: ready -> draining" in sk.logs(), 5), sk.logs()
+    started = time.monotonic()
+    sk.killpg(signal.SIGTERM)
+    assert sk.wait(10) != 0
+    assert time.monotonic() - started < 2.0, sk.logs()
+    assert not any(e["event"] == "save" for e in read_events(sk.extra["events"]))

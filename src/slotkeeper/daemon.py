@@ -282,12 +282,20 @@ class Daemon:
         self.set_state(State.DRAINING)
         proxy.accepting = False
         drain = min(self.options.drain_timeout, self.options.save_timeout)
-        if not await proxy.wait_idle(drain):
+        drained = asyncio.ensure_future(proxy.wait_idle(drain))
+        force = asyncio.ensure_future(self.force_requested.wait())
+        await asyncio.wait({drained, force}, return_when=asyncio.FIRST_COMPLETED)
+        if not drained.done() or not drained.result():
+            drained.cancel()
             cancelled = proxy.cancel_in_flight()
-            log.warning("%d request(s) still running after %.1f s (--drain-timeout); cancelled", cancelled, drain)
+            if not force.done():
+                log.warning("%d request(s) still running after %.1f s (--drain-timeout); cancelled", cancelled, drain)
             await proxy.wait_idle(1.0)
-        if self.force_requested.is_set():
+        if force.done():
+            self.set_state(State.STOPPING)
+            await self.child.stop(min(self.options.stop_timeout, FORCED_STOP_TIMEOUT_S))
             return EXIT_FORCED
+        force.cancel()
         self.set_state(State.SAVING)
         assert self.store is not None
         save = asyncio.ensure_future(self.save_at_stop(budget_end))

@@ -230,3 +230,17 @@ def test_3c_second_signal_while_draining_stops_at_once(stub_slotkeeper):
     assert sk.wait(10) != 0
     assert time.monotonic() - started < 2.0, sk.logs()
     assert not any(e["event"] == "save" for e in read_events(sk.extra["events"]))
+
+
+def test_3d_signal_while_restoring_exits_promptly(stub_slotkeeper):
+    """3. A signal during a slow restore: the child is stopped at once, nothing is saved, the files stay."""
+    seed_cache(stub_slotkeeper)
+    sk = stub_slotkeeper("-np", "2", own=("--stop-timeout", "0.5"), stub={"STUB_RESTORE_SECONDS": "20"}, wait=False)
+    assert wait_until(lambda: "state: starting -> restoring" in sk.logs(), 30), sk.logs()
+    good = (sk.extra["save_dir"] / "0.bin").read_bytes()
+    started = time.monotonic()
+    sk.killpg(signal.SIGTERM)
+    assert sk.wait(10) == 0
+    assert time.monotonic() - started < 0.5 + 1.0, sk.logs()
+    assert "stop requested during restoring" in sk.logs()
+    assert (sk.extra["save_dir"] / "0.bin").read_bytes() == good

@@ -39,7 +39,10 @@ def usage() -> str:
     lines = [USAGE]
     for name, field in Options.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        default = "" if field.annotation is bool else f" (default {field.default})"
+        if field.annotation is bool:
+            default = " (on; --no-" + name.replace("_", "-") + " turns it off)" if field.default else ""
+        else:
+            default = "" if field.default is None else f" (default {field.default})"
         lines.append(f"  {flag:<28} {field.description or ''}{default}")
     return "\n".join(lines)
 

@@ -36,8 +36,8 @@ class Options(BaseModel):
         5.0, ge=0, description="save changed slots after this many idle seconds, so a crash or SIGKILL loses little (0: off)"
     )
     max_cache_bytes: ByteSize | None = Field(None, gt=0, description="cap on the save directory (e.g. 20GB); oldest go first")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    log_format: Literal["plain", "json"] = "plain"
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="debug, info, warning or error")
+    log_format: Literal["plain", "json"] = Field("plain", description="plain lines, or one JSON object per line")
 
 
 

@@ -244,3 +244,12 @@ def test_3d_signal_while_restoring_exits_promptly(stub_slotkeeper):
     assert time.monotonic() - started < 0.5 + 1.0, sk.logs()
     assert "stop requested during restoring" in sk.logs()
     assert (sk.extra["save_dir"] / "0.bin").read_bytes() == good
+
+
+def test_child_on_loopback_tcp(stub_slotkeeper):
+    """--child-tcp: the child listens on a private loopback port instead of a unix socket; all else the same."""
+    sk = stub_slotkeeper(own=("--child-tcp",))
+    assert "llama-server on 127.0.0.1:" in sk.logs()
+    complete(sk, id_slot=0)
+    sk.killpg(signal.SIGTERM)
+    assert sk.wait() == 0 and "slot 0 saved:" in sk.logs()

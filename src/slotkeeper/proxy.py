@@ -661,11 +661,8 @@ def request_head(request: web.BaseRequest) -> tuple[bytes, int | None, bool]:
 
 
 async def answer_expect_continue(request: web.BaseRequest) -> None:
-    """Expect: 100-continue is answered here (the child never sees it): we are about to read the body.
-
-    A web.Request (routed by an Application) had its Expect answered by the router already.
-    """
-    if isinstance(request, web.Request) or request.version != aiohttp.HttpVersion11:
+    """Expect: 100-continue is answered here (the child never sees it): we are about to read the body."""
+    if request.version != aiohttp.HttpVersion11:
         return
     if request.headers.get("Expect", "").lower() == "100-continue":
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -746,10 +743,3 @@ def make_runner(proxy: Proxy) -> web.ServerRunner:
         access_log=None,
     )
     return web.ServerRunner(server)
-
-
-def build_app(proxy: Proxy) -> web.Application:
-    """The same as an Application (for embedding); make_runner is what slotkeeper serves with."""
-    app = web.Application(client_max_size=0, handler_args={"auto_decompress": False})
-    app.router.add_route("*", "/{tail:.*}", proxy.handle)
-    return app

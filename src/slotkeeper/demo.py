@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
     env["LLAMA_SERVER"] = binary[0]
     port = free_port()
     args = ["-m", str(model), "--port", str(port), "--slot-save-path", str(work / "cache"),
-            "-c", "16384", "-np", "1", "-t", str(min(os.cpu_count() or 2, 4)), "--no-warmup"]
+            "-c", "16384", "-np", "1", "-t", str(min(os.cpu_count() or 2, 4))]
 
     def start(n: int) -> tuple[Slotkeeper, float]:
         t0 = time.monotonic()

@@ -62,12 +62,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=7500)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--model", type=Path, help="any GGUF instead of benchmark model E (e.g. one that loads slowly)")
     args = parser.parse_args()
 
     binary = find_llama_server(None, os.environ)[0]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slotkeeper" / "bench"
     cache.mkdir(parents=True, exist_ok=True)
-    model = cache / "model-e.gguf"
+    model = args.model or cache / "model-e.gguf"
     if not model.exists():
         write_tiny_model(model, BENCH_MODEL_E)
     work = Path(tempfile.mkdtemp(prefix="slotkeeper-bench-"))
@@ -132,8 +133,9 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     a, b = cold.first_token_s, statistics.median(firsts)
-    print(f"benchmark model E: {BENCH_MODEL_E.n_layers} layers x {BENCH_MODEL_E.width}, f16, "
-          f"{model.stat().st_size / 1e6:.1f} MB; prompt {n_prompt:,} tokens; {' '.join(SERVER_ARGS)}")
+    name = f"model {model.name}" if args.model else \
+        f"benchmark model E: {BENCH_MODEL_E.n_layers} layers x {BENCH_MODEL_E.width}, f16"
+    print(f"{name}, {model.stat().st_size / 1e6:.1f} MB; prompt {n_prompt:,} tokens; {' '.join(SERVER_ARGS)}")
     print(f"(a) first token after restart, plain llama-server (cold prefill): {a * 1000:10.1f} ms")
     print(f"(b) first token after restart, slotkeeper (restored):              {b * 1000:10.1f} ms")
     print(f"    b/a = 1/{a / b:.0f}   (target <= 1/50)")

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
 
-from .cmdline import ConfigError, LaunchPlan
+from .cmdline import ConfigError, Env, LaunchPlan
 
 
 class Options(BaseModel):
@@ -94,7 +94,7 @@ def validate(plan: LaunchPlan) -> RunConfig:
         raise ConfigError(describe_validation_error(exc, LLAMA_FLAG_NAMES)) from None
 
 
-def build_run_config(argv: list[str], env) -> RunConfig:  # type: ignore[no-untyped-def]
+def build_run_config(argv: list[str], env: Env) -> RunConfig:
     """Plan and validate in one step (tests, and callers that start no child)."""
     from .cmdline import plan_launch
 

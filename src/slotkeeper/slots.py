@@ -209,13 +209,14 @@ class SlotStore:
                 log.warning("GET /slots failed (%r); trying every slot", exc)
                 reply = None
             if reply is not None and reply.ok and isinstance(reply.body, list):
-                changed = [
-                    (int(s["id"]), int(s["id_task"]))
-                    for s in reply.body
-                    if s.get("n_prompt_tokens", 0) > 0 and "id_task" in s
-                    and self.slots.setdefault(int(s["id"]), SlotInfo(int(s["id"]))).saved_task != s["id_task"]
-                    and int(s["id"]) < total_slots
-                ]
+                changed = []
+                for entry in reply.body:
+                    slot_id, task_id = int(entry["id"]), entry.get("id_task")
+                    if slot_id >= total_slots or task_id is None or entry.get("n_prompt_tokens", 0) <= 0:
+                        continue  # never used since start (only restored, or empty)
+                    info = self.slots.get(slot_id)
+                    if info is None or info.saved_task != task_id:
+                        changed.append((slot_id, int(task_id)))
                 return sorted(changed, key=lambda pair: pair[1], reverse=True)
             if reply is not None and not reply.ok:
                 log.warning("GET /slots answered %d (%s); trying every slot", reply.status, reply.error)

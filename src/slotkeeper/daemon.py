@@ -167,38 +167,51 @@ class Daemon:
             await site.start()
             log.info("listening on %s; llama-server on %s", site.name, self.child.endpoint.describe())
 
-    async def _until(self, awaitable: Any, child_exited: asyncio.Future[int], deadline: float | None) -> str:
-        """Wait for `awaitable`, the child's exit, a stop request, or the deadline; say which came first."""
+    async def _race(
+        self,
+        awaitable: Any,
+        interrupt: asyncio.Event,
+        child_exited: asyncio.Future[int] | None = None,
+        deadline: float | None = None,
+    ) -> tuple[str, Any]:
+        """Wait for `awaitable`, the interrupting event, the child's exit, or the deadline; say which came first.
+
+        Returns ("done", result), or ("interrupted" | "child_exited" | "timeout", None) after the unfinished
+        work has been cancelled and has run its cleanup.
+        """
         work = asyncio.ensure_future(awaitable)
-        stop = asyncio.ensure_future(self.stop_requested.wait())
+        interrupted = asyncio.ensure_future(interrupt.wait())
+        waiters: set[asyncio.Future[Any]] = {work, interrupted}
+        if child_exited is not None:
+            waiters.add(child_exited)
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            done, _ = await asyncio.wait({work, stop, child_exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            stop.cancel()
+            interrupted.cancel()
         if work in done:
-            work.result()
-            return "done"
+            return "done", work.result()
         work.cancel()
-        if child_exited in done:
-            return "child_exited"
-        if stop in done:
-            return "stopped"
-        return "timeout"
+        await asyncio.gather(work, return_exceptions=True)
+        if interrupted in done:
+            return "interrupted", None
+        if child_exited is not None and child_exited in done:
+            return "child_exited", None
+        return "timeout", None
 
     async def startup(self, client: LlamaClient, child_exited: asyncio.Future[int], deadline: float) -> int | None:
         """Wait for the child's health, then restore. Returns an exit code when startup ends the run."""
-        outcome = await self._until(self.wait_healthy(client), child_exited, deadline)
+        outcome, _ = await self._race(self.wait_healthy(client), self.stop_requested, child_exited, deadline)
         if outcome == "done":
             self.set_state(State.RESTORING)
-            outcome = await self._until(self.restore(client), child_exited, deadline)
+            outcome, _ = await self._race(self.restore(client), self.stop_requested, child_exited, deadline)
         if outcome == "done":
             return None
         if outcome == "child_exited":
             code = child_exited.result()
             log.error("llama-server exited with code %d during startup (its own output above says why)", code)
             return code or EXIT_STARTUP_FAILED
-        if outcome == "stopped":
+        if outcome == "interrupted":
             log.info("stop requested during %s: stopping llama-server without saving", self.state.value)
             return EXIT_OK
         log.error("startup timed out after %.0f s (--startup-timeout) in state %s", self.options.startup_timeout, self.state.value)
@@ -245,7 +258,7 @@ class Daemon:
         """Until a stop request, autosaving when idle; returns the child's exit code if it dies first."""
         autosave = asyncio.ensure_future(self.autosave_loop(proxy)) if self.options.autosave_idle > 0 else None
         self._autosave = autosave
-        outcome = await self._until(asyncio.Event().wait(), child_exited, None)
+        outcome, _ = await self._race(asyncio.Event().wait(), self.stop_requested, child_exited)
         if outcome == "child_exited":
             if autosave is not None:
                 autosave.cancel()
@@ -282,46 +295,38 @@ class Daemon:
         self.set_state(State.DRAINING)
         proxy.accepting = False
         drain = min(self.options.drain_timeout, self.options.save_timeout)
-        drained = asyncio.ensure_future(proxy.wait_idle(drain))
-        force = asyncio.ensure_future(self.force_requested.wait())
-        await asyncio.wait({drained, force}, return_when=asyncio.FIRST_COMPLETED)
-        if not drained.done() or not drained.result():
-            drained.cancel()
+        outcome, idle = await self._race(proxy.wait_idle(drain), self.force_requested)
+        if not idle:
             cancelled = proxy.cancel_in_flight()
-            if not force.done():
+            if outcome != "interrupted":
                 log.warning("%d request(s) still running after %.1f s (--drain-timeout); cancelled", cancelled, drain)
             await proxy.wait_idle(1.0)
-        if force.done():
-            self.set_state(State.STOPPING)
-            await self.child.stop(min(self.options.stop_timeout, FORCED_STOP_TIMEOUT_S))
-            return EXIT_FORCED
-        force.cancel()
+        if outcome == "interrupted":
+            return await self.stop_forced()
         self.set_state(State.SAVING)
         assert self.store is not None
-        save = asyncio.ensure_future(self.save_at_stop(budget_end))
-        force = asyncio.ensure_future(self.force_requested.wait())
-        done, _ = await asyncio.wait({save, force, child_exited}, return_when=asyncio.FIRST_COMPLETED)
-        force.cancel()
-        if save not in done:
-            save.cancel()
-            await asyncio.gather(save, return_exceptions=True)
+        outcome, attempted = await self._race(self.save_at_stop(budget_end), self.force_requested, child_exited)
         if self._autosave is not None:
             self._autosave.cancel()
+        if outcome == "interrupted":
+            return await self.stop_forced()
         self.set_state(State.STOPPING)
-        if force in done:
-            await self.child.stop(min(self.options.stop_timeout, FORCED_STOP_TIMEOUT_S))
-            await self.store.flush()
-            return EXIT_FORCED
-        if child_exited.done() and save not in done:
+        if outcome == "child_exited":
             log.error("llama-server exited with code %d while saving", child_exited.result())
         # Saved files are complete once llama-server has answered: fsync and rename them while it exits.
         committed, _ = await asyncio.gather(self.store.flush(), self.child.stop(self.options.stop_timeout))
-        if save in done and not save.cancelled():
-            attempted = save.result()
-            if attempted:
-                log.info("saved %d of %d changed slot(s)", sum(o.saved for o in committed), len(attempted))
+        if attempted:
+            log.info("saved %d of %d changed slot(s)", sum(o.saved for o in committed), len(attempted))
         self.enforce_cache_cap()
         return EXIT_OK
+
+    async def stop_forced(self) -> int:
+        """A second signal: no (more) saving; the child gets FORCED_STOP_TIMEOUT_S after SIGTERM."""
+        self.set_state(State.STOPPING)
+        await self.child.stop(min(self.options.stop_timeout, FORCED_STOP_TIMEOUT_S))
+        if self.store is not None:
+            await self.store.flush()  # files llama-server had already finished: cheap to keep
+        return EXIT_FORCED
 
     async def save_at_stop(self, budget_end: float) -> list[Any]:
         assert self.store is not None

@@ -402,9 +402,6 @@ class ChildPool:
         assert endpoint.tcp_port is not None
         return cls(port=endpoint.tcp_port)
 
-    def describe(self) -> str:
-        return f"unix:{self.socket_path}" if self.socket_path else f"{self.host}:{self.port}"
-
     async def acquire(self, fresh: bool = False) -> ChildConnection:
         idle, now = self._idle, time.monotonic()
         while idle and not fresh:

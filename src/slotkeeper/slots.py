@@ -266,31 +266,34 @@ class SlotStore:
         for name in (bin_name(slot_id), manifest_name(slot_id)):
             (self.save_dir / (name + PARTIAL_SUFFIX)).unlink(missing_ok=True)
 
-    def _check_free_space(self, slot_id: int) -> str | None:
+    def _previous_size(self, slot_id: int) -> int:
+        """The size of the slot's last good file, from its manifest (0 when unknown)."""
         previous = read_manifest(self.save_dir / manifest_name(slot_id))
-        expected = int(previous.get("bytes", 0)) if previous else 0
+        return int(previous.get("bytes", 0)) if previous else 0
+
+    def _check_free_space(self, expected: int) -> str | None:
         free = shutil.disk_usage(self.save_dir).free
         if free < expected * FREE_SPACE_HEADROOM:
             return f"only {fmt_bytes(free)} free in {self.save_dir}, ~{fmt_bytes(expected)} needed"
         return None
 
-    async def _report_progress(self, slot_id: int, partial: Path) -> None:
+    async def _report_progress(self, slot_id: int, partial: Path, expected: int) -> None:
         """For long saves: `slot 0 saving: 1.2 GB of ~3.4 GB` every couple of seconds."""
-        previous = read_manifest(self.save_dir / manifest_name(slot_id))
-        expected = f" of ~{fmt_bytes(previous['bytes'])}" if previous and previous.get("bytes") else ""
+        of_expected = f" of ~{fmt_bytes(expected)}" if expected else ""
         while True:
             await asyncio.sleep(PROGRESS_INTERVAL_S)
             with contextlib.suppress(OSError):
-                log.info("slot %d saving: %s%s", slot_id, fmt_bytes(partial.stat().st_size), expected)
+                log.info("slot %d saving: %s%s", slot_id, fmt_bytes(partial.stat().st_size), of_expected)
 
     async def _save_one(self, slot_id: int, task_id: int | None) -> SaveOutcome:
         """Ask llama-server to save to a partial name and check its work; the commit happens in `_commit_async`."""
         partial = self.save_dir / (bin_name(slot_id) + PARTIAL_SUFFIX)
         started = time.monotonic()
-        progress = asyncio.ensure_future(self._report_progress(slot_id, partial))
+        expected = self._previous_size(slot_id)
+        progress = asyncio.ensure_future(self._report_progress(slot_id, partial, expected))
         outcome = SaveOutcome(slot_id, False)
         try:
-            outcome = await self._request_save(slot_id, partial)
+            outcome = await self._request_save(slot_id, partial, expected)
         except Exception as exc:  # noqa: BLE001 - a dead or confused child must not stop the rest of the stop
             outcome.reason = repr(exc)
             self.metrics.save_failed("request_failed")
@@ -305,8 +308,8 @@ class SlotStore:
         self._commits.append(asyncio.ensure_future(self._commit_async(slot_id, task_id, outcome)))
         return outcome
 
-    async def _request_save(self, slot_id: int, partial: Path) -> SaveOutcome:
-        low_space = self._check_free_space(slot_id)
+    async def _request_save(self, slot_id: int, partial: Path, expected: int) -> SaveOutcome:
+        low_space = self._check_free_space(expected)
         if low_space:
             log.warning("slot %d not saved: %s; its previous file is kept", slot_id, low_space)
             self.metrics.save_failed("disk_space")

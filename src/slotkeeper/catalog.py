@@ -688,6 +688,11 @@ def _parse(parser: _Parser, argv: list[str]) -> argparse.Namespace | int:
         return int(exc.code or 0)
 
 
+def add_dirs_argument(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    parser.add_argument("dirs", nargs="*", metavar="DIR",
+                        help=f"save directories (default: every one under {display_path(cache_root(env))})")
+
+
 def ls_main(argv: list[str], env: Mapping[str, str] | None = None, now: float | None = None) -> int:
     """`slotkeeper ls [DIR...] [--json] [-- LLAMA-SERVER ARGS]`."""
     env = os.environ if env is None else env
@@ -697,8 +702,7 @@ def ls_main(argv: list[str], env: Mapping[str, str] | None = None, now: float | 
         "a match column tells whether each cache fits them (what is known without starting llama-server: "
         "the model file, KV flags, and the slot count and context size when -np / -c are given).",
     )
-    parser.add_argument("dirs", nargs="*", metavar="DIR",
-                        help=f"save directories (default: every one under {display_path(cache_root(env))})")
+    add_dirs_argument(parser, env)
     parser.add_argument("--json", action="store_true", help="one JSON object per file, for scripts")
     own, llama_argv = _split_dashdash(argv)
     parsed = _parse(parser, own)
@@ -729,8 +733,7 @@ def prune_main(argv: list[str], env: Mapping[str, str] | None = None, now: float
         "Only slotkeeper's files are touched: <id>.bin, <id>.json and quarantine/*; *.partial files are left "
         "to the next slotkeeper start.",
     )
-    parser.add_argument("dirs", nargs="*", metavar="DIR",
-                        help=f"save directories (default: every one under {display_path(cache_root(env))})")
+    add_dirs_argument(parser, env)
     parser.add_argument("--older-than", metavar="AGE", help="remove pairs saved longer ago than AGE (30min, 12h, 7d, 2w)")
     parser.add_argument("--max-total", metavar="SIZE",
                         help="then remove the oldest pairs until the pairs of all DIRs take at most SIZE (500MB, 20GB)")

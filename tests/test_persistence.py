@@ -11,6 +11,8 @@ import random
 import signal
 import subprocess
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +35,21 @@ def child_pid(sk) -> int:
 def stop(sk) -> None:
     sk.killpg(signal.SIGTERM)
     assert sk.wait() == 0, sk.logs()
+
+
+def saved_cache(stub_slotkeeper) -> Path:
+    """One run that converses and stops: slot 0's cache pair is on disk. Returns the save directory."""
+    sk = stub_slotkeeper("-np", "1")
+    complete(sk)
+    stop(sk)
+    return sk.extra["save_dir"]
+
+
+def edit_manifest(save_dir: Path, change: Callable[[dict], None], slot: int = 0) -> None:
+    path = save_dir / f"{slot}.json"
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
 
 
 def assert_pair_consistent(save_dir, slot: int = 0) -> list[int]:
@@ -74,38 +91,29 @@ def test_1_sigkill_at_random_moments_of_a_stop_never_loses_the_cache(stub_slotke
 
 def test_3a_random_bytes_are_quarantined(stub_slotkeeper):
     """3. A cache file of random bytes (with a manifest of the right size): quarantined, cold, ready."""
-    sk = stub_slotkeeper("-np", "1")
-    complete(sk)
-    stop(sk)
-    cache = sk.extra["save_dir"] / "0.bin"
+    save_dir = saved_cache(stub_slotkeeper)
+    cache = save_dir / "0.bin"
     cache.write_bytes(os.urandom(cache.stat().st_size))
     sk2 = stub_slotkeeper("-np", "1")
     assert complete(sk2)["timings"]["cache_n"] == 0
     assert "slot 0: cache quarantined (llama-server refused it" in sk2.logs()
-    assert not cache.exists() and len(list((sk.extra["save_dir"] / "quarantine").iterdir())) == 2
+    assert not cache.exists() and len(list((save_dir / "quarantine").iterdir())) == 2
 
 
 def test_3b_manifest_for_other_kv_settings_is_skipped(stub_slotkeeper):
     """3. A manifest saved with another -ctk is skipped with one line naming the field; the file is kept."""
-    sk = stub_slotkeeper("-np", "1")
-    complete(sk)
-    stop(sk)
-    manifest_path = sk.extra["save_dir"] / "0.json"
-    manifest = json.loads(manifest_path.read_text())
-    manifest["fingerprint"]["cache_type_k"] = "q8_0"
-    manifest_path.write_text(json.dumps(manifest))
+    save_dir = saved_cache(stub_slotkeeper)
+    edit_manifest(save_dir, lambda m: m["fingerprint"].update(cache_type_k="q8_0"))
     sk2 = stub_slotkeeper("-np", "1")
     assert complete(sk2)["timings"]["cache_n"] == 0
     assert "slot 0: cache skipped, saved for another configuration: cache_type_k: 'q8_0' -> None" in sk2.logs()
-    assert (sk.extra["save_dir"] / "0.bin").exists()
+    assert (save_dir / "0.bin").exists()
 
 
 def test_3c_bin_without_manifest_needs_opt_in(stub_slotkeeper):
     """3. A .bin saved by llama-server directly has no manifest: skipped, unless --restore-unverified."""
-    sk = stub_slotkeeper("-np", "1")
-    complete(sk)
-    stop(sk)
-    (sk.extra["save_dir"] / "0.json").unlink()
+    save_dir = saved_cache(stub_slotkeeper)
+    (save_dir / "0.json").unlink()
     sk2 = stub_slotkeeper("-np", "1")
     assert "has no slotkeeper manifest; skipped" in sk2.logs()
     assert complete(sk2)["timings"]["cache_n"] == 0
@@ -117,10 +125,8 @@ def test_3c_bin_without_manifest_needs_opt_in(stub_slotkeeper):
 
 def test_3d_size_differs_from_manifest_is_quarantined(stub_slotkeeper):
     """3. A file whose size differs from its manifest (truncated behind slotkeeper's back): quarantined, cold."""
-    sk = stub_slotkeeper("-np", "1")
-    complete(sk)
-    stop(sk)
-    cache = sk.extra["save_dir"] / "0.bin"
+    save_dir = saved_cache(stub_slotkeeper)
+    cache = save_dir / "0.bin"
     cache.write_bytes(cache.read_bytes()[:100])
     sk2 = stub_slotkeeper("-np", "1")
     assert "slot 0: cache quarantined (size 100 differs from manifest" in sk2.logs()
@@ -194,10 +200,8 @@ def test_6_disk_full_keeps_the_old_file(stub_slotkeeper, tiny_disk):
 
 def test_7_save_over_budget_is_abandoned_within_budget(stub_slotkeeper):
     """7. A save longer than --save-timeout is abandoned: old file intact, exit within budget + stop timeout."""
-    sk = stub_slotkeeper("-np", "1")
-    complete(sk)
-    stop(sk)
-    good = (sk.extra["save_dir"] / "0.bin").read_bytes()
+    save_dir = saved_cache(stub_slotkeeper)
+    good = (save_dir / "0.bin").read_bytes()
     sk2 = stub_slotkeeper("-np", "1", own=("--save-timeout", "1", "--stop-timeout", "1", "--autosave-idle", "0"),
                           stub={"STUB_SAVE_SECONDS": "30"})
     complete(sk2, PROMPT + " changed")
@@ -205,7 +209,7 @@ def test_7_save_over_budget_is_abandoned_within_budget(stub_slotkeeper):
     sk2.killpg(signal.SIGTERM)
     assert sk2.wait(10) == 0
     assert time.monotonic() - started < 1 + 1 + 0.8, sk2.logs()
-    assert (sk.extra["save_dir"] / "0.bin").read_bytes() == good
+    assert (save_dir / "0.bin").read_bytes() == good
     assert "the save budget (--save-timeout 1.0 s) ran out" in sk2.logs()
 
 
@@ -219,13 +223,8 @@ def test_long_save_reports_progress(stub_slotkeeper):
 
 def test_startup_warns_when_the_cache_would_not_fit_the_budget(stub_slotkeeper):
     """From the last saves' speed, a cache that cannot be saved inside --save-timeout is announced at start."""
-    sk = stub_slotkeeper("-np", "1")
-    complete(sk)
-    stop(sk)
-    manifest_path = sk.extra["save_dir"] / "0.json"
-    manifest = json.loads(manifest_path.read_text())
-    manifest["save_ms"] = 20_000.0  # as if this file took 20 s to write
-    manifest_path.write_text(json.dumps(manifest))
+    save_dir = saved_cache(stub_slotkeeper)
+    edit_manifest(save_dir, lambda m: m.update(save_ms=20_000.0))  # as if this file took 20 s to write
     sk2 = stub_slotkeeper("-np", "1", own=("--save-timeout", "8"))
     assert "more than --save-timeout 8.0 s" in sk2.logs() and "unloadTimeout" in sk2.logs()
 

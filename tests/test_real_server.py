@@ -33,6 +33,14 @@ def n_tokens(sk, text: str) -> int:
     return len(sk.call("POST", "/tokenize", {"content": text, "add_special": True}).body["tokens"])
 
 
+def cache_from(real, model: str = "A"):
+    """One conversation with `model`, then a swap out: its slot 0 cache is on disk."""
+    sk = real("-np", "1", model=model)
+    complete(sk)
+    swap_out(sk)
+    return sk
+
+
 def swap_out(sk) -> None:
     """What llama-swap does to unload a model: SIGTERM to the whole process group."""
     sk.killpg(signal.SIGTERM)
@@ -56,9 +64,7 @@ def test_1_cache_survives_a_restart(real):
 
 def test_2_first_request_never_races_the_restore(real):
     """2. A request fired the moment the public port accepts still finds the cache restored."""
-    sk = real("-np", "1")
-    complete(sk)
-    swap_out(sk)
+    sk = cache_from(real)
     sk2 = real("-np", "1", wait=False)
     assert wait_until(sk2.accepting, 30, interval=0.001), sk2.logs()
     first = complete(sk2)
@@ -94,9 +100,7 @@ def test_4_api_key(real):
 
 def test_5a_truncated_file_starts_cold(real):
     """5. A truncated cache file: the server still becomes ready, that slot starts cold, one clear log line."""
-    sk = real("-np", "1")
-    complete(sk)
-    swap_out(sk)
+    sk = cache_from(real)
     cache = sk.extra["save_dir"] / "0.bin"
     cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 2])
     sk2 = real("-np", "1")
@@ -107,9 +111,7 @@ def test_5a_truncated_file_starts_cold(real):
 
 def test_5b_file_from_other_dimensions_starts_cold(real):
     """5. A cache from a model with other dimensions is refused: ready, cold, one line naming the difference."""
-    sk = real("-np", "1", model="W")
-    complete(sk)
-    swap_out(sk)
+    sk = cache_from(real, "W")
     sk2 = real("-np", "1")
     assert complete(sk2)["timings"]["cache_n"] == 0
     assert "slot 0: cache skipped, saved for another configuration: model" in sk2.logs()
@@ -117,9 +119,7 @@ def test_5b_file_from_other_dimensions_starts_cold(real):
 
 def test_5c_unverified_foreign_file_is_refused_by_llama_server(real):
     """5. Even when the fingerprint check is bypassed, llama-server's refusal leaves the slot cold and quarantined."""
-    sk = real("-np", "1", model="W")
-    complete(sk)
-    swap_out(sk)
+    sk = cache_from(real, "W")
     (sk.extra["save_dir"] / "0.json").unlink()
     sk2 = real("-np", "1", own=("--restore-unverified",))
     assert complete(sk2)["timings"]["cache_n"] == 0
@@ -128,9 +128,7 @@ def test_5c_unverified_foreign_file_is_refused_by_llama_server(real):
 
 def test_issue4_2_same_shape_foreign_model_never_restored(real):
     """Issue 4, 2: model A's cache is not restored into model B of the same shape (which llama-server accepts)."""
-    sk = real("-np", "1", model="A")
-    complete(sk)
-    swap_out(sk)
+    sk = cache_from(real, "A")
     sk2 = real("-np", "1", model="B")
     assert complete(sk2)["timings"]["cache_n"] == 0
     assert "saved for another configuration: model" in sk2.logs()

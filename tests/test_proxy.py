@@ -1,7 +1,7 @@
 """Proxy fidelity (issue 5): a client cannot tell slotkeeper from llama-server.
 
 Three levels:
-* the proxy (``proxy.make_runner``) against a scripted fake child that records the raw bytes it receives and
+* the proxy (``Proxy.listen``) against a scripted fake child that records the raw bytes it receives and
   answers with raw bytes chosen by each test: headers, framing, streaming, disconnects, errors;
 * the slotkeeper daemon around the stub llama-server: what only the whole daemon can show;
 * slotkeeper around a real llama-server, compared answer by answer with a plain llama-server on the same
@@ -23,9 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
-
-from slotkeeper.proxy import Gate, Proxy, make_runner
+from slotkeeper.proxy import Gate, Proxy, Reply
 from slotkeeper.supervisor import ChildEndpoint
 from slotkeeper.testing.harness import free_port, http_call, stream_lines, wait_until
 
@@ -137,19 +135,17 @@ class Proxied:
 
 @pytest.fixture
 async def proxied(tmp_path: Path) -> AsyncIterator[Proxied]:
-    """The proxy served exactly as slotkeeper serves it (make_runner), in front of a FakeChild."""
+    """The proxy served exactly as slotkeeper serves it (Proxy.listen), in front of a FakeChild."""
     child = FakeChild(tmp_path / "child.sock")
     await child.start()
     gate = Gate()
     gate.open()
     endpoint = ChildEndpoint(runtime_dir=tmp_path, socket_path=child.path)
     proxy = Proxy(endpoint, gate, lambda: "ready", time.monotonic() + 30)
-    runner = make_runner(proxy)
-    await runner.setup()
     port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await proxy.listen("127.0.0.1", port)
     yield Proxied(port, child, proxy, gate)
-    await runner.cleanup()
+    await proxy.stop_listening()
     proxy.close()
     await child.stop()
 
@@ -620,8 +616,8 @@ async def test_other_slot_actions_pass_through_unchanged(proxied, target, body):
 
 async def test_slotkeeper_namespace(proxied):
     """/slotkeeper/... is slotkeeper's: its routes or a 404 in llama-server's shape; everything else is forwarded."""
-    async def status(_request):
-        return web.json_response({"state": "ready"})
+    async def status():
+        return Reply.json({"state": "ready"})
 
     proxied.proxy.own_routes["/slotkeeper/status"] = status
     assert (await raw_call(proxied.port, request_bytes("GET", "/slotkeeper/status"))).json() == {"state": "ready"}
@@ -640,10 +636,8 @@ async def test_requests_wait_for_the_gate(tmp_path):
     gate = Gate()
     proxy = Proxy(ChildEndpoint(runtime_dir=tmp_path, socket_path=child.path), gate, lambda: "restoring",
                   time.monotonic() + 30)
-    runner = make_runner(proxy)
-    await runner.setup()
     port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await proxy.listen("127.0.0.1", port)
     try:
         health = await raw_call(port, request_bytes("GET", "/health"))
         assert health.status == 503 and health.json()["status"] == "restoring"
@@ -654,7 +648,7 @@ async def test_requests_wait_for_the_gate(tmp_path):
         assert (await asyncio.wait_for(waiting, 5)).status == 200
         assert [r.target for r in child.requests] == [b"/completion"]
     finally:
-        await runner.cleanup()
+        await proxy.stop_listening()
         proxy.close()
         await child.stop()
 

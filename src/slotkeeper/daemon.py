@@ -14,14 +14,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
-
 from .config import RunConfig
 from .fingerprint import build_fingerprint, model_identity
 from .llama_client import LlamaClient, make_session
 from .log import fmt_bytes, fmt_ms, log
 from .metrics import Metrics
-from .proxy import Gate, Proxy, make_runner
+from .proxy import Gate, Proxy, Reply
 from .slots import SlotStore, evict_over_cap, read_manifest
 from .supervisor import ChildProcess
 
@@ -77,12 +75,12 @@ class Daemon:
             log.warning("%s received again: stopping now, without saving", signal.Signals(signum).name)
             self.force_requested.set()
 
-    async def metrics_endpoint(self, _request: web.Request) -> web.Response:
+    async def metrics_endpoint(self) -> Reply:
         """GET /slotkeeper/metrics: Prometheus text exposition."""
         body, content_type = self.metrics.render()
-        return web.Response(body=body, headers={"Content-Type": content_type})
+        return Reply(200, body, content_type)
 
-    async def status(self, _request: web.Request) -> web.Response:
+    async def status(self) -> Reply:
         """GET /slotkeeper/status: is the cache back, and what is on disk."""
         slots: dict[str, dict[str, Any]] = {}
         if self.store is not None:
@@ -93,7 +91,7 @@ class Daemon:
                 entry = {k: v for k, v in vars(info).items() if k not in ("slot_id", "saved_task") and v is not None}
                 entry["dirty"] = info.slot_id in dirty
                 slots[str(info.slot_id)] = entry
-        return web.json_response({
+        return Reply.json({
             "state": self.state.value,
             "child_pid": self.child.pid,
             "uptime_s": round(time.monotonic() - self.started_at, 3),
@@ -124,10 +122,8 @@ class Daemon:
         proxy.own_routes["/slotkeeper/metrics"] = self.metrics_endpoint
         self.metrics.requests_in_flight = lambda: len(proxy.in_flight)
         self.metrics.requests_by_status = lambda: dict(proxy.status_counts)
-        runner = make_runner(proxy)
         try:
-            await runner.setup()
-            await self.listen(runner)
+            await self.listen(proxy)
             code = await self.startup(client, child_exited, startup_deadline)
             if code is not None:
                 gate.close()
@@ -153,19 +149,15 @@ class Daemon:
             if not child_exited.done():
                 await self.child.stop(self.options.stop_timeout)
             self.set_state(State.STOPPED)
-            await runner.cleanup()
+            await proxy.stop_listening()
             proxy.close()
             await session.close()
 
-    async def listen(self, runner: web.BaseRunner) -> None:
+    async def listen(self, proxy: Proxy) -> None:
         """Public sockets open early so health checks see 503 (not connection refused) while loading."""
         for host in self.config.hosts:
-            if host.endswith(".sock"):
-                site: web.BaseSite = web.UnixSite(runner, host)
-            else:
-                site = web.TCPSite(runner, host, self.config.port, reuse_address=True)
-            await site.start()
-            log.info("listening on %s; llama-server on %s", site.name, self.child.endpoint.describe())
+            name = await proxy.listen(host, self.config.port)
+            log.info("listening on %s; llama-server on %s", name, self.child.endpoint.describe())
 
     async def _race(
         self,

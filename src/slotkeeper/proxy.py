@@ -10,31 +10,34 @@ A client must not be able to tell slotkeeper from llama-server, except that it i
 * Bodies stream both ways without size cap, at the pace of the slower side; every chunk of the child's answer
   (an SSE event) is written to the client as soon as it arrives. Only a request body of at most SMALL_BODY
   bytes is read whole first, to go out with the head in one write.
-* A client that goes away closes the request to the child at once, so llama-server cancels a streamed
+* A client that goes away closes its connection to the child at once, so llama-server cancels a streamed
   generation and frees the slot.
 * Nothing is timed out but connecting to the child. A failure before the child's response headers is a 502
   in llama-server's error shape; after them, the client's connection is closed, so it sees a truncated body.
 
-The public side is aiohttp's low-level server (``make_runner``). The child side is a small HTTP/1.1 client
-of its own (``ChildConnection``, ``ChildPool``) over keep-alive connections to the child's private socket:
-aiohttp's ClientSession, built for the open internet (URL joining, cookies, redirects, tracing, timers),
-cost about half of the CPU time of every proxied request. The child is our own llama-server, reached only
-by us, so the client needs no more than HTTP/1.1 framing: Content-Length, chunked, or until close.
+Why protocol callbacks and not aiohttp's server: the proxy is on the path of every token. aiohttp spends
+~130 µs of CPU on each proxied request (a task, request and response objects, header multidicts), three times
+what llama-server needs to answer a small one, so a proxied /tokenize ran at 0.3x of direct on 2 cores. Here a
+request costs a few parser callbacks (httptools, the llhttp parser uvicorn uses) and one write each way, and an
+SSE event one read and one write, with no task or future on the way. Tasks appear only off the hot path: a
+request waiting for the gate, a new connection to the child, and slotkeeper's own /slotkeeper/ routes.
+
+One request is answered at a time per client connection (pipelined ones wait their turn, as HTTP/1.1
+requires), over a keep-alive connection to the child's private socket taken from ChildPool.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import http
 import json
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote
+from typing import TYPE_CHECKING
+from urllib.parse import parse_qs, unquote
 
-import aiohttp
-from aiohttp import web
+import httptools
 
 from .llama_client import CONNECT_TIMEOUT_S
 from .log import log
@@ -62,20 +65,58 @@ PROTECTED_SLOT_ACTIONS = frozenset({"save", "restore"})
 
 SMALL_BODY = 64 * 1024  # request bodies up to this size are read whole and sent with the head, in one write
 MAX_SLOT_ACTION_BODY = 1024 * 1024  # a slot save/restore body is a small JSON object, checked before it is sent
-MAX_RESPONSE_HEAD = 256 * 1024  # the child's status line and headers
-READ_HIGH_WATER = 256 * 1024  # stop reading from the child while this much of its answer waits for the client
-READ_LOW_WATER = 64 * 1024
+MAX_REQUEST_HEAD = 256 * 1024  # a request line and headers; llama-server's own limits are far lower (8 KiB)
+BODY_BUFFER_HIGH = 256 * 1024  # stop reading a client while this much of its body waits to be sent
 POOL_IDLE_S = 2.0  # drop an idle connection before the child does (llama-server: 5 s) to avoid a reuse race
 POOL_MAX_IDLE = 64
+CLIENT_IDLE_S = 75.0  # a client's idle keep-alive connection is closed after this long (aiohttp's default)
+CLIENT_SWEEP_S = 15.0
+
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_LAST_CHUNK = b"0\r\n\r\n"
+
+# Why a client connection stops reading (bits of ClientConnection._holds)
+_HOLD_CHILD_BUSY = 1  # the child is not reading the body we forward
+_HOLD_BUFFERED = 2  # BODY_BUFFER_HIGH bytes of body wait for the gate, a connection or a pipelined turn
 
 
-def error_response(status: int, message: str, error_type: str, extra: dict[str, object] | None = None) -> web.Response:
+# ---- slotkeeper's own answers --------------------------------------------------------------------------------
+
+
+class Reply:
+    """A whole response slotkeeper gives itself: errors, /health while restoring, /slotkeeper/ routes."""
+
+    __slots__ = ("status", "body", "content_type")
+
+    def __init__(self, status: int, body: bytes, content_type: str = "application/json; charset=utf-8") -> None:
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+
+    @classmethod
+    def json(cls, value: object, status: int = 200) -> Reply:
+        return cls(status, json.dumps(value, separators=(",", ":")).encode())
+
+    def encode(self, close: bool) -> bytes:
+        try:
+            reason = http.HTTPStatus(self.status).phrase
+        except ValueError:
+            reason = "Unknown"
+        return b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s\r\n%s" % (
+            self.status, reason.encode(), self.content_type.encode(), len(self.body),
+            b"Connection: close\r\n" if close else b"", self.body,
+        )
+
+
+def error_reply(status: int, message: str, error_type: str, extra: dict[str, object] | None = None) -> Reply:
     """An error in llama-server's own shape, so clients cannot tell who answered."""
-    body = {"error": {"code": status, "message": message, "type": error_type}, **(extra or {})}
-    return web.json_response(body, status=status)
+    return Reply.json({"error": {"code": status, "message": message, "type": error_type}, **(extra or {})}, status)
 
 
-def connection_tokens(headers: Any) -> frozenset[bytes]:
+OwnRoute = Callable[[], Awaitable[Reply]]
+
+
+def connection_tokens(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
     """Lower-cased header names listed in the Connection headers of raw (bytes, bytes) pairs."""
     tokens: set[bytes] = set()
     for name, value in headers:
@@ -89,141 +130,578 @@ def is_forwarded(lname: bytes, dropped: frozenset[bytes], named: frozenset[bytes
     return lname not in dropped and not lname.startswith(b"proxy-") and lname not in named
 
 
-def _header_str(raw: bytes) -> str:
-    """A header name or value as aiohttp wants it (it writes them back as UTF-8, so UTF-8 round-trips)."""
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return raw.decode("latin-1")
+# ---- one request, as parsed from the client ------------------------------------------------------------------
+
+# How a request body goes to the child
+_STREAM = 0  # as it arrives
+_WHOLE = 1  # read whole first, sent with the head (no body, or at most SMALL_BODY bytes)
+_CHECKED = 2  # read whole (at most MAX_SLOT_ACTION_BODY), checked against slotkeeper's own files, then sent
+_DISCARD = 3  # answered by slotkeeper: the body is read and dropped
 
 
-# ---- the child side: a keep-alive HTTP/1.1 client --------------------------------------------------------
+class Request:
+    """A client's request: what the child will get (`head`, without framing), and its body so far."""
+
+    __slots__ = (
+        "target", "headers", "method", "path", "head", "http11", "keep_alive", "length", "chunked",
+        "expect_continue", "mode", "parts", "buffered", "complete", "child", "payload", "retried", "counted",
+        "reply", "own_route", "action", "deferred",
+    )
+
+    def __init__(self) -> None:
+        self.target = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.method = b""
+        self.path = ""
+        self.head = b""
+        self.http11 = True
+        self.keep_alive = True
+        self.length: int | None = None
+        self.chunked = False
+        self.expect_continue = False
+        self.mode = _STREAM
+        self.parts: list[bytes] = []  # body pieces not sent yet
+        self.buffered = 0
+        self.complete = False  # the whole body has been read from the client
+        self.child: ChildConnection | None = None  # where further body pieces go, once the head is sent
+        self.payload: bytes | None = None  # the whole request as sent, kept to send it again once
+        self.retried = False
+        self.counted = False  # forwarded (or refused on the way): in the proxy's counts and drain
+        self.reply: Reply | None = None  # slotkeeper's own answer, sent once the body is read
+        self.own_route: OwnRoute | None = None
+        self.action = ""
+        self.deferred = False  # to be sent once its body is read
+
+    def prepare(self) -> None:
+        """The child's request head, the body's framing, and the decoded path slotkeeper routes on."""
+        target = self.target
+        if target[:1] != b"/" and target != b"*":  # absolute-form: the child wants origin-form
+            url = httptools.parse_url(target)
+            target = (url.path or b"/") + (b"?" + url.query if url.query else b"")
+        raw_path = target.split(b"?", 1)[0].decode("latin-1")
+        self.path = unquote(raw_path) if "%" in raw_path else raw_path
+        parts = [self.method, b" ", target, b" HTTP/1.1\r\n"]
+        headers = self.headers
+        named = connection_tokens(headers) if any(n.lower() == b"connection" for n, _ in headers) else frozenset()
+        has_host = False
+        for name, value in headers:
+            lname = name.lower()
+            if lname == b"content-length":
+                self.length = int(value)
+            elif lname == b"transfer-encoding":
+                self.chunked = True  # llhttp accepts a request body in no other transfer coding
+            elif lname == b"host":
+                has_host = True
+            elif lname == b"expect":
+                self.expect_continue = value.lower() == b"100-continue" and self.http11
+            if is_forwarded(lname, _REQUEST_DROPPED, named):
+                parts += (name, b": ", value, b"\r\n")
+        if not has_host:
+            parts.append(b"Host: localhost\r\n")
+        if self.chunked:
+            self.length = None
+        self.head = b"".join(parts)
+
+    @property
+    def has_body(self) -> bool:
+        return self.chunked or self.length is not None
 
 
-class UpstreamError(Exception):
-    """The child closed or broke the connection before its response was complete."""
+# ---- the public side: one client connection -------------------------------------------------------------------
 
 
-class ResponseHead:
-    """The child's status line and end-to-end headers."""
+class ClientConnection(asyncio.Protocol):
+    """One client's connection: parses its requests (httptools) and relays the child's answers to it.
 
-    __slots__ = ("status", "reason", "headers", "chunked")
+    The child's response arrives through `response_head`, `response_body` and `response_done`, called by the
+    ChildConnection that carries the exchange; what they write during one read from the child goes out in one
+    write (`batch`/`flush`).
+    """
 
-    def __init__(self, status: int, reason: str, headers: list[tuple[str, str]], chunked: bool) -> None:
-        self.status = status
-        self.reason = reason
-        self.headers = headers
-        self.chunked = chunked  # the client gets chunked framing too (not a length), as it would directly
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.incoming: Request | None = None  # being parsed
+        self.active: Request | None = None  # being answered
+        self.waiting: collections.deque[Request] = collections.deque()  # pipelined behind `active`
+        self.child: ChildConnection | None = None  # carrying the active exchange
+        self.task: asyncio.Future[None] | None = None  # off the hot path: gate, connect, own route
+        self.lost = False
+        self.idle_since = time.monotonic()
+        self._in_head = False
+        self._head_bytes = 0
+        self._holds = 0
+        self._out: list[bytes] | None = None  # collecting writes while a batch is open
+        self._reading_done = False  # what follows is not parsed (malformed input, an upgrade)
+        self._close_requested = False  # close once the open batch is written
+        # the active exchange's response
+        self._status = 0
+        self._head_sent = False
+        self._chunked_out = False
+        self._close_after = False
+        self._child_paused = False
+
+    # ---- asyncio.Protocol ----
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.proxy.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self._reading_done:
+            return
+        if self._in_head:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_REQUEST_HEAD:
+                self._refuse_malformed(error_reply(431, "request header fields too large", "invalid_request_error"))
+                return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # llama-server speaks no other protocol: the request was forwarded without Upgrade; nothing after it
+            self._reading_done = self._close_after = True
+            if self.active is None:
+                self.close()
+        except httptools.HttpParserError as exc:
+            cause = exc.__context__
+            if cause is not None and not isinstance(cause, httptools.HttpParserError):
+                log.error("proxy error on a client connection: %r", cause)
+                self.abort()
+                return
+            self._refuse_malformed(error_reply(400, f"bad request: {exc}", "invalid_request_error"))
+
+    def eof_received(self) -> bool:
+        # A half-close after the request is still waiting for its answer (curl --no-keepalive and HTTP/1.0 do it)
+        return self.active is not None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.proxy.connections.discard(self)
+        if self.task is not None:
+            self.task.cancel()
+            self.task = None
+        req = self.active
+        if req is None:
+            return
+        child = self.child
+        if child is not None:  # the child sees the connection close and cancels what it was doing for us
+            child.client = None
+            child.abort()
+            self.child = None
+        log.debug("%s %s: client went away", req.method.decode(), req.path)
+        self._end(req, 499)
+
+    def pause_writing(self) -> None:  # the client reads slower than the child answers
+        child = self.child
+        if child is not None and not self._child_paused:
+            self._child_paused = True
+            child.pause_reading()
+
+    def resume_writing(self) -> None:
+        child = self.child
+        self._child_paused = False
+        if child is not None:
+            child.resume_reading()
+
+    # ---- httptools callbacks ----
+
+    def on_message_begin(self) -> None:
+        self.incoming = Request()
+        self._in_head = True
+        self._head_bytes = 0
+
+    def on_url(self, url: bytes) -> None:
+        req = self.incoming
+        req.target = req.target + url if req.target else url  # type: ignore[union-attr]
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.incoming.headers.append((name, value))  # type: ignore[union-attr]
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        req = self.incoming
+        assert req is not None
+        parser = self.parser
+        req.method = parser.get_method()
+        req.http11 = parser.get_http_version() == "1.1"
+        req.keep_alive = parser.should_keep_alive()
+        req.prepare()
+        if self.active is None:
+            self.begin(req)
+        else:
+            self.waiting.append(req)
+
+    def on_body(self, data: bytes) -> None:
+        req = self.incoming
+        assert req is not None
+        child = req.child
+        if child is not None:  # streaming to the child
+            child.write(b"%x\r\n%s\r\n" % (len(data), data) if req.chunked else data)
+            return
+        if req.mode == _DISCARD:
+            return
+        req.parts.append(data)
+        req.buffered += len(data)
+        if req.mode == _CHECKED and req.buffered > MAX_SLOT_ACTION_BODY:
+            req.mode = _DISCARD
+            req.parts.clear()
+            self.reply(req, error_reply(413, "slot action body too large", "invalid_request_error"))
+        elif req.buffered > BODY_BUFFER_HIGH and req.mode == _STREAM:
+            self._hold(_HOLD_BUFFERED)
+
+    def on_message_complete(self) -> None:
+        req = self.incoming
+        assert req is not None
+        req.complete = True
+        child = req.child
+        if child is not None:
+            if req.chunked:
+                child.write(_LAST_CHUNK)
+            child.request_sent = True
+            req.child = None
+        elif req is self.active:
+            self._body_read(req)
+
+    # ---- routing ----
+
+    def begin(self, req: Request) -> None:
+        """The request's turn: answer it here, wait for the gate, or send it on."""
+        self.active = req
+        proxy = self.proxy
+        path = req.path
+        if path.startswith(OWN_PREFIX):
+            route = proxy.own_routes.get(path)
+            if route is None:
+                self.reply(req, error_reply(404, "File Not Found", "not_found_error"))
+            else:
+                req.own_route = route
+                self.reply(req, None)
+        elif not proxy.accepting:
+            self.reply(req, error_reply(503, "slotkeeper is shutting down", "unavailable_error"))
+        elif not proxy.gate.is_open:
+            if path in HEALTH_PATHS:
+                state = proxy.describe_state()
+                self.reply(req, error_reply(503, f"slotkeeper: {state}", "unavailable_error", {"status": state}))
+            else:
+                self.task = asyncio.ensure_future(self._after_gate(req))
+        else:
+            self.dispatch(req)
+
+    async def _after_gate(self, req: Request) -> None:
+        proxy = self.proxy
+        opened = await proxy.gate.wait(max(0.0, proxy.startup_deadline - time.monotonic()))
+        self.task = None
+        if not opened:
+            self.reply(req, error_reply(503, "llama-server is not ready", "unavailable_error"))
+        elif not proxy.accepting:
+            self.reply(req, error_reply(503, "slotkeeper is shutting down", "unavailable_error"))
+        else:
+            self.dispatch(req)
+
+    def dispatch(self, req: Request) -> None:
+        """Forward: now (streamed body, or whole already) or when the body is read (small or checked)."""
+        self.proxy.enter(self)
+        req.counted = True
+        if req.has_body:
+            if req.expect_continue and not req.complete:
+                self.send(_CONTINUE)  # we are about to read the body
+            if req.method == b"POST" and req.path.startswith(SLOT_ACTION_PREFIX):
+                query = req.target.partition(b"?")[2].decode("latin-1")
+                req.action = parse_qs(query).get("action", [""])[0] if query else ""
+            if req.action in PROTECTED_SLOT_ACTIONS:
+                if req.length is not None and req.length > MAX_SLOT_ACTION_BODY:
+                    req.mode = _DISCARD
+                    self.reply(req, error_reply(413, "slot action body too large", "invalid_request_error"))
+                    return
+                req.mode = _CHECKED
+            elif req.length is not None and req.length <= SMALL_BODY:
+                req.mode = _WHOLE
+            if req.mode != _STREAM and not req.complete:
+                req.deferred = True  # _body_read sends it
+                return
+        else:
+            req.mode = _WHOLE
+        self.forward(req)
+
+    def _body_read(self, req: Request) -> None:
+        """The active request's body is all here: send it, or the answer slotkeeper had for it."""
+        if req.mode == _DISCARD:
+            if req.own_route is not None and req.reply is None:
+                self.task = asyncio.ensure_future(self._own_route(req, req.own_route))
+            elif req.reply is not None:
+                self._send_reply(req)
+        elif req.deferred:
+            req.deferred = False
+            refusal = refuse_own_files(req.action, b"".join(req.parts)) if req.mode == _CHECKED else None
+            if refusal is not None:
+                self.reply(req, refusal)
+            else:
+                self.forward(req)
+
+    async def _own_route(self, req: Request, route: OwnRoute) -> None:
+        try:
+            reply = await route()
+        except Exception as exc:  # noqa: BLE001 - one line in the log, a 500 to the client
+            log.error("GET %s failed: %r", req.path, exc)
+            reply = error_reply(500, f"slotkeeper: {exc}", "server_error")
+        self.task = None
+        req.reply = reply
+        self._send_reply(req)
+
+    def reply(self, req: Request, reply: Reply | None) -> None:
+        """Answer `req` here (own route when reply is None): once its body is read, or now if the client waits."""
+        req.mode = _DISCARD
+        req.parts.clear()
+        self._unhold(_HOLD_BUFFERED)
+        req.reply = reply
+        if req.complete:
+            self._body_read(req)
+        elif req.expect_continue and reply is not None:  # the client waits for us before sending its body
+            self._close_after = True
+            self._send_reply(req)
+
+    def _send_reply(self, req: Request) -> None:
+        reply = req.reply
+        assert reply is not None
+        close = self._close_after or not req.keep_alive or not req.http11
+        self.send(reply.encode(close))
+        self._close_after = close
+        self._end(req, reply.status)
+
+    def _refuse_malformed(self, reply: Reply) -> None:
+        """Bytes that are no request: a 400 (or 431) if no answer is under way, then the connection closes."""
+        self._reading_done = self._close_after = True
+        if self.active is None:
+            self.send(reply.encode(close=True))
+            self.close()
+
+    # ---- the exchange with the child ----
+
+    def forward(self, req: Request, fresh: bool = False) -> None:
+        conn = None if fresh else self.proxy.pool.take()
+        if conn is None:
+            self.task = asyncio.ensure_future(self._connect_and_send(req))
+        else:
+            self._send_request(req, conn)
+
+    async def _connect_and_send(self, req: Request) -> None:
+        try:
+            conn = await self.proxy.pool.connect()
+        except (OSError, TimeoutError) as exc:
+            self.task = None
+            reason = exc if str(exc) else type(exc).__name__
+            log.warning("%s %s: llama-server unreachable: %s", req.method.decode(), req.path, reason)
+            self.reply(req, error_reply(502, f"llama-server unreachable: {reason}", "server_error"))
+            return
+        self.task = None
+        self._send_request(req, conn)
+
+    def _send_request(self, req: Request, conn: ChildConnection) -> None:
+        """The head and all the body read so far, in one write; the rest follows as it arrives."""
+        parts, req.parts = req.parts, []
+        req.buffered = 0
+        if req.mode == _STREAM:
+            if req.chunked:
+                framing = b"Transfer-Encoding: chunked\r\n\r\n"
+                body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + (_LAST_CHUNK if req.complete else b"")
+            else:
+                framing = b"Content-Length: %d\r\n\r\n" % req.length  # type: ignore[str-format]
+                body = b"".join(parts)
+            payload = req.head + framing + body
+            req.child = None if req.complete else conn
+        elif req.has_body:
+            body = b"".join(parts)
+            payload = b"%sContent-Length: %d\r\n\r\n%s" % (req.head, len(body), body)
+            req.payload = payload  # all of it: it can be sent again if a kept-alive connection was stale
+        else:
+            payload = req.head + b"\r\n"
+            req.payload = payload
+        self.child = conn
+        self._unhold(_HOLD_BUFFERED)
+        conn.start(self, payload, head_request=req.method == b"HEAD", complete=req.child is None)
+
+    def response_head(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], no_body: bool) -> bool:
+        """The child's status line and headers, passed on; True when its body ends only when it closes."""
+        req = self.active
+        assert req is not None
+        req.payload = None
+        self._status = status
+        self._head_sent = True
+        parts = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
+        named = connection_tokens(headers) if any(n.lower() == b"connection" for n, _ in headers) else frozenset()
+        length = chunked = False
+        for name, value in headers:
+            lname = name.lower()
+            if lname == b"content-length":
+                length = True
+            elif lname == b"transfer-encoding":
+                chunked = True
+            if is_forwarded(lname, _RESPONSE_DROPPED, named):
+                parts += (name, b": ", value, b"\r\n")
+        until_close = not (no_body or length or chunked)
+        if (chunked or until_close) and not no_body:
+            if req.http11:
+                self._chunked_out = True
+                parts.append(b"Transfer-Encoding: chunked\r\n")
+            else:
+                self._close_after = True  # an HTTP/1.0 client reads the body until we close
+        if not req.keep_alive or not req.http11:
+            self._close_after = True
+        if self._close_after:
+            parts.append(b"Connection: close\r\n")
+        parts.append(b"\r\n")
+        self.send(b"".join(parts))
+        return until_close
+
+    def response_body(self, data: bytes) -> None:
+        self.send(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked_out else data)
+
+    def response_done(self) -> None:
+        """The child's answer is complete (its connection is back in the pool or closed)."""
+        req = self.active
+        assert req is not None
+        if self._chunked_out:
+            self.send(_LAST_CHUNK)
+        self.child = None
+        self._end(req, self._status)
+
+    def child_failed(self, reason: str) -> None:
+        """The child broke the exchange: retry once, answer 502, or (after the headers) cut the client off."""
+        req = self.active
+        conn = self.child
+        self.child = None
+        if req is None:
+            return
+        req.child = None
+        method = req.method.decode()
+        if self._head_sent:
+            log.warning("%s %s: llama-server response broke off: %s", method, req.path, reason)
+            self._end(req, self._status)
+            self.abort()  # the client sees the body end early, never a complete one
+            return
+        # A kept-alive connection the child closed just as we used it: nothing was processed, so the request
+        # is sent again once, on a new connection, when we still have all of it.
+        if conn is not None and conn.reused and not conn.got_bytes and req.payload is not None and not req.retried:
+            req.retried = True
+            self.forward(req, fresh=True)
+            return
+        log.warning("%s %s: llama-server unreachable: %s", method, req.path, reason)
+        self.reply(req, error_reply(502, f"llama-server unreachable: {reason}", "server_error"))
+
+    def _end(self, req: Request, status: int) -> None:
+        """The active exchange is over: count it, then the next pipelined request, or close."""
+        if req.counted:
+            self.proxy.leave(self, status)
+        self.active = None
+        self._head_sent = self._chunked_out = self._child_paused = False
+        self._unhold(_HOLD_CHILD_BUSY)
+        self.idle_since = time.monotonic()
+        if self.lost:
+            return
+        if self._close_after or not req.complete:
+            self.close()  # (a body the child did not wait for is not read on)
+        elif self.waiting:
+            next_request = self.waiting.popleft()
+            self.begin(next_request)
+            if not self.waiting and self.active is None:
+                self._unhold(_HOLD_BUFFERED)
+
+    # ---- writing ----
+
+    def send(self, data: bytes) -> None:
+        out = self._out
+        if out is not None:
+            out.append(data)
+        elif self.transport is not None and not self.lost:
+            self.transport.write(data)
+
+    def batch(self) -> None:
+        if self._out is None:
+            self._out = []
+
+    def flush(self) -> None:
+        out, self._out = self._out, None
+        if out and self.transport is not None and not self.lost:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        if self._close_requested:
+            self.close()
+
+    def close(self) -> None:
+        """Close after what is written (and what the open batch will write)."""
+        if self._out is not None:
+            self._close_requested = True
+        elif self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _hold(self, reason: int) -> None:
+        if not self._holds and self.transport is not None and not self.lost:
+            self.transport.pause_reading()
+        self._holds |= reason
+
+    def _unhold(self, reason: int) -> None:
+        if self._holds & reason:
+            self._holds &= ~reason
+            if not self._holds and self.transport is not None and not self.lost:
+                self.transport.resume_reading()
 
 
-# Response parser states
-_IDLE, _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILERS, _UNTIL_CLOSE, _DONE = range(9)
+# ---- the child side: keep-alive connections -----------------------------------------------------------------
 
 
 class ChildConnection(asyncio.Protocol):
-    """One keep-alive connection to the child, carrying one request/response exchange at a time.
+    """One keep-alive connection to the child, carrying one exchange at a time for a ClientConnection."""
 
-    ``data_received`` parses the response as it arrives: the head wakes ``read_head``, body pieces (chunked
-    framing removed) queue for ``read``. Reading from the child pauses while more than READ_HIGH_WATER
-    bytes wait for a slow client; writing waits (``drain``) while the child is not reading.
-    """
-
-    def __init__(self) -> None:
+    def __init__(self, pool: ChildPool) -> None:
+        self.pool = pool
         self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.client: ClientConnection | None = None
         self.closed = False
-        self.reused = False  # carried an exchange before the current one
+        self.reused = False  # taken from the pool: it carried an exchange before this one
         self.idle_since = 0.0
         self.request_sent = False  # the whole request, body included, was written
         self.got_bytes = False  # any byte of the current response arrived
-        self._loop = asyncio.get_running_loop()
-        self._state = _IDLE
-        self._expect_body = True
+        self._head_request = False
+        self._reason = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._interim = False
+        self._until_close = False
         self._keep_alive = False
-        self._leftover = b""
-        self._remaining = 0
-        self._head: ResponseHead | None = None
-        self._head_waiter: asyncio.Future[None] | None = None
-        self._chunks: deque[bytes] = deque()
-        self._buffered = 0
-        self._data_waiter: asyncio.Future[None] | None = None
-        self._error: UpstreamError | None = None
         self._reading_paused = False
-        self._writing_paused = False
-        self._drain_waiter: asyncio.Future[None] | None = None
+        self._head_answered = False  # a HEAD answer's headers are in: the exchange ends after this read
 
-    # ---- the exchange, for the proxy ----
-
-    def send(self, data: bytes, *, expect_body: bool, complete: bool) -> None:
-        """Start an exchange with the request head (and its whole body when `complete`)."""
-        self._state = _HEAD
-        self._expect_body = expect_body
-        self._head = None
-        self._chunks.clear()
-        self._buffered = 0
-        self.got_bytes = False
+    def start(self, client: ClientConnection, payload: bytes, *, head_request: bool, complete: bool) -> None:
+        self.client = client
         self.request_sent = complete
-        if not self.is_open:  # the child closed it while it was idle, and we have not heard yet
-            self._error = UpstreamError("llama-server closed the connection")
-            raise self._error
-        self.transport.write(data)  # type: ignore[union-attr]
+        self.got_bytes = False
+        self._head_request = head_request
+        self._reason = b""
+        self._headers = []
+        self._until_close = False
+        if self.closed:  # the child closed it while it was idle, and we heard just now
+            self.client = None
+            client.child_failed("llama-server closed the connection")
+            return
+        self.transport.write(payload)  # type: ignore[union-attr]
 
     def write(self, data: bytes) -> None:
-        if self.transport is not None and not self.closed:
+        if not self.closed and self.transport is not None:
             self.transport.write(data)
 
-    async def drain(self) -> None:
-        """Wait while the child is not reading; returns at once if the connection is gone or it answered."""
-        if self._writing_paused and not self.closed and self._state == _HEAD:
-            self._drain_waiter = self._loop.create_future()
-            await self._drain_waiter
+    def pause_reading(self) -> None:
+        if not self._reading_paused and not self.closed and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
 
-    async def read_head(self) -> ResponseHead:
-        while self._head is None:
-            if self._error is not None:
-                raise self._error
-            self._head_waiter = self._loop.create_future()
-            await self._head_waiter
-        return self._head
-
-    @property
-    def body_complete(self) -> bool:
-        return self._state == _DONE
-
-    def take_body(self) -> bytes:
-        """The whole body, once it has all arrived (body_complete)."""
-        body = b"".join(self._chunks)
-        self._chunks.clear()
-        self._buffered = 0
-        return body
-
-    async def read(self) -> bytes:
-        """The body as it arrived since the last read, b"" at its end; UpstreamError if it broke off."""
-        chunks = self._chunks
-        while not chunks:
-            if self._state == _DONE:
-                return b""
-            if self._error is not None:
-                raise self._error
-            self._data_waiter = self._loop.create_future()
-            await self._data_waiter
-        if len(chunks) == 1:  # the usual case: each piece is read as soon as it arrives
-            chunk = chunks.popleft()
-        else:  # the client is slower than the child: one write for all that is waiting
-            chunk = b"".join(chunks)
-            chunks.clear()
-        self._buffered -= len(chunk)
-        if self._reading_paused and self._buffered <= READ_LOW_WATER and self.transport is not None:
+    def resume_reading(self) -> None:
+        if self._reading_paused and not self.closed and self.transport is not None:
             self._reading_paused = False
             self.transport.resume_reading()
-        return chunk
-
-    @property
-    def is_open(self) -> bool:
-        return not self.closed and self.transport is not None and not self.transport.is_closing()
-
-    @property
-    def reusable(self) -> bool:
-        return self._state == _DONE and self._keep_alive and self.request_sent and not self.closed
 
     def abort(self) -> None:
         """Drop the connection now (the child sees it closed and cancels what it was doing for us)."""
@@ -231,159 +709,103 @@ class ChildConnection(asyncio.Protocol):
             self.transport.abort()
         self.closed = True
 
+    @property
+    def reusable(self) -> bool:
+        return self._keep_alive and self.request_sent and not self.closed
+
     # ---- asyncio.Protocol ----
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if self._state == _UNTIL_CLOSE:
-            self._state = _DONE
-        elif self._state not in (_IDLE, _DONE):
-            self._error = UpstreamError(f"llama-server closed the connection ({exc or 'EOF'})")
-        self._wake()
-        if self._drain_waiter is not None and not self._drain_waiter.done():
-            self._drain_waiter.set_result(None)
-
-    def pause_writing(self) -> None:
-        self._writing_paused = True
-
-    def resume_writing(self) -> None:
-        self._writing_paused = False
-        if self._drain_waiter is not None and not self._drain_waiter.done():
-            self._drain_waiter.set_result(None)
-
     def data_received(self, data: bytes) -> None:
-        if self._leftover:
-            data = self._leftover + data
-            self._leftover = b""
+        client = self.client
+        if client is None:  # bytes nobody asked for: the connection cannot be trusted any more
+            self.abort()
+            return
+        self.got_bytes = True
+        client.batch()
         try:
-            self._parse(data)
-        except (ValueError, IndexError) as exc:
-            self._fail(f"malformed response from llama-server: {exc}")
-        self._wake()
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.abort()
+            if self.client is not None:
+                self.client = None
+                cause = exc.__context__
+                client.child_failed(f"malformed response from llama-server: {cause or exc}")
+        if self._head_answered:
+            # llhttp waits for the Content-Length bytes a HEAD answer announces but never sends: a new parser
+            self._head_answered = False
+            self.parser = httptools.HttpResponseParser(self)
+            if self.client is not None:
+                self._finish()
+        client.flush()
 
     def eof_received(self) -> bool:
         return False  # close the transport; connection_lost decides whether the response was complete
 
-    # ---- parsing ----
-
-    def _fail(self, message: str) -> None:
-        self._error = UpstreamError(message)
-        self._state = _IDLE if self._head is None else self._state
-        self.abort()
-
-    def _wake(self) -> None:
-        for waiter in (self._head_waiter, self._data_waiter):
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
-
-    def _emit(self, piece: bytes) -> None:
-        self._chunks.append(piece)
-        self._buffered += len(piece)
-        if self._buffered > READ_HIGH_WATER and not self._reading_paused and self.transport is not None:
-            self._reading_paused = True
-            self.transport.pause_reading()
-
-    def _parse(self, data: bytes) -> None:
-        pos, end = 0, len(data)
-        self.got_bytes = True
-        pieces: list[bytes] = []
-        while pos < end:
-            state = self._state
-            if state == _LENGTH or state == _CHUNK_DATA:
-                take = min(self._remaining, end - pos)
-                pieces.append(data[pos:pos + take] if pos or take < end else data)
-                pos += take
-                self._remaining -= take
-                if not self._remaining:
-                    self._state = _DONE if state == _LENGTH else _CHUNK_END
-            elif state == _UNTIL_CLOSE:
-                pieces.append(data[pos:] if pos else data)
-                pos = end
-            elif state == _HEAD:
-                i = data.find(b"\r\n\r\n", pos)
-                if i < 0:
-                    if end - pos > MAX_RESPONSE_HEAD:
-                        raise ValueError("response head too large")
-                    break
-                self._parse_head(data[pos:i])
-                pos = i + 4
-            elif state == _CHUNK_SIZE or state == _TRAILERS:
-                i = data.find(b"\r\n", pos)
-                if i < 0:
-                    if end - pos > 4096:
-                        raise ValueError("chunk line too long")
-                    break
-                line = data[pos:i]
-                pos = i + 2
-                if state == _TRAILERS:
-                    if not line:
-                        self._state = _DONE
-                    continue
-                size = int(line.split(b";", 1)[0].strip(), 16)
-                if size < 0:
-                    raise ValueError("negative chunk size")
-                self._remaining = size
-                self._state = _CHUNK_DATA if size else _TRAILERS
-            elif state == _CHUNK_END:
-                if end - pos < 2:
-                    break
-                if data[pos:pos + 2] != b"\r\n":
-                    raise ValueError("chunk not followed by CRLF")
-                pos += 2
-                self._state = _CHUNK_SIZE
-            else:  # _IDLE or _DONE: bytes nobody asked for; the connection cannot be trusted any more
-                self._keep_alive = False
-                self.abort()
-                break
-        if pos < end and self._state not in (_IDLE, _DONE):
-            self._leftover = data[pos:]
-        if pieces:
-            self._emit(pieces[0] if len(pieces) == 1 else b"".join(pieces))
-
-    def _parse_head(self, head: bytes) -> None:
-        lines = head.split(b"\r\n")
-        version, _, rest = lines[0].partition(b" ")
-        code, _, reason = rest.partition(b" ")
-        status = int(code)
-        if not version.startswith(b"HTTP/1.") or not 100 <= status <= 999:
-            raise ValueError(f"bad status line {lines[0][:100]!r}")
-        raw = []
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep or not name or name != name.strip():
-                raise ValueError(f"bad header line {line[:100]!r}")
-            raw.append((name, value.strip(b" \t")))
-        if 100 <= status < 200:
-            return  # interim response (100 Continue, 103 Early Hints): the real one follows
-        named = connection_tokens(raw)
-        self._keep_alive = b"close" not in named and (version == b"HTTP/1.1" or b"keep-alive" in named)
-        chunked = False
-        length: int | None = None
-        headers = []
-        for name, value in raw:
-            lname = name.lower()
-            if lname == b"transfer-encoding":
-                chunked = value.lower().rsplit(b",", 1)[-1].strip() == b"chunked"
-            elif lname == b"content-length":
-                length = int(value)
-            if is_forwarded(lname, _RESPONSE_DROPPED, named):
-                headers.append((_header_str(name), _header_str(value)))
-        if chunked and length is not None:  # Transfer-Encoding wins (RFC 9112 6.3); the length is wrong
-            headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
-        self._head = ResponseHead(status, reason.decode("latin-1"), headers, chunked and self._expect_body)
-        if not self._expect_body or status in (204, 304):
-            self._state = _DONE
-        elif chunked:
-            self._state = _CHUNK_SIZE
-        elif length is not None:
-            self._remaining = length
-            self._state = _LENGTH if length else _DONE
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        client = self.client
+        if client is None:
+            return
+        self.client = None
+        client.batch()
+        if self._until_close:
+            client.response_done()
         else:
-            self._state = _UNTIL_CLOSE
-            self._keep_alive = False
+            client.child_failed(f"llama-server closed the connection ({exc or 'EOF'})")
+        client.flush()
+
+    def pause_writing(self) -> None:  # the child is not reading the body we forward
+        if self.client is not None:
+            self.client._hold(_HOLD_CHILD_BUSY)
+
+    def resume_writing(self) -> None:
+        if self.client is not None:
+            self.client._unhold(_HOLD_CHILD_BUSY)
+
+    # ---- httptools callbacks ----
+
+    def on_status(self, reason: bytes) -> None:
+        self._reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if status < 200:  # interim (100 Continue, 103 Early Hints): the real answer follows
+            self._interim = True
+            self._reason = b""
+            self._headers = []
+            return
+        client = self.client
+        if client is None:
+            return
+        self._keep_alive = self.parser.should_keep_alive()
+        no_body = self._head_request or status in (204, 304)
+        self._until_close = client.response_head(status, self._reason, self._headers, no_body)
+        self._head_answered = self._head_request
+
+    def on_body(self, data: bytes) -> None:
+        client = self.client
+        if client is not None and not self._head_answered:
+            client.response_body(data)
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+        elif self.client is not None and not self._head_answered:
+            self._finish()
+
+    def _finish(self) -> None:
+        client = self.client
+        assert client is not None
+        self.client = None
+        self.resume_reading()
+        self.pool.release(self)
+        client.response_done()
 
 
 class ChildPool:
@@ -402,19 +824,28 @@ class ChildPool:
         assert endpoint.tcp_port is not None
         return cls(port=endpoint.tcp_port)
 
-    async def acquire(self, fresh: bool = False) -> ChildConnection:
-        idle, now = self._idle, time.monotonic()
-        while idle and not fresh:
+    def take(self) -> ChildConnection | None:
+        """An idle connection, or None (then `connect`)."""
+        idle = self._idle
+        now = 0.0
+        while idle:
             conn = idle.pop()
-            if conn.is_open and now - conn.idle_since < POOL_IDLE_S:
-                conn.reused = True
-                return conn
-            conn.abort()
+            if conn.closed:
+                continue
+            now = now or time.monotonic()
+            if now - conn.idle_since >= POOL_IDLE_S:
+                conn.abort()
+                continue
+            conn.reused = True
+            return conn
+        return None
+
+    async def connect(self) -> ChildConnection:
         loop = asyncio.get_running_loop()
         if self.socket_path is not None:
-            connecting = loop.create_unix_connection(ChildConnection, self.socket_path)
+            connecting = loop.create_unix_connection(lambda: ChildConnection(self), self.socket_path)
         else:
-            connecting = loop.create_connection(ChildConnection, self.host, self.port)
+            connecting = loop.create_connection(lambda: ChildConnection(self), self.host, self.port)
         _, conn = await asyncio.wait_for(connecting, CONNECT_TIMEOUT_S)
         return conn
 
@@ -437,7 +868,7 @@ class ChildPool:
         self._idle.clear()
 
 
-# ---- the public side -------------------------------------------------------------------------------------
+# ---- the proxy as a whole ---------------------------------------------------------------------------------------
 
 
 class Gate:
@@ -465,16 +896,8 @@ class Gate:
             return False
 
 
-class RequestRefused(Exception):
-    """A request answered by slotkeeper itself instead of being forwarded."""
-
-    def __init__(self, response: web.Response) -> None:
-        super().__init__(response.status)
-        self.response = response
-
-
 class Proxy:
-    """Forwards every request to the child once the gate is open; tracks requests in flight for draining."""
+    """The public server: forwards every request to the child once the gate is open; counts and drains them."""
 
     def __init__(
         self, endpoint: ChildEndpoint, gate: Gate, describe_state: Callable[[], str], startup_deadline: float
@@ -484,15 +907,66 @@ class Proxy:
         self.describe_state = describe_state
         self.startup_deadline = startup_deadline
         self.accepting = True
-        self.in_flight: set[asyncio.Task[object]] = set()
+        self.in_flight: set[ClientConnection] = set()  # connections with a forwarded request under way
+        self.connections: set[ClientConnection] = set()
         self.last_activity = time.monotonic()
         self.requests_total = 0
         self.status_counts: collections.Counter[int] = collections.Counter()  # 499: the client went away
+        self.own_routes: dict[str, OwnRoute] = {}  # path -> handler
         self._idle = asyncio.Event()
         self._idle.set()
-        self.own_routes: dict[str, Callable[[Any], Awaitable[web.StreamResponse]]] = {}  # path -> handler(request)
+        self._servers: list[asyncio.AbstractServer] = []
+        self._sweeper: asyncio.Future[None] | None = None
 
-    # ---- lifecycle hooks used by the daemon ----------------------------------------------------------------
+    # ---- serving ----
+
+    async def listen(self, host: str, port: int) -> str:
+        """Listen on a TCP host and port, or on a unix socket when `host` ends in .sock; returns its name."""
+        loop = asyncio.get_running_loop()
+        if host.endswith(".sock"):
+            server = await loop.create_unix_server(lambda: ClientConnection(self), host)
+            name = f"unix:{host}"
+        else:
+            server = await loop.create_server(lambda: ClientConnection(self), host, port, reuse_address=True)
+            name = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+        self._servers.append(server)
+        if self._sweeper is None:
+            self._sweeper = asyncio.ensure_future(self._close_idle_clients())
+        return name
+
+    async def stop_listening(self) -> None:
+        """Close the public sockets and every client connection still open."""
+        for server in self._servers:
+            server.close()
+        for conn in list(self.connections):
+            conn.abort()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for server in self._servers:
+            await server.wait_closed()
+        self._servers.clear()
+
+    async def _close_idle_clients(self) -> None:
+        while True:
+            await asyncio.sleep(CLIENT_SWEEP_S)
+            limit = time.monotonic() - CLIENT_IDLE_S
+            for conn in list(self.connections):
+                if conn.active is None and conn.idle_since < limit:
+                    conn.close()
+
+    # ---- accounting, for the daemon ----
+
+    def enter(self, conn: ClientConnection) -> None:
+        self.in_flight.add(conn)
+        self.requests_total += 1
+        self._idle.clear()
+
+    def leave(self, conn: ClientConnection, status: int) -> None:
+        self.status_counts[status] += 1
+        self.in_flight.discard(conn)
+        self.last_activity = time.monotonic()
+        if not self.in_flight:
+            self._idle.set()
 
     async def wait_idle(self, timeout: float) -> bool:
         """True when no request is in flight within `timeout` seconds."""
@@ -503,217 +977,18 @@ class Proxy:
             return False
 
     def cancel_in_flight(self) -> int:
-        for task in list(self.in_flight):
-            task.cancel()
-        return len(self.in_flight)
+        """Cut off the requests still running (their clients' connections close)."""
+        running = list(self.in_flight)
+        for conn in running:
+            conn.abort()
+        return len(running)
 
     def close(self) -> None:
         """Close the idle connections to the child (requests in flight close theirs when they end)."""
         self.pool.close()
 
-    # ---- request handling ----------------------------------------------------------------------------------
 
-    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        path = request.path
-        if path.startswith(OWN_PREFIX):
-            handler = self.own_routes.get(path)
-            if handler is None:
-                return error_response(404, "File Not Found", "not_found_error")
-            return await handler(request)
-        if not self.accepting:
-            return error_response(503, "slotkeeper is shutting down", "unavailable_error")
-        if not self.gate.is_open:
-            if path in HEALTH_PATHS:
-                state = self.describe_state()
-                return error_response(503, f"slotkeeper: {state}", "unavailable_error", {"status": state})
-            if not await self.gate.wait(max(0.0, self.startup_deadline - time.monotonic())):
-                return error_response(503, "llama-server is not ready", "unavailable_error")
-            if not self.accepting:
-                return error_response(503, "slotkeeper is shutting down", "unavailable_error")
-        task = asyncio.current_task()
-        assert task is not None
-        self.in_flight.add(task)
-        self._idle.clear()
-        self.requests_total += 1
-        response: web.StreamResponse | None = None
-        try:
-            response = await self._forward(request)
-            return response
-        except RequestRefused as refused:
-            response = refused.response
-            return response
-        finally:
-            self.status_counts[response.status if response is not None else 499] += 1
-            self.in_flight.discard(task)
-            self.last_activity = time.monotonic()
-            if not self.in_flight:
-                self._idle.set()
-
-    async def _forward(self, request: web.BaseRequest) -> web.StreamResponse:
-        head, length, chunked = request_head(request)
-        body: bytes | None = None  # the whole body, when it is read before sending
-        if length is not None or chunked:
-            await answer_expect_continue(request)
-            if request.method == "POST" and is_slot_action(request):
-                body = await read_slot_action(request, length)
-            elif length is not None and length <= SMALL_BODY:
-                body = await request.read()
-        if body is not None:  # whole: sent with its length, in one write with the head
-            chunked = False
-            payload = b"%sContent-Length: %d\r\n\r\n%s" % (head, len(body), body)
-        elif chunked:
-            payload = head + b"Transfer-Encoding: chunked\r\n\r\n"
-        elif length is not None:
-            payload = b"%sContent-Length: %d\r\n\r\n" % (head, length)
-        else:
-            payload = head + b"\r\n"
-        streamed = body is None and (length is not None or chunked)
-        fresh = False
-        while True:
-            try:
-                conn = await self.pool.acquire(fresh)
-            except (OSError, TimeoutError) as exc:
-                reason = exc if str(exc) else type(exc).__name__
-                log.warning("%s %s: llama-server unreachable: %s", request.method, request.path, reason)
-                return error_response(502, f"llama-server unreachable: {reason}", "server_error")
-            try:
-                return await self._exchange(request, conn, payload, streamed, chunked)
-            except UpstreamError as exc:
-                # A kept-alive connection the child closed just as we used it: nothing was processed, so
-                # the request is sent again once, on a new connection, when we still have all of it.
-                if conn.reused and not conn.got_bytes and not streamed and not fresh:
-                    fresh = True
-                    continue
-                log.warning("%s %s: llama-server unreachable: %s", request.method, request.path, exc)
-                return error_response(502, f"llama-server unreachable: {exc}", "server_error")
-
-    async def _exchange(
-        self, request: web.BaseRequest, conn: ChildConnection, payload: bytes, streamed: bool, chunked: bool
-    ) -> web.StreamResponse:
-        """One request/response with the child on `conn`; UpstreamError only before the response started."""
-        finished = False
-        pump: asyncio.Task[None] | None = None
-        try:
-            conn.send(payload, expect_body=request.method != "HEAD", complete=not streamed)
-            if streamed:
-                pump = asyncio.ensure_future(pump_body(request, conn, chunked))
-            head = await conn.read_head()
-            if conn.body_complete and not head.chunked:  # the whole answer is here already (most non-streamed)
-                finished = True
-                return web.Response(status=head.status, reason=head.reason, headers=head.headers,
-                                    body=conn.take_body())
-            response = web.StreamResponse(status=head.status, reason=head.reason, headers=head.headers)
-            await response.prepare(request)
-            if conn.body_complete:  # a short stream that ended before we got to it: one write, still chunked
-                finished = True
-                await response.write_eof(conn.take_body())
-                return response
-            try:
-                while chunk := await conn.read():
-                    await response.write(chunk)
-            except UpstreamError as exc:
-                log.warning("%s %s: llama-server response broke off: %s", request.method, request.path, exc)
-                if request.transport is not None:
-                    request.transport.close()  # the client sees the body end early, never a complete one
-                return response
-            finished = True
-            await response.write_eof()
-            return response
-        except ConnectionResetError:
-            log.debug("%s %s: client went away", request.method, request.path)
-            return web.Response(status=499)  # never delivered
-        finally:
-            if pump is not None and not pump.done():
-                pump.cancel()
-            if finished:
-                self.pool.release(conn)
-            else:
-                conn.abort()
-
-
-def request_head(request: web.BaseRequest) -> tuple[bytes, int | None, bool]:
-    """The request line and end-to-end headers for the child (the framing header and the blank line that ends
-    the head are added by the caller), and the body's framing: (head, content length, chunked)."""
-    target = request.raw_path
-    if not target.startswith("/") and target != "*":  # absolute-form: the child wants origin-form
-        target = request.rel_url.raw_path_qs
-    parts = [request.method.encode(), b" ", target.encode("utf-8", "surrogateescape"), b" HTTP/1.1\r\n"]
-    raw = request.raw_headers
-    named = connection_tokens(raw)
-    length: int | None = None
-    chunked = has_host = False
-    for name, value in raw:
-        lname = name.lower()
-        if lname == b"content-length":
-            length = int(value)
-        elif lname == b"transfer-encoding":
-            chunked = True  # aiohttp accepts a request body in no other transfer coding
-        elif lname == b"host":
-            has_host = True
-        if is_forwarded(lname, _REQUEST_DROPPED, named):
-            parts += (name, b": ", value, b"\r\n")
-    if not has_host:
-        parts.append(b"Host: localhost\r\n")
-    return b"".join(parts), None if chunked else length, chunked
-
-
-async def answer_expect_continue(request: web.BaseRequest) -> None:
-    """Expect: 100-continue is answered here (the child never sees it): we are about to read the body."""
-    if request.version != aiohttp.HttpVersion11:
-        return
-    if request.headers.get("Expect", "").lower() == "100-continue":
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        request.writer.output_size = 0
-
-
-async def pump_body(request: web.BaseRequest, conn: ChildConnection, chunked: bool) -> None:
-    """Stream the request body to the child as it arrives, at the child's pace; stops if the child answers."""
-    content = request.content
-    try:
-        while data := await content.readany():
-            if chunked:
-                conn.write(b"%x\r\n" % len(data) + data + b"\r\n")
-            else:
-                conn.write(data)
-            await conn.drain()
-            if conn.closed or conn.got_bytes:
-                return  # the child answered (or went) before taking the whole body
-        if chunked:
-            conn.write(b"0\r\n\r\n")
-        conn.request_sent = True
-    except (aiohttp.ClientError, ConnectionError, asyncio.IncompleteReadError) as exc:
-        log.debug("%s %s: request body broke off: %r", request.method, request.path, exc)
-        conn.abort()
-
-
-def is_slot_action(request: web.BaseRequest) -> bool:
-    """POST /slots/{id}, spelled as llama-server would route it (it decodes the path first)."""
-    path = request.raw_path.split("?", 1)[0]
-    return unquote(path).startswith(SLOT_ACTION_PREFIX)
-
-
-async def read_slot_action(request: web.BaseRequest, length: int | None) -> bytes | None:
-    """The body of a slot save/restore, checked before it is sent; other slot actions stream as usual."""
-    action = request.query.get("action", "")
-    if action not in PROTECTED_SLOT_ACTIONS:
-        return await request.read() if length is not None and length <= SMALL_BODY else None
-    if length is not None and length > MAX_SLOT_ACTION_BODY:
-        raise RequestRefused(error_response(413, "slot action body too large", "invalid_request_error"))
-    parts: list[bytes] = []
-    size = 0
-    while data := await request.content.readany():
-        size += len(data)
-        if size > MAX_SLOT_ACTION_BODY:
-            raise RequestRefused(error_response(413, "slot action body too large", "invalid_request_error"))
-        parts.append(data)
-    body = b"".join(parts)
-    refusal = refuse_own_files(action, body)
-    if refusal is not None:
-        raise RequestRefused(refusal)
-    return body
-
-
-def refuse_own_files(action: str, body: bytes) -> web.Response | None:
+def refuse_own_files(action: str, body: bytes) -> Reply | None:
     """A client's slot save or restore may not touch slotkeeper's own cache files (403); others pass through."""
     if action not in PROTECTED_SLOT_ACTIONS:
         return None
@@ -722,21 +997,9 @@ def refuse_own_files(action: str, body: bytes) -> web.Response | None:
     except (ValueError, AttributeError):
         return None  # llama-server answers malformed bodies itself
     if isinstance(filename, str) and is_reserved_filename(filename):
-        return error_response(
+        return error_reply(
             403, f"{filename!r} is managed by slotkeeper; use another filename for your own snapshots",
             "permission_error",
         )
     return None
 
-
-def make_runner(proxy: Proxy) -> web.ServerRunner:
-    """The public HTTP server: aiohttp's low-level server (no router: every path goes to `proxy.handle`)."""
-    server = web.Server(
-        proxy.handle,
-        handler_cancellation=True,  # a client that goes away cancels its request, and so the child's work
-        auto_decompress=False,  # request bodies pass byte-exact, Content-Encoding and all
-        max_line_size=16 * 1024,  # above llama-server's own limits (8 KiB request target, 8 KiB header line),
-        max_field_size=16 * 1024,  # so that it is llama-server that refuses what it refuses, as it would directly
-        access_log=None,
-    )
-    return web.ServerRunner(server)

@@ -562,6 +562,79 @@ async def test_head_204_304_and_interim_responses(proxied):
     assert proxied.child.connections == 1
 
 
+async def test_pipelined_requests_are_answered_in_order(proxied):
+    """Requests sent back to back on one connection are answered one after the other, in order, bodies intact."""
+    async def echo(request, reader, writer):
+        await read_body(request, reader)
+        writer.write(raw_response(body=request.target + b" " + request.body))
+
+    proxied.child.respond = echo
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxied.port)
+    writer.write(request_bytes("POST", "/one", body=b"first") + request_bytes("GET", "/two")
+                 + request_bytes("POST", "/three", body=b"x" * 100_000))
+    bodies = [(await asyncio.wait_for(read_response(reader), 5)).body for _ in range(3)]
+    writer.close()
+    assert bodies == [b"/one first", b"/two ", b"/three " + b"x" * 100_000]
+
+
+async def test_malformed_requests_get_a_400_and_the_connection_closes(proxied):
+    for garbage in (b"NOT HTTP AT ALL\r\n\r\n", b"GET / HTTP/1.1\r\nBad Header Line\r\n\r\n",
+                    b"POST / HTTP/1.1\r\nContent-Length: x\r\n\r\n"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxied.port)
+        writer.write(garbage)
+        reply = await asyncio.wait_for(read_response(reader), 5)
+        assert reply.status == 400, garbage
+        assert reply.json()["error"]["type"] == "invalid_request_error"
+        assert await asyncio.wait_for(reader.read(), 5) == b"", "the connection stayed open"
+        writer.close()
+    assert not proxied.child.requests
+
+
+async def test_an_oversized_request_head_is_refused(proxied):
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxied.port)
+    writer.write(b"GET / HTTP/1.1\r\nHost: h\r\n" + b"X-Big: " + b"a" * (512 * 1024))
+    reply = await asyncio.wait_for(read_response(reader), 5)
+    writer.close()
+    assert reply.status == 431
+    assert not proxied.child.requests
+
+
+async def test_http10_client_gets_a_streamed_answer_until_close(proxied):
+    """HTTP/1.0 has no chunked framing: the body comes raw and the end is the connection closing."""
+    events = b"data: 1\n\ndata: 2\n\n"
+
+    async def respond(request, reader, writer):
+        writer.write(raw_response(headers=[("Transfer-Encoding", "chunked")], length=False)
+                     + b"%x\r\n%s\r\n0\r\n\r\n" % (len(events), events))
+
+    proxied.child.respond = respond
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxied.port)
+    writer.write(b"GET /stream HTTP/1.0\r\n\r\n")
+    data = await asyncio.wait_for(reader.read(), 5)  # until the proxy closes
+    writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK")
+    assert b"transfer-encoding" not in head.lower() and b"connection: close" in head.lower()
+    assert body == events
+    assert proxied.child.requests[-1].header(b"host") == [b"localhost"]
+
+
+async def test_a_client_that_half_closes_after_its_request_still_gets_the_answer(proxied):
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxied.port)
+    writer.write(request_bytes("POST", "/tokenize", body=b'{"content":"x"}'))
+    writer.write_eof()
+    reply = await asyncio.wait_for(read_response(reader), 5)
+    writer.close()
+    assert reply.status == 200 and reply.body == b'{"ok":true}'
+
+
+async def test_a_large_protected_slot_action_body_is_refused_unsent(proxied):
+    body = b'{"filename": "' + b"a" * (2 * 1024 * 1024) + b'"}'
+    reply = await raw_call(proxied.port, request_bytes("POST", "/slots/0?action=save", body=body))
+    assert reply.status == 413
+    assert not proxied.child.requests
+
+
 async def test_expect_100_continue_is_answered_by_the_proxy(proxied):
     reader, writer = await asyncio.open_connection("127.0.0.1", proxied.port)
     body = b'{"content":"x"}'

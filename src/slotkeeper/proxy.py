@@ -32,6 +32,7 @@ import asyncio
 import collections
 import http
 import json
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -53,10 +54,16 @@ HOP_BY_HOP_HEADERS = frozenset(
     }
 )
 _HOP_BY_HOP = frozenset(name.encode() for name in HOP_BY_HOP_HEADERS)
-# Not forwarded to the child: hop-by-hop, the framing (rewritten for the child's hop) and Expect (answered here).
-_REQUEST_DROPPED = _HOP_BY_HOP | {b"content-length", b"expect"}
-# Not passed back: hop-by-hop. Content-Length stays: it is the body's length on both hops.
-_RESPONSE_DROPPED = _HOP_BY_HOP
+# Request headers looked at (and, but for Host, dropped): hop-by-hop, the framing (rewritten for the child's
+# hop), Expect (answered here); Proxy-* are dropped too.
+_REQUEST_NOTED = _HOP_BY_HOP | {b"content-length", b"expect", b"host"}
+# In the child's raw response head: the hop-by-hop header lines (dropped), and Content-Length (kept: it is the
+# body's length on both hops). The head has been validated by llhttp; a match ends before the line's CRLF.
+_RESPONSE_NOTED = re.compile(
+    rb"\r\n(connection|keep-alive|proxy-[!#$%&'*+.^_`|~0-9a-z-]*|te|trailer|transfer-encoding|upgrade"
+    rb"|content-length)[ \t]*:[^\r]*",
+    re.IGNORECASE,
+)
 
 HEALTH_PATHS = frozenset({"/health", "/v1/health"})
 OWN_PREFIX = "/slotkeeper/"
@@ -116,20 +123,6 @@ def error_reply(status: int, message: str, error_type: str, extra: dict[str, obj
 OwnRoute = Callable[[], Awaitable[Reply]]
 
 
-def connection_tokens(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
-    """Lower-cased header names listed in the Connection headers of raw (bytes, bytes) pairs."""
-    tokens: set[bytes] = set()
-    for name, value in headers:
-        if name.lower() == b"connection":
-            tokens.update(token.strip().lower() for token in value.split(b","))
-    return frozenset(tokens)
-
-
-def is_forwarded(lname: bytes, dropped: frozenset[bytes], named: frozenset[bytes]) -> bool:
-    """Whether a header (lower-cased name) crosses the proxy: not hop-by-hop, not named in Connection."""
-    return lname not in dropped and not lname.startswith(b"proxy-") and lname not in named
-
-
 # ---- one request, as parsed from the client ------------------------------------------------------------------
 
 # How a request body goes to the child
@@ -140,67 +133,74 @@ _DISCARD = 3  # answered by slotkeeper: the body is read and dropped
 
 
 class Request:
-    """A client's request: what the child will get (`head`, without framing), and its body so far."""
+    """A client's request: what the child will get (`head`, without framing), and its body so far.
 
-    __slots__ = (
-        "target", "headers", "method", "path", "head", "http11", "keep_alive", "length", "chunked",
-        "expect_continue", "mode", "parts", "buffered", "complete", "child", "payload", "retried", "counted",
-        "reply", "own_route", "action", "deferred",
-    )
+    Attributes that most requests never change are class-level defaults, not set per request.
+    """
+
+    target = b""
+    method = b""
+    path = ""
+    head = b""
+    http11 = True
+    keep_alive = True
+    length: int | None = None
+    chunked = False
+    expect_continue = False
+    has_host = False
+    named: set[bytes] | None = None  # header names listed in Connection (beyond keep-alive and close)
+    mode = _STREAM
+    buffered = 0
+    complete = False  # the whole body has been read from the client
+    child: ChildConnection | None = None  # where further body pieces go, once the head is sent
+    payload: bytes | None = None  # the whole request as sent, kept to send it again once
+    retried = False
+    counted = False  # forwarded (or refused on the way): in the proxy's counts and drain
+    reply: Reply | None = None  # slotkeeper's own answer, sent once the body is read
+    own_route: OwnRoute | None = None
+    action = ""
+    deferred = False  # to be sent once its body is read
 
     def __init__(self) -> None:
-        self.target = b""
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.method = b""
-        self.path = ""
-        self.head = b""
-        self.http11 = True
-        self.keep_alive = True
-        self.length: int | None = None
-        self.chunked = False
-        self.expect_continue = False
-        self.mode = _STREAM
+        self.forwarded: list[bytes] = []  # end-to-end header lines for the child: name, ": ", value, CRLF
         self.parts: list[bytes] = []  # body pieces not sent yet
-        self.buffered = 0
-        self.complete = False  # the whole body has been read from the client
-        self.child: ChildConnection | None = None  # where further body pieces go, once the head is sent
-        self.payload: bytes | None = None  # the whole request as sent, kept to send it again once
-        self.retried = False
-        self.counted = False  # forwarded (or refused on the way): in the proxy's counts and drain
-        self.reply: Reply | None = None  # slotkeeper's own answer, sent once the body is read
-        self.own_route: OwnRoute | None = None
-        self.action = ""
-        self.deferred = False  # to be sent once its body is read
 
-    def prepare(self) -> None:
-        """The child's request head, the body's framing, and the decoded path slotkeeper routes on."""
-        target = self.target
-        if target[:1] != b"/" and target != b"*":  # absolute-form: the child wants origin-form
-            url = httptools.parse_url(target)
-            target = (url.path or b"/") + (b"?" + url.query if url.query else b"")
-        raw_path = target.split(b"?", 1)[0].decode("latin-1")
-        self.path = unquote(raw_path) if "%" in raw_path else raw_path
-        parts = [self.method, b" ", target, b" HTTP/1.1\r\n"]
-        headers = self.headers
-        named = connection_tokens(headers) if any(n.lower() == b"connection" for n, _ in headers) else frozenset()
-        has_host = False
-        for name, value in headers:
-            lname = name.lower()
+    def header(self, lname: bytes, name: bytes, value: bytes) -> None:
+        """A header that is not simply forwarded: noted (framing, Expect, Connection) and dropped, or Host."""
+        if lname in _REQUEST_NOTED:
             if lname == b"content-length":
                 self.length = int(value)
             elif lname == b"transfer-encoding":
                 self.chunked = True  # llhttp accepts a request body in no other transfer coding
-            elif lname == b"host":
-                has_host = True
             elif lname == b"expect":
-                self.expect_continue = value.lower() == b"100-continue" and self.http11
-            if is_forwarded(lname, _REQUEST_DROPPED, named):
-                parts += (name, b": ", value, b"\r\n")
-        if not has_host:
-            parts.append(b"Host: localhost\r\n")
+                self.expect_continue = value.lower() == b"100-continue"
+            elif lname == b"host":
+                self.has_host = True
+                self.forwarded += (name, b": ", value, b"\r\n")
+            elif lname == b"connection":
+                named = {token.strip().lower() for token in value.split(b",")} - {b"keep-alive", b"close", b""}
+                if named:
+                    self.named = (self.named or set()) | named
+
+    def prepare(self, method: bytes) -> None:
+        """The child's request head (without framing), and the decoded path slotkeeper routes on."""
+        self.method = method
+        target = self.target
+        if target[:1] != b"/" and target != b"*":  # absolute-form: the child wants origin-form
+            url = httptools.parse_url(target)
+            target = (url.path or b"/") + (b"?" + url.query if url.query else b"")
+        raw_path = target.partition(b"?")[0].decode("latin-1")
+        self.path = unquote(raw_path) if "%" in raw_path else raw_path
+        forwarded = self.forwarded
+        if self.named:  # drop the headers Connection named (rare): every header is 4 items
+            forwarded = [item for i in range(0, len(forwarded), 4) if forwarded[i].lower() not in self.named
+                         for item in forwarded[i:i + 4]]
+        if not self.has_host:
+            forwarded += (b"Host: localhost\r\n",)
         if self.chunked:
             self.length = None
-        self.head = b"".join(parts)
+        self.expect_continue = self.expect_continue and self.http11
+        self.head = b"".join((method, b" ", target, b" HTTP/1.1\r\n", *forwarded))
 
     @property
     def has_body(self) -> bool:
@@ -316,17 +316,22 @@ class ClientConnection(asyncio.Protocol):
         req.target = req.target + url if req.target else url  # type: ignore[union-attr]
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.incoming.headers.append((name, value))  # type: ignore[union-attr]
+        lname = name.lower()
+        if lname in _REQUEST_NOTED or lname.startswith(b"proxy-"):
+            self.incoming.header(lname, name, value)  # type: ignore[union-attr]
+        else:
+            self.incoming.forwarded += (name, b": ", value, b"\r\n")  # type: ignore[union-attr]
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         req = self.incoming
         assert req is not None
         parser = self.parser
-        req.method = parser.get_method()
-        req.http11 = parser.get_http_version() == "1.1"
-        req.keep_alive = parser.should_keep_alive()
-        req.prepare()
+        if parser.get_http_version() != "1.1":
+            req.http11 = False
+        if not parser.should_keep_alive():
+            req.keep_alive = False
+        req.prepare(parser.get_method())
         if self.active is None:
             self.begin(req)
         else:
@@ -370,7 +375,9 @@ class ClientConnection(asyncio.Protocol):
         self.active = req
         proxy = self.proxy
         path = req.path
-        if path.startswith(OWN_PREFIX):
+        if proxy.accepting and proxy.gate.is_open and not path.startswith(OWN_PREFIX):
+            self.dispatch(req)
+        elif path.startswith(OWN_PREFIX):
             route = proxy.own_routes.get(path)
             if route is None:
                 self.reply(req, error_reply(404, "File Not Found", "not_found_error"))
@@ -519,39 +526,50 @@ class ClientConnection(asyncio.Protocol):
             req.payload = payload
         self.child = conn
         self._unhold(_HOLD_BUFFERED)
-        conn.start(self, payload, head_request=req.method == b"HEAD", complete=req.child is None)
+        conn.start(self, payload, req.method == b"HEAD", req.child is None)
 
-    def response_head(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], no_body: bool) -> bool:
-        """The child's status line and headers, passed on; True when its body ends only when it closes."""
+    def response_head(self, status: int, head: bytes, no_body: bool) -> bool:
+        """The child's raw status line and headers (each line ending in CRLF, as validated by llhttp), passed on
+        byte for byte but for the hop-by-hop lines; True when its body ends only when it closes."""
         req = self.active
         assert req is not None
         req.payload = None
         self._status = status
         self._head_sent = True
-        parts = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
-        named = connection_tokens(headers) if any(n.lower() == b"connection" for n, _ in headers) else frozenset()
+        if not head.startswith(b"HTTP/1.1 "):
+            head = b"HTTP/1.1" + head[8:]
         length = chunked = False
-        for name, value in headers:
-            lname = name.lower()
+        kept: list[bytes] = []
+        pos = 0
+        named: set[bytes] | None = None
+        for match in _RESPONSE_NOTED.finditer(head):
+            lname = match.group(1).lower()
             if lname == b"content-length":
                 length = True
-            elif lname == b"transfer-encoding":
+                continue
+            kept.append(head[pos:match.start()])
+            pos = match.end()
+            if lname == b"transfer-encoding":
                 chunked = True
-            if is_forwarded(lname, _RESPONSE_DROPPED, named):
-                parts += (name, b": ", value, b"\r\n")
+            elif lname == b"connection":
+                tokens = {t.strip().lower() for t in match.group(0).partition(b":")[2].split(b",")}
+                named = (named or set()) | (tokens - {b"keep-alive", b"close", b""})
+        if pos:
+            kept.append(head[pos:])
+            head = b"".join(kept)
+        if named:  # the headers Connection named are hop-by-hop too (rare)
+            names = b"|".join(re.escape(name) for name in named)
+            head = re.sub(rb"\r\n(?:" + names + rb")[ \t]*:[^\r]*", b"", head, flags=re.IGNORECASE)
         until_close = not (no_body or length or chunked)
         if (chunked or until_close) and not no_body:
             if req.http11:
                 self._chunked_out = True
-                parts.append(b"Transfer-Encoding: chunked\r\n")
+                head += b"Transfer-Encoding: chunked\r\n"
             else:
                 self._close_after = True  # an HTTP/1.0 client reads the body until we close
         if not req.keep_alive or not req.http11:
             self._close_after = True
-        if self._close_after:
-            parts.append(b"Connection: close\r\n")
-        parts.append(b"\r\n")
-        self.send(b"".join(parts))
+        self.send(head + b"Connection: close\r\n\r\n" if self._close_after else head + b"\r\n")
         return until_close
 
     def response_body(self, data: bytes) -> None:
@@ -667,21 +685,19 @@ class ChildConnection(asyncio.Protocol):
         self.request_sent = False  # the whole request, body included, was written
         self.got_bytes = False  # any byte of the current response arrived
         self._head_request = False
-        self._reason = b""
-        self._headers: list[tuple[bytes, bytes]] = []
+        self._head: bytes | None = None  # the response so far, until its head is complete
         self._interim = False
         self._until_close = False
         self._keep_alive = False
         self._reading_paused = False
         self._head_answered = False  # a HEAD answer's headers are in: the exchange ends after this read
 
-    def start(self, client: ClientConnection, payload: bytes, *, head_request: bool, complete: bool) -> None:
+    def start(self, client: ClientConnection, payload: bytes, head_request: bool, complete: bool) -> None:
         self.client = client
         self.request_sent = complete
         self.got_bytes = False
         self._head_request = head_request
-        self._reason = b""
-        self._headers = []
+        self._head = b""
         self._until_close = False
         if self.closed:  # the child closed it while it was idle, and we heard just now
             self.client = None
@@ -724,7 +740,10 @@ class ChildConnection(asyncio.Protocol):
             self.abort()
             return
         self.got_bytes = True
-        client.batch()
+        if self._head is not None:
+            self._head += data
+        if client._out is None:
+            client._out = []
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -767,25 +786,23 @@ class ChildConnection(asyncio.Protocol):
 
     # ---- httptools callbacks ----
 
-    def on_status(self, reason: bytes) -> None:
-        self._reason += reason
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name, value))
-
     def on_headers_complete(self) -> None:
+        # The head is the start of what arrived (a response begins a read: we send no request before the
+        # previous answer is complete), up to the first blank line.
+        head = self._head or b""
+        end = head.find(b"\r\n\r\n")
         status = self.parser.get_status_code()
         if status < 200:  # interim (100 Continue, 103 Early Hints): the real answer follows
             self._interim = True
-            self._reason = b""
-            self._headers = []
+            self._head = head[end + 4:]
             return
+        self._head = None
         client = self.client
         if client is None:
             return
         self._keep_alive = self.parser.should_keep_alive()
         no_body = self._head_request or status in (204, 304)
-        self._until_close = client.response_head(status, self._reason, self._headers, no_body)
+        self._until_close = client.response_head(status, head[:end + 2], no_body)
         self._head_answered = self._head_request
 
     def on_body(self, data: bytes) -> None:
@@ -803,7 +820,8 @@ class ChildConnection(asyncio.Protocol):
         client = self.client
         assert client is not None
         self.client = None
-        self.resume_reading()
+        if self._reading_paused:
+            self.resume_reading()
         self.pool.release(self)
         client.response_done()
 
@@ -876,18 +894,16 @@ class Gate:
 
     def __init__(self) -> None:
         self._outcome: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self.is_open = False
 
     def open(self) -> None:
         if not self._outcome.done():
             self._outcome.set_result(True)
+            self.is_open = True
 
     def close(self) -> None:
         if not self._outcome.done():
             self._outcome.set_result(False)
-
-    @property
-    def is_open(self) -> bool:
-        return self._outcome.done() and self._outcome.result()
 
     async def wait(self, timeout: float | None) -> bool:
         try:

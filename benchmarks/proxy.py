@@ -247,6 +247,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--body-gib", type=float, default=1.0, help="size of the big request body")
     parser.add_argument("--python-loadgen", action="store_true", help="use the Python load generator, not wrk")
+    parser.add_argument("--parts", default="1,3,4,5", help="which measurements to run (1 includes 2): e.g. 1 or 3,5")
     ns = parser.parse_args()
     global USE_WRK
     USE_WRK = USE_WRK and not ns.python_loadgen
@@ -297,100 +298,104 @@ def main() -> None:
         stub_sk = keeper(STUB_COMMAND, ["-m", "stub.gguf", "-np", "1"], stub_env)
         stub_proxied = stub_sk.port
 
-        # 1 and 2: small requests
-        for label, d_port, sk in (("llama-server", direct, proxied_sk), ("stub", stub_direct, stub_sk)):
-            p_port = sk.port
-            rates: dict[str, list[float]] = {"direct": [], "proxied": []}
-            p50s: dict[str, list[float]] = {"direct": [], "proxied": []}
-            errors = 0
-            cpu = requests = 0.0
-            load(d_port, 32, 1, script)  # warm up both
-            load(p_port, 32, 1, script)
-            for _ in range(ns.repeat):
-                for kind, port in (("direct", d_port), ("proxied", p_port)):
+        if "1" in ns.parts:
+            # 1 and 2: small requests
+            for label, d_port, sk in (("llama-server", direct, proxied_sk), ("stub", stub_direct, stub_sk)):
+                p_port = sk.port
+                rates: dict[str, list[float]] = {"direct": [], "proxied": []}
+                p50s: dict[str, list[float]] = {"direct": [], "proxied": []}
+                errors = 0
+                cpu = requests = 0.0
+                load(d_port, 32, 1, script)  # warm up both
+                load(p_port, 32, 1, script)
+                for _ in range(ns.repeat):
+                    for kind, port in (("direct", d_port), ("proxied", p_port)):
+                        before = cpu_seconds(sk.pid)
+                        r = load(port, 32, ns.seconds, script)
+                        if kind == "proxied":
+                            cpu += cpu_seconds(sk.pid) - before
+                            requests += r["requests"]
+                        rates[kind].append(r["rps"])
+                        errors += int(r["errors"])
+                    for kind, port in (("direct", d_port), ("proxied", p_port)):
+                        r = load(port, 1, max(2.0, ns.seconds / 2), script)
+                        p50s[kind].append(r["p50_ms"])
+                        errors += int(r["errors"])
+                d, p = median(rates["direct"]), median(rates["proxied"])
+                added = median([b - a for a, b in zip(p50s["direct"], p50s["proxied"])])
+                print(f"[1] {label:12} POST /tokenize, 32 connections: direct {d:8.0f} req/s, proxied {p:8.0f} req/s, "
+                      f"ratio {p / d:.2f} (target >= 0.6)   runs: {[round(x) for x in rates['proxied']]} "
+                      f"vs {[round(x) for x in rates['direct']]}; errors {errors}; slotkeeper CPU "
+                      f"{cpu / requests * 1e6:.0f} us/request")
+                print(f"[2] {label:12} p50 at 1 connection: direct {median(p50s['direct']):.3f} ms, proxied "
+                      f"{median(p50s['proxied']):.3f} ms, added {added:.3f} ms (target <= 0.25 ms)")
+
+        if "3" in ns.parts:
+            # 3: SSE token rate. With -t 2 llama-server wants both cores, so every CPU cycle slotkeeper spends
+            # relaying an event is taken from the generation; with -t 1 a core is left for slotkeeper and the client.
+            body = {"prompt": "Once upon a time", "n_predict": 2000, "temperature": 0, "cache_prompt": False}
+            one_thread = ["-m", str(model), *server_args(1)]
+            pairs = [("-t 2", direct, proxied_sk), ("-t 1", plain([binary, *one_thread]), keeper(binary, one_thread))]
+            for label, d_port, sk in pairs:
+                stream_rate(d_port, {**body, "n_predict": 64})
+                ratios, d_rates, p_rates = [], [], []
+                cpu = events = 0.0
+                for i in range(2 * ns.repeat):  # noisier than the rest: twice the runs, alternating which goes first
+                    if i % 2:
+                        d_rate, d_events = stream_rate(d_port, body)
                     before = cpu_seconds(sk.pid)
-                    r = load(port, 32, ns.seconds, script)
-                    if kind == "proxied":
-                        cpu += cpu_seconds(sk.pid) - before
-                        requests += r["requests"]
-                    rates[kind].append(r["rps"])
-                    errors += int(r["errors"])
-                for kind, port in (("direct", d_port), ("proxied", p_port)):
-                    r = load(port, 1, max(2.0, ns.seconds / 2), script)
-                    p50s[kind].append(r["p50_ms"])
-                    errors += int(r["errors"])
-            d, p = median(rates["direct"]), median(rates["proxied"])
-            added = median([b - a for a, b in zip(p50s["direct"], p50s["proxied"])])
-            print(f"[1] {label:12} POST /tokenize, 32 connections: direct {d:8.0f} req/s, proxied {p:8.0f} req/s, "
-                  f"ratio {p / d:.2f} (target >= 0.6)   runs: {[round(x) for x in rates['proxied']]} "
-                  f"vs {[round(x) for x in rates['direct']]}; errors {errors}; slotkeeper CPU "
-                  f"{cpu / requests * 1e6:.0f} us/request")
-            print(f"[2] {label:12} p50 at 1 connection: direct {median(p50s['direct']):.3f} ms, proxied "
-                  f"{median(p50s['proxied']):.3f} ms, added {added:.3f} ms (target <= 0.25 ms)")
+                    p_rate, p_events = stream_rate(sk.port, body)
+                    cpu += cpu_seconds(sk.pid) - before
+                    events += p_events
+                    if not i % 2:
+                        d_rate, d_events = stream_rate(d_port, body)
+                    d_rates.append(d_rate)
+                    p_rates.append(p_rate)
+                    ratios.append(p_rate / d_rate)
+                    assert d_events == p_events > 1000, (d_events, p_events)
+                print(f"[3] llama-server {label} SSE, {body['n_predict']} tokens: direct {median(d_rates):.0f} tokens/s, "
+                      f"proxied {median(p_rates):.0f} tokens/s, ratio {median(ratios):.3f} (target >= 0.98); runs "
+                      f"{[round(r, 3) for r in ratios]}; slotkeeper CPU {cpu / events * 1e6:.0f} us/event")
+            stub_body = {"prompt": "x", "n_predict": 50000}
+            d_rate = median([stream_rate(stub_direct, stub_body)[0] for _ in range(ns.repeat)])
+            p_rate = median([stream_rate(stub_proxied, stub_body)[0] for _ in range(ns.repeat)])
+            print(f"[3] stub SSE at full speed (STUB_TOKEN_SECONDS=0): direct {d_rate:.0f} events/s, proxied "
+                  f"{p_rate:.0f} events/s: slotkeeper's ceiling is at least that")
 
-        # 3: SSE token rate. With -t 2 llama-server wants both cores, so every CPU cycle slotkeeper spends
-        # relaying an event is taken from the generation; with -t 1 a core is left for slotkeeper and the client.
-        body = {"prompt": "Once upon a time", "n_predict": 2000, "temperature": 0, "cache_prompt": False}
-        one_thread = ["-m", str(model), *server_args(1)]
-        pairs = [("-t 2", direct, proxied_sk), ("-t 1", plain([binary, *one_thread]), keeper(binary, one_thread))]
-        for label, d_port, sk in pairs:
-            stream_rate(d_port, {**body, "n_predict": 64})
-            ratios, d_rates, p_rates = [], [], []
-            cpu = events = 0.0
-            for i in range(2 * ns.repeat):  # noisier than the rest: twice the runs, alternating which goes first
-                if i % 2:
-                    d_rate, d_events = stream_rate(d_port, body)
-                before = cpu_seconds(sk.pid)
-                p_rate, p_events = stream_rate(sk.port, body)
-                cpu += cpu_seconds(sk.pid) - before
-                events += p_events
-                if not i % 2:
-                    d_rate, d_events = stream_rate(d_port, body)
-                d_rates.append(d_rate)
-                p_rates.append(p_rate)
-                ratios.append(p_rate / d_rate)
-                assert d_events == p_events > 1000, (d_events, p_events)
-            print(f"[3] llama-server {label} SSE, {body['n_predict']} tokens: direct {median(d_rates):.0f} tokens/s, "
-                  f"proxied {median(p_rates):.0f} tokens/s, ratio {median(ratios):.3f} (target >= 0.98); runs "
-                  f"{[round(r, 3) for r in ratios]}; slotkeeper CPU {cpu / events * 1e6:.0f} us/event")
-        stub_body = {"prompt": "x", "n_predict": 50000}
-        d_rate = median([stream_rate(stub_direct, stub_body)[0] for _ in range(ns.repeat)])
-        p_rate = median([stream_rate(stub_proxied, stub_body)[0] for _ in range(ns.repeat)])
-        print(f"[3] stub SSE at full speed (STUB_TOKEN_SECONDS=0): direct {d_rate:.0f} events/s, proxied "
-              f"{p_rate:.0f} events/s: slotkeeper's ceiling is at least that")
+        if "4" in ns.parts:
+            # 4: a huge request body
+            (work / "sink.gguf").write_bytes(b"sink")
+            sink = keeper(f"{sys.executable} {Path(__file__).resolve()} --sink-child", ["-m", str(work / "sink.gguf")])
+            size = int(ns.body_gib * 1024 * MB)
+            before = vm_hwm_mb(sink.pid)
+            chunk = b"x" * MB
+            started = time.perf_counter()
+            with socket.create_connection(("127.0.0.1", sink.port), timeout=120) as sock:
+                sock.sendall(b"POST /sink HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"
+                             b"Content-Length: %d\r\nConnection: close\r\n\r\n" % size)
+                sent = 0
+                while sent < size:
+                    sock.sendall(chunk[: min(MB, size - sent)])
+                    sent += min(MB, size - sent)
+                reply = b""
+                while data := sock.recv(65536):
+                    reply += data
+            elapsed = time.perf_counter() - started
+            counted = json.loads(reply.split(b"\r\n\r\n", 1)[1])["bytes"] if b"\r\n\r\n" in reply else None
+            print(f"[4] {size / MB:.0f} MiB body through slotkeeper to a sink: sink counted {counted} bytes "
+                  f"({'all' if counted == size else 'NOT ALL'}), {size / MB / elapsed:.0f} MiB/s; slotkeeper VmHWM "
+                  f"{before:.1f} MB before, {vm_hwm_mb(sink.pid):.1f} MB after (target <= 80 MB)")
 
-        # 4: a huge request body
-        (work / "sink.gguf").write_bytes(b"sink")
-        sink = keeper(f"{sys.executable} {Path(__file__).resolve()} --sink-child", ["-m", str(work / "sink.gguf")])
-        size = int(ns.body_gib * 1024 * MB)
-        before = vm_hwm_mb(sink.pid)
-        chunk = b"x" * MB
-        started = time.perf_counter()
-        with socket.create_connection(("127.0.0.1", sink.port), timeout=120) as sock:
-            sock.sendall(b"POST /sink HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"
-                         b"Content-Length: %d\r\nConnection: close\r\n\r\n" % size)
-            sent = 0
-            while sent < size:
-                sock.sendall(chunk[: min(MB, size - sent)])
-                sent += min(MB, size - sent)
-            reply = b""
-            while data := sock.recv(65536):
-                reply += data
-        elapsed = time.perf_counter() - started
-        counted = json.loads(reply.split(b"\r\n\r\n", 1)[1])["bytes"] if b"\r\n\r\n" in reply else None
-        print(f"[4] {size / MB:.0f} MiB body through slotkeeper to a sink: sink counted {counted} bytes "
-              f"({'all' if counted == size else 'NOT ALL'}), {size / MB / elapsed:.0f} MiB/s; slotkeeper VmHWM "
-              f"{before:.1f} MB before, {vm_hwm_mb(sink.pid):.1f} MB after (target <= 80 MB)")
-
-        # 5: many concurrent streams
-        errors, seconds = asyncio.run(many_streams(proxied, 256, {"prompt": "Hello", "n_predict": 16}))
-        print(f"[5] 256 concurrent streamed completions, llama-server -np 1 through slotkeeper: {errors} errors, "
-              f"{seconds:.1f} s (target 0 errors)")
-        wide = keeper(STUB_COMMAND, ["-m", "stub.gguf", "-np", "256"],
-                      {"STUB_LOAD_SECONDS": "0", "STUB_TOKEN_SECONDS": "0.02"})
-        errors, seconds = asyncio.run(many_streams(wide.port, 256, {"prompt": "Hello", "n_predict": 50}))
-        print(f"[5] 256 concurrent streamed completions, stub -np 256 (all at once, 50 tokens at 50/s) through "
-              f"slotkeeper: {errors} errors, {seconds:.1f} s (target 0 errors)")
+        if "5" in ns.parts:
+            # 5: many concurrent streams
+            errors, seconds = asyncio.run(many_streams(proxied, 256, {"prompt": "Hello", "n_predict": 16}))
+            print(f"[5] 256 concurrent streamed completions, llama-server -np 1 through slotkeeper: {errors} errors, "
+                  f"{seconds:.1f} s (target 0 errors)")
+            wide = keeper(STUB_COMMAND, ["-m", "stub.gguf", "-np", "256"],
+                          {"STUB_LOAD_SECONDS": "0", "STUB_TOKEN_SECONDS": "0.02"})
+            errors, seconds = asyncio.run(many_streams(wide.port, 256, {"prompt": "Hello", "n_predict": 50}))
+            print(f"[5] 256 concurrent streamed completions, stub -np 256 (all at once, 50 tokens at 50/s) through "
+                  f"slotkeeper: {errors} errors, {seconds:.1f} s (target 0 errors)")
         print(f"load average at the end {os.getloadavg()[0]:.2f}")
     finally:
         for sk in keepers:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import gc
 import signal
 import time
 from pathlib import Path
@@ -129,6 +130,9 @@ class Daemon:
                 gate.close()
                 return code
             gate.open()
+            # What start-up built (modules, pydantic models, the loop) lives as long as the process: moved out
+            # of the collector's sight, a full collection no longer walks it while requests are proxied.
+            gc.freeze()
             self.set_state(State.READY)
             now = time.monotonic()
             log.info(

@@ -78,6 +78,7 @@ POOL_IDLE_S = 2.0  # drop an idle connection before the child does (llama-server
 POOL_MAX_IDLE = 64
 CLIENT_IDLE_S = 75.0  # a client's idle keep-alive connection is closed after this long (aiohttp's default)
 CLIENT_SWEEP_S = 15.0
+CLOSE_GRACE_S = 1.0  # at exit, how long requests still running get to end (the child is gone: they fail fast)
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _LAST_CHUNK = b"0\r\n\r\n"
@@ -951,13 +952,23 @@ class Proxy:
         return name
 
     async def stop_listening(self) -> None:
-        """Close the public sockets and every client connection still open."""
+        """Close the public sockets and every client connection: idle ones now, and those with a request under
+        way once it has ended (a 502 if the child is gone), or after CLOSE_GRACE_S."""
         for server in self._servers:
             server.close()
-        for conn in list(self.connections):
-            conn.abort()
         if self._sweeper is not None:
             self._sweeper.cancel()
+        for conn in list(self.connections):
+            if conn.active is None:
+                conn.close()
+        if not await self.wait_idle(CLOSE_GRACE_S):
+            log.warning("%d request(s) still running at exit after %.1f s; cut off", len(self.in_flight),
+                        CLOSE_GRACE_S)
+        for conn in list(self.connections):
+            if conn.active is None:
+                conn.close()
+            else:
+                conn.abort()
         for server in self._servers:
             await server.wait_closed()
         self._servers.clear()

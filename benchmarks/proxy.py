@@ -167,8 +167,9 @@ def stream_rate(port: int, body: dict[str, Any]) -> tuple[float, int]:
                      b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload))
         first = last = 0.0
         events = 0
-        tail = b""
+        tail = head = b""
         while data := sock.recv(262144):
+            head = head or data
             now = time.perf_counter()
             n = (tail + data).count(b"data: ")
             tail = data[-5:]
@@ -177,6 +178,8 @@ def stream_rate(port: int, body: dict[str, Any]) -> tuple[float, int]:
                     first = now
                 events += n
                 last = now
+        if not events:
+            print(f"no events from port {port}: {head[:300]!r}", file=sys.stderr)
     return (events - 1) / (last - first) if events > 1 and last > first else 0.0, events
 
 

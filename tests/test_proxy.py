@@ -635,6 +635,36 @@ async def test_a_large_protected_slot_action_body_is_refused_unsent(proxied):
     assert not proxied.child.requests
 
 
+async def test_a_slow_client_slows_the_child_instead_of_filling_memory(proxied):
+    """While the client does not read, the proxy stops reading the child: the child's writes back up."""
+    total = 64 * 1024 * 1024
+    written = 0
+
+    async def respond(request, reader, writer):
+        nonlocal written
+        writer.write(raw_response(headers=[("Content-Length", str(total))], length=False))
+        piece = b"z" * 65536
+        while written < total:
+            writer.write(piece)
+            await writer.drain()
+            written += len(piece)
+
+    proxied.child.respond = respond
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxied.port, limit=65536)
+    writer.transport.set_write_buffer_limits(0)
+    writer.write(request_bytes("GET", "/big"))
+    await asyncio.sleep(1.0)  # the client reads nothing
+    stalled_at = written
+    assert stalled_at < total // 4, f"the child wrote {stalled_at} bytes to a client that reads nothing"
+    received = 0
+    while data := await asyncio.wait_for(reader.read(1 << 20), 10):
+        received += len(data)
+        if received >= total:
+            break
+    writer.close()
+    assert written == total and received > total  # the head and all of the body, once the client reads
+
+
 async def test_expect_100_continue_is_answered_by_the_proxy(proxied):
     reader, writer = await asyncio.open_connection("127.0.0.1", proxied.port)
     body = b'{"content":"x"}'

@@ -195,11 +195,15 @@ async def many_streams(port: int, n: int, body: dict[str, Any]) -> tuple[int, fl
             writer.write(request)
             data = await asyncio.wait_for(reader.read(-1), 300)
             writer.close()
-        except (OSError, TimeoutError):
+        except (OSError, TimeoutError) as exc:
+            print(f"failed stream: {exc!r}", file=sys.stderr)
             return False
         head, _, body = data.partition(b"\r\n\r\n")
         complete = body.endswith(b"0\r\n\r\n") if b"chunked" in head.lower() else False
-        return head.startswith(b"HTTP/1.1 200") and b'"stop":true' in body and complete
+        ok = head.startswith(b"HTTP/1.1 200") and b'"stop":true' in body and complete
+        if not ok:
+            print(f"failed stream: {head[:200]!r} ... {body[-200:]!r}", file=sys.stderr)
+        return ok
 
     started = time.perf_counter()
     results = await asyncio.gather(*(one() for _ in range(n)))

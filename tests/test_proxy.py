@@ -518,8 +518,38 @@ async def test_connections_to_the_child_are_kept_alive_and_renewed(proxied):
     connections = proxied.child.connections
     assert (await raw_call(proxied.port, request_bytes("POST", "/a", body=b"1"))).body == b"ok 1"
     assert (await raw_call(proxied.port, request_bytes("POST", "/b", body=b"2"))).body == b"ok 3"
-    assert [r.target for r in proxied.child.requests[-3:]] == [b"/a", b"/b", b"/b"]
+    assert [(r.target, r.body) for r in proxied.child.requests[-3:]] == [(b"/a", b"1"), (b"/b", b"2"), (b"/b", b"2")]
     assert proxied.child.connections == connections + 1
+
+
+async def test_a_full_accept_queue_at_the_child_is_waited_out(tmp_path):
+    """Many requests at once: connecting to a busy child's unix socket gets EAGAIN, which is not a 502."""
+    path = tmp_path / "busy.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)  # a tiny accept queue, not drained for a while
+    listener.setblocking(False)
+
+    async def serve_later() -> None:
+        await asyncio.sleep(0.3)
+        server = await asyncio.start_unix_server(lambda r, w: FakeChild(path)._serve(r, w), sock=listener)
+        async with server:
+            await asyncio.sleep(30)
+
+    serving = asyncio.ensure_future(serve_later())
+    gate = Gate()
+    gate.open()
+    proxy = Proxy(ChildEndpoint(runtime_dir=tmp_path, socket_path=path), gate, lambda: "ready", time.monotonic())
+    port = free_port()
+    await proxy.listen("127.0.0.1", port)
+    try:
+        replies = await asyncio.gather(*(raw_call(port, request_bytes("POST", "/tokenize", body=b"{}"))
+                                         for _ in range(20)))
+        assert [r.status for r in replies] == [200] * 20
+    finally:
+        serving.cancel()
+        await proxy.stop_listening()
+        proxy.close()
 
 
 async def test_idle_connection_closed_by_the_child_is_not_an_error(proxied):
@@ -624,8 +654,9 @@ async def test_a_client_that_half_closes_after_its_request_still_gets_the_answer
     writer.write(request_bytes("POST", "/tokenize", body=b'{"content":"x"}'))
     writer.write_eof()
     reply = await asyncio.wait_for(read_response(reader), 5)
-    writer.close()
     assert reply.status == 200 and reply.body == b'{"ok":true}'
+    assert await asyncio.wait_for(reader.read(), 5) == b"", "then the proxy closes its side"
+    writer.close()
 
 
 async def test_a_large_protected_slot_action_body_is_refused_unsent(proxied):

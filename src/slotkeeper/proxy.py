@@ -33,6 +33,7 @@ import collections
 import http
 import json
 import re
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -76,6 +77,7 @@ MAX_REQUEST_HEAD = 256 * 1024  # a request line and headers; llama-server's own 
 BODY_BUFFER_HIGH = 256 * 1024  # stop reading a client while this much of its body waits to be sent
 POOL_IDLE_S = 2.0  # drop an idle connection before the child does (llama-server: 5 s) to avoid a reuse race
 POOL_MAX_IDLE = 64
+CONNECT_RETRY_S = 0.002  # first wait when the child's accept queue is full (doubling, up to 0.1 s)
 CLIENT_IDLE_S = 75.0  # a client's idle keep-alive connection is closed after this long (aiohttp's default)
 CLIENT_SWEEP_S = 15.0
 CLOSE_GRACE_S = 1.0  # at exit, how long requests still running get to end (the child is gone: they fail fast)
@@ -236,6 +238,7 @@ class ClientConnection(asyncio.Protocol):
         self._out: list[bytes] | None = None  # collecting writes while a batch is open
         self._reading_done = False  # what follows is not parsed (malformed input, an upgrade)
         self._close_requested = False  # close once the open batch is written
+        self._client_done = False  # the client half-closed: close once what it sent is answered
         # the active exchange's response
         self._status = 0
         self._head_sent = False
@@ -273,7 +276,8 @@ class ClientConnection(asyncio.Protocol):
             self._refuse_malformed(error_reply(400, f"bad request: {exc}", "invalid_request_error"))
 
     def eof_received(self) -> bool:
-        # A half-close after the request is still waiting for its answer (curl --no-keepalive and HTTP/1.0 do it)
+        # A client that half-closes after its request still waits for the answer; then the connection closes.
+        self._client_done = True
         return self.active is not None
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -509,7 +513,9 @@ class ClientConnection(asyncio.Protocol):
         """The head and all the body read so far, in one write; the rest follows as it arrives."""
         parts, req.parts = req.parts, []
         req.buffered = 0
-        if req.mode == _STREAM:
+        if req.payload is not None:  # sent before, on a kept-alive connection that turned out closed
+            payload = req.payload
+        elif req.mode == _STREAM:
             if req.chunked:
                 framing = b"Transfer-Encoding: chunked\r\n\r\n"
                 body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + (_LAST_CHUNK if req.complete else b"")
@@ -618,7 +624,7 @@ class ClientConnection(asyncio.Protocol):
         self.idle_since = time.monotonic()
         if self.lost:
             return
-        if self._close_after or not req.complete:
+        if self._close_after or not req.complete or (self._client_done and not self.waiting):
             self.close()  # (a body the child did not wait for is not read on)
         elif self.waiting:
             next_request = self.waiting.popleft()
@@ -860,12 +866,32 @@ class ChildPool:
         return None
 
     async def connect(self) -> ChildConnection:
+        """A new connection, within CONNECT_TIMEOUT_S; a full accept queue (EAGAIN on a unix socket, when many
+        requests arrive at once) is waited out, not reported."""
+        return await asyncio.wait_for(self._connect(), CONNECT_TIMEOUT_S)
+
+    async def _connect(self) -> ChildConnection:
         loop = asyncio.get_running_loop()
-        if self.socket_path is not None:
-            connecting = loop.create_unix_connection(lambda: ChildConnection(self), self.socket_path)
-        else:
-            connecting = loop.create_connection(lambda: ChildConnection(self), self.host, self.port)
-        _, conn = await asyncio.wait_for(connecting, CONNECT_TIMEOUT_S)
+        if self.socket_path is None:
+            _, conn = await loop.create_connection(lambda: ChildConnection(self), self.host, self.port)
+            return conn
+        # A unix socket connects at once or fails with EAGAIN (never "in progress"), which the event loops
+        # do not all tell apart: connect here, and hand the loop a connected socket.
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            backoff = CONNECT_RETRY_S
+            while True:
+                try:
+                    sock.connect(self.socket_path)
+                    break
+                except BlockingIOError:
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 0.1)
+            _, conn = await loop.create_unix_connection(lambda: ChildConnection(self), sock=sock)
+        except BaseException:
+            sock.close()
+            raise
         return conn
 
     def release(self, conn: ChildConnection) -> None:

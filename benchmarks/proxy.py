@@ -106,6 +106,57 @@ def wrk_run(port: int, connections: int, seconds: float, script: Path) -> dict[s
             "errors": errors, "requests": requests}
 
 
+def byte_pipe(argv: list[str]) -> None:
+    """`--byte-pipe LISTEN_PORT UPSTREAM_PORT`: the floor for any proxy in Python. Each client connection gets its
+    own upstream connection and bytes are copied both ways, with no HTTP parsing at all (so none of the proxy's
+    duties: no gate, no header rules, no pooling)."""
+    import uvloop
+
+    listen_port, upstream_port = int(argv[0]), int(argv[1])
+
+    class Upstream(asyncio.Protocol):
+        def __init__(self, client: Client) -> None:
+            self.client = client
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            self.client.transport.write(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.client.transport.close()
+
+    class Client(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport
+            self.pending: list[bytes] = []
+            self.upstream: Upstream | None = None
+            asyncio.ensure_future(self.connect())
+
+        async def connect(self) -> None:
+            loop = asyncio.get_running_loop()
+            _, self.upstream = await loop.create_connection(lambda: Upstream(self), "127.0.0.1", upstream_port)
+            for data in self.pending:
+                self.upstream.transport.write(data)
+
+        def data_received(self, data: bytes) -> None:
+            if self.upstream is None:
+                self.pending.append(data)
+            else:
+                self.upstream.transport.write(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.upstream is not None:
+                self.upstream.transport.close()
+
+    async def main() -> None:
+        await asyncio.get_running_loop().create_server(Client, "127.0.0.1", listen_port)
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
+
+
 def python_loadgen(argv: list[str]) -> None:
     """`--loadgen PORT CONNECTIONS SECONDS`: keep-alive POST /tokenize loops; prints a JSON summary."""
     import uvloop
@@ -247,6 +298,8 @@ def median(values: list[float]) -> float:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--sink-child":
         return sink_child(sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] == "--byte-pipe":
+        return byte_pipe(sys.argv[2:])
     if len(sys.argv) > 1 and sys.argv[1] == "--loadgen":
         return python_loadgen(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -336,6 +389,22 @@ def main() -> None:
                       f"{cpu / requests * 1e6:.0f} us/request")
                 print(f"[2] {label:12} p50 at 1 connection: direct {median(p50s['direct']):.3f} ms, proxied "
                       f"{median(p50s['proxied']):.3f} ms, added {added:.3f} ms (target <= 0.25 ms)")
+            # The floor: what copying the bytes alone costs, with no HTTP parsing (not a usable proxy).
+            pipe_port = free_port()
+            pipe = subprocess.Popen([sys.executable, __file__, "--byte-pipe", str(pipe_port), str(direct)])
+            procs.append(pipe)
+            time.sleep(1.0)
+            load(pipe_port, 32, 1, script)
+            ratios, cpu, requests = [], 0.0, 0.0
+            for _ in range(ns.repeat):
+                d = load(direct, 32, ns.seconds, script)["rps"]
+                before = cpu_seconds(pipe.pid)
+                r = load(pipe_port, 32, ns.seconds, script)
+                cpu += cpu_seconds(pipe.pid) - before
+                requests += r["requests"]
+                ratios.append(r["rps"] / d)
+            print(f"[1] byte pipe    (no HTTP parsing, 1:1 connections: the floor for a Python proxy) to llama-server: "
+                  f"ratio {median(ratios):.2f}, CPU {cpu / requests * 1e6:.0f} us/request")
 
         if "3" in ns.parts:
             # 3: SSE token rate. With -t 2 llama-server wants both cores, so every CPU cycle slotkeeper spends

@@ -61,8 +61,8 @@ _REQUEST_NOTED = _HOP_BY_HOP | {b"content-length", b"expect", b"host"}
 # In the child's raw response head: the hop-by-hop header lines (dropped), and Content-Length (kept: it is the
 # body's length on both hops). The head has been validated by llhttp; a match ends before the line's CRLF.
 _RESPONSE_NOTED = re.compile(
-    rb"\r\n(connection|keep-alive|proxy-[!#$%&'*+.^_`|~0-9a-z-]*|te|trailer|transfer-encoding|upgrade"
-    rb"|content-length)[ \t]*:[^\r]*",
+    rb"\r\n(" + b"|".join(sorted(name for name in _HOP_BY_HOP if not name.startswith(b"proxy-")))
+    + rb"|proxy-[!#$%&'*+.^_`|~0-9a-z-]*|content-length)[ \t]*:[^\r]*",
     re.IGNORECASE,
 )
 
@@ -126,6 +126,11 @@ def error_reply(status: int, message: str, error_type: str, extra: dict[str, obj
 OwnRoute = Callable[[], Awaitable[Reply]]
 
 
+def connection_named(value: bytes) -> set[bytes]:
+    """The header names a Connection header's value lists (lower-cased), beyond keep-alive and close."""
+    return {token.strip().lower() for token in value.split(b",")} - {b"keep-alive", b"close", b""}
+
+
 # ---- one request, as parsed from the client ------------------------------------------------------------------
 
 # How a request body goes to the child
@@ -181,7 +186,7 @@ class Request:
                 self.has_host = True
                 self.forwarded += (name, b": ", value, b"\r\n")
             elif lname == b"connection":
-                named = {token.strip().lower() for token in value.split(b",")} - {b"keep-alive", b"close", b""}
+                named = connection_named(value)
                 if named:
                     self.named = (self.named or set()) | named
 
@@ -559,8 +564,7 @@ class ClientConnection(asyncio.Protocol):
             if lname == b"transfer-encoding":
                 chunked = True
             elif lname == b"connection":
-                tokens = {t.strip().lower() for t in match.group(0).partition(b":")[2].split(b",")}
-                named = (named or set()) | (tokens - {b"keep-alive", b"close", b""})
+                named = (named or set()) | connection_named(match.group(0).partition(b":")[2])
         if pos:
             kept.append(head[pos:])
             head = b"".join(kept)

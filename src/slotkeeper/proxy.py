@@ -249,7 +249,6 @@ class ClientConnection(asyncio.Protocol):
         self._head_sent = False
         self._chunked_out = False
         self._close_after = False
-        self._child_paused = False
 
     # ---- asyncio.Protocol ----
 
@@ -303,16 +302,12 @@ class ClientConnection(asyncio.Protocol):
         self._end(req, 499)
 
     def pause_writing(self) -> None:  # the client reads slower than the child answers
-        child = self.child
-        if child is not None and not self._child_paused:
-            self._child_paused = True
-            child.pause_reading()
+        if self.child is not None:
+            self.child.pause_reading()
 
     def resume_writing(self) -> None:
-        child = self.child
-        self._child_paused = False
-        if child is not None:
-            child.resume_reading()
+        if self.child is not None:
+            self.child.resume_reading()
 
     # ---- httptools callbacks ----
 
@@ -623,7 +618,7 @@ class ClientConnection(asyncio.Protocol):
         if req.counted:
             self.proxy.leave(self, status)
         self.active = None
-        self._head_sent = self._chunked_out = self._child_paused = False
+        self._head_sent = self._chunked_out = False
         self._unhold(_HOLD_CHILD_BUSY)
         self.idle_since = time.monotonic()
         if self.lost:
@@ -753,8 +748,7 @@ class ChildConnection(asyncio.Protocol):
         self.got_bytes = True
         if self._head is not None:
             self._head += data
-        if client._out is None:
-            client._out = []
+        client.batch()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:

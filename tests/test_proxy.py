@@ -659,13 +659,6 @@ async def test_a_client_that_half_closes_after_its_request_still_gets_the_answer
     writer.close()
 
 
-async def test_a_large_protected_slot_action_body_is_refused_unsent(proxied):
-    body = b'{"filename": "' + b"a" * (2 * 1024 * 1024) + b'"}'
-    reply = await raw_call(proxied.port, request_bytes("POST", "/slots/0?action=save", body=body))
-    assert reply.status == 413
-    assert not proxied.child.requests
-
-
 async def test_a_slow_client_slows_the_child_instead_of_filling_memory(proxied):
     """While the client does not read, the proxy stops reading the child: the child's writes back up."""
     total = 64 * 1024 * 1024
@@ -711,32 +704,10 @@ async def test_expect_100_continue_is_answered_by_the_proxy(proxied):
     assert not proxied.child.requests[-1].header(b"expect")
 
 
-@pytest.mark.parametrize("target, filename", [
-    ("/slots/0?action=save", "0.bin"),
-    ("/slots/1?action=restore", "1.json"),
-    ("/slots/0?action=save", "0.bin.partial"),
-    ("/slots/12?action=save", "12.json.partial"),
-    ("/slots/0?action=sa%76e", "0.bin"),  # llama-server decodes the query
-    ("/slots%2F0?action=save", "0.bin"),  # and the path
-    ("/slots/0?action=restore&x=1", "3.bin"),
-])
-async def test_slot_actions_on_slotkeepers_own_files_are_refused(proxied, target, filename):
-    for framing in ("length", "chunked"):
-        body = json.dumps({"filename": filename}).encode()
-        if framing == "length":
-            request = request_bytes("POST", target, [("Content-Type", "application/json")], body)
-        else:
-            request = request_bytes("POST", target, [("Transfer-Encoding", "chunked")]) \
-                + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
-        reply = await raw_call(proxied.port, request)
-        assert reply.status == 403, (framing, reply.body)
-        assert reply.json()["error"]["type"] == "permission_error"
-    assert not proxied.child.requests, "a refused slot action reached llama-server"
-
-
 @pytest.mark.parametrize("target, body", [
     ("/slots/0?action=save", {"filename": "my-snapshot.bin"}),
     ("/slots/0?action=restore", {"filename": "0.bin.bak"}),
+    ("/slots/0?action=save", {"filename": "0.bin"}),  # the store's files are out of llama-server's reach
     ("/slots/0?action=save", {"filename": "a0.bin"}),
     ("/slots/0?action=erase", {}),
     ("/slots/0?action=save", "not an object"),

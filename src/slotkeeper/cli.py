@@ -1,17 +1,15 @@
 """`slotkeeper <llama-server args...>`: the entry point.
 
-Run mode validates its input, then spawns llama-server *before* importing aiohttp and uvloop, so those
-imports overlap the model load instead of adding to it.
+Run mode validates its input, then spawns llama-server *before* importing uvloop, pydantic and the daemon,
+so those imports overlap the model load instead of adding to it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 from .cmdline import ConfigError, plan_launch, raw_flag
@@ -120,10 +118,9 @@ def run(argv: list[str]) -> int:
 
         setup_logging(config.options.log_level, config.options.log_format)
         try:
-            with tls_trust_store_skipped():
-                import uvloop
+            import uvloop
 
-                from .daemon import Daemon
+            from .daemon import Daemon
 
             return uvloop.run(Daemon(config, child, early_signals).run())
         except Exception as exc:  # noqa: BLE001 - one line, never a traceback; the child must not outlive us
@@ -132,27 +129,6 @@ def run(argv: list[str]) -> int:
             return EXIT_INTERNAL
     finally:
         shutil.rmtree(endpoint.runtime_dir, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def tls_trust_store_skipped() -> Iterator[None]:
-    """Import aiohttp without loading the system's CA bundle (~80 ms here, a fifth of slotkeeper's start-up).
-
-    aiohttp builds its default TLS contexts when it is imported (so as not to block the event loop later),
-    and OpenSSL 3 reads the whole CA bundle for each. slotkeeper only speaks plain HTTP, to its own child, so
-    those contexts are never used; pointing OpenSSL at an empty bundle for the import costs nothing else.
-    The environment is restored at once (the child was started before, with the original one).
-    """
-    saved = {name: os.environ.get(name) for name in ("SSL_CERT_FILE", "SSL_CERT_DIR")}
-    os.environ.update(SSL_CERT_FILE=os.devnull, SSL_CERT_DIR=os.devnull)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def entry() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from .config import RunConfig
 from .fingerprint import build_fingerprint, model_identity
-from .llama_client import LlamaClient, make_session
+from .llama_client import LlamaClient
 from .log import fmt_bytes, fmt_ms, log
 from .metrics import Metrics
 from .proxy import Gate, Proxy, Reply
@@ -115,10 +115,9 @@ class Daemon:
         # Hash the model file while llama-server loads it (hashlib releases the GIL): ready for the restore.
         self._identity = asyncio.ensure_future(asyncio.to_thread(model_identity, self.config.model))
         startup_deadline = self.started_at + self.options.startup_timeout
-        session = make_session(self.child.endpoint)
-        client = LlamaClient(session, self.config.api_key)
         gate = Gate()
         proxy = Proxy(self.child.endpoint, gate, lambda: self.state.value, startup_deadline)
+        client = LlamaClient(proxy.pool, self.config.api_key)
         proxy.own_routes["/slotkeeper/status"] = self.status
         proxy.own_routes["/slotkeeper/metrics"] = self.metrics_endpoint
         self.metrics.requests_in_flight = lambda: len(proxy.in_flight)
@@ -155,7 +154,6 @@ class Daemon:
             self.set_state(State.STOPPED)
             await proxy.stop_listening()
             proxy.close()
-            await session.close()
 
     async def listen(self, proxy: Proxy) -> None:
         """Public sockets open early so health checks see 503 (not connection refused) while loading."""

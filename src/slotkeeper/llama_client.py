@@ -1,37 +1,23 @@
-"""slotkeeper's own HTTP calls to its llama-server child, over the private endpoint.
+"""slotkeeper's own HTTP calls to its llama-server child, over the proxy's pool of connections.
 
-These few calls use an aiohttp session; the proxy has its own lean keep-alive pool to the same child
-(proxy.ChildPool).
+One client to the child: health, props, tokenize and slot actions go through the same keep-alive pool as
+proxied requests (proxy.ChildPool), so a call on the request path (placing a completion) costs what a
+proxied request costs, and no second HTTP stack is imported.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
 
-import aiohttp
-
-from .supervisor import ChildEndpoint
+if TYPE_CHECKING:
+    from .proxy import ChildPool
 
 # Bound only what is safe to bound: reaching the child. Slot saves of large caches and long generations
-# legitimately take minutes, so no total or read timeout is set here.
+# legitimately take minutes, so callers bound their own waits.
 CONNECT_TIMEOUT_S = 10.0
-
-
-def make_session(endpoint: ChildEndpoint) -> aiohttp.ClientSession:
-    """A pooled session to the child, with no automatic decompression (the proxy passes bodies byte-exact)."""
-    if endpoint.socket_path is not None:
-        connector: aiohttp.BaseConnector = aiohttp.UnixConnector(path=str(endpoint.socket_path), limit=0)
-    else:
-        connector = aiohttp.TCPConnector(limit=0, use_dns_cache=False)
-    return aiohttp.ClientSession(
-        base_url=endpoint.base_url,
-        connector=connector,
-        timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S, sock_connect=CONNECT_TIMEOUT_S),
-        auto_decompress=False,
-        skip_auto_headers=("User-Agent", "Accept-Encoding"),
-    )
 
 
 @dataclass(frozen=True)
@@ -55,20 +41,30 @@ class ChildReply:
 class LlamaClient:
     """The few llama-server endpoints slotkeeper calls itself, with the API key llama-server requires."""
 
-    def __init__(self, session: aiohttp.ClientSession, api_key: str | None) -> None:
-        self.session = session
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    def __init__(self, pool: ChildPool, api_key: str | None) -> None:
+        self.pool = pool
+        self._auth = f"Authorization: Bearer {api_key}\r\n".encode() if api_key else b""
+
+    async def call_raw(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        """Status and raw body; `body` goes as JSON, byte for byte."""
+        head = b"%s %s HTTP/1.1\r\nHost: localhost\r\n%s" % (method.encode(), path.encode(), self._auth)
+        if body is not None:
+            head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
+        reply = await self.pool.request(head + b"\r\n" + (body or b""))
+        return reply.status, reply.body
 
     async def _call(
         self, method: str, path: str, payload: Any = None, params: dict[str, str] | None = None
     ) -> ChildReply:
-        async with self.session.request(method, path, json=payload, params=params, headers=self.headers) as resp:
-            raw = await resp.read()
-            try:
-                body = json.loads(raw) if raw else None
-            except ValueError:
-                body = raw.decode("utf-8", "replace")
-            return ChildReply(resp.status, body)
+        if params:
+            path = f"{path}?{urlencode(params)}"
+        body = None if payload is None else json.dumps(payload, separators=(",", ":")).encode()
+        status, raw = await self.call_raw(method, path, body)
+        try:
+            parsed = json.loads(raw) if raw else None
+        except ValueError:
+            parsed = raw.decode("utf-8", "replace")
+        return ChildReply(status, parsed)
 
     async def health(self) -> ChildReply:
         return await self._call("GET", "/health")

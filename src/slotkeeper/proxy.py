@@ -36,14 +36,13 @@ import re
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
-from urllib.parse import parse_qs, unquote
+from typing import TYPE_CHECKING, Protocol
+from urllib.parse import unquote
 
 import httptools
 
 from .llama_client import CONNECT_TIMEOUT_S
 from .log import log
-from .slots import is_reserved_filename
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from .supervisor import ChildEndpoint
@@ -68,11 +67,9 @@ _RESPONSE_NOTED = re.compile(
 
 HEALTH_PATHS = frozenset({"/health", "/v1/health"})
 OWN_PREFIX = "/slotkeeper/"
-SLOT_ACTION_PREFIX = "/slots/"
-PROTECTED_SLOT_ACTIONS = frozenset({"save", "restore"})
 
 SMALL_BODY = 64 * 1024  # request bodies up to this size are read whole and sent with the head, in one write
-MAX_SLOT_ACTION_BODY = 1024 * 1024  # a slot save/restore body is a small JSON object, checked before it is sent
+MAX_HOOKED_BODY = 64 * 1024 * 1024  # a completion body larger than this is streamed through unplaced
 MAX_REQUEST_HEAD = 256 * 1024  # a request line and headers; llama-server's own limits are far lower (8 KiB)
 BODY_BUFFER_HIGH = 256 * 1024  # stop reading a client while this much of its body waits to be sent
 POOL_IDLE_S = 2.0  # drop an idle connection before the child does (llama-server: 5 s) to avoid a reuse race
@@ -131,12 +128,37 @@ def connection_named(value: bytes) -> set[bytes]:
     return {token.strip().lower() for token in value.split(b",")} - {b"keep-alive", b"close", b""}
 
 
+class Placed:
+    """What the completion hook decided for one request: the body to send, and who to tell when it ended."""
+
+    __slots__ = ("body", "done")
+
+    def __init__(self, body: bytes, done: Callable[[int], None] | None = None) -> None:
+        self.body = body
+        self.done = done  # called once with the final status (499: the client went away)
+
+
+class CompletionHook(Protocol):
+    """The proxy's one hook: completion requests are read whole and handed here before they are sent.
+
+    The proxy stays a transport; what to do with a completion (which slot, restore first) lives behind this.
+    """
+
+    def wants(self, method: bytes, path: str) -> bool:
+        """Cheap and synchronous: is this a request the hook places?"""
+        ...
+
+    async def place(self, path: str, body: bytes) -> Placed:
+        """The body to forward (changed or not); may wait (a slot restore). Must not raise."""
+        ...
+
+
 # ---- one request, as parsed from the client ------------------------------------------------------------------
 
 # How a request body goes to the child
 _STREAM = 0  # as it arrives
 _WHOLE = 1  # read whole first, sent with the head (no body, or at most SMALL_BODY bytes)
-_CHECKED = 2  # read whole (at most MAX_SLOT_ACTION_BODY), checked against slotkeeper's own files, then sent
+_HOOKED = 2  # read whole (at most MAX_HOOKED_BODY), given to the completion hook, then sent
 _DISCARD = 3  # answered by slotkeeper: the body is read and dropped
 
 
@@ -166,8 +188,8 @@ class Request:
     counted = False  # forwarded (or refused on the way): in the proxy's counts and drain
     reply: Reply | None = None  # slotkeeper's own answer, sent once the body is read
     own_route: OwnRoute | None = None
-    action = ""
     deferred = False  # to be sent once its body is read
+    done: Callable[[int], None] | None = None  # the completion hook's callback for the request's end
 
     def __init__(self) -> None:
         self.forwarded: list[bytes] = []  # end-to-end header lines for the child: name, ": ", value, CRLF
@@ -353,12 +375,12 @@ class ClientConnection(asyncio.Protocol):
             return
         req.parts.append(data)
         req.buffered += len(data)
-        if req.mode == _CHECKED and req.buffered > MAX_SLOT_ACTION_BODY:
-            req.mode = _DISCARD
-            req.parts.clear()
-            self.reply(req, error_reply(413, "slot action body too large", "invalid_request_error"))
-        elif req.buffered > BODY_BUFFER_HIGH and req.mode == _STREAM:
+        if req.buffered > BODY_BUFFER_HIGH and req.mode == _STREAM:
             self._hold(_HOLD_BUFFERED)
+        elif req.mode == _HOOKED and req.buffered > MAX_HOOKED_BODY and req is self.active and req.deferred:
+            req.mode = _STREAM  # too large to place: it goes on as it arrives, unplaced
+            req.deferred = False
+            self.forward(req)
 
     def on_message_complete(self) -> None:
         req = self.incoming
@@ -412,32 +434,30 @@ class ClientConnection(asyncio.Protocol):
             self.dispatch(req)
 
     def dispatch(self, req: Request) -> None:
-        """Forward: now (streamed body, or whole already) or when the body is read (small or checked)."""
+        """Forward: now (a streamed body) or once the body is read (small, or for the completion hook).
+
+        The one path for every request, however it arrived: the first on its connection or pipelined behind
+        another, its body still coming or already complete (then `_body_read` runs at once).
+        """
         self.proxy.enter(self)
         req.counted = True
-        if req.has_body:
-            if req.expect_continue and not req.complete:
-                self.send(_CONTINUE)  # we are about to read the body
-            if req.method == b"POST" and req.path.startswith(SLOT_ACTION_PREFIX):
-                query = req.target.partition(b"?")[2].decode("latin-1")
-                req.action = parse_qs(query).get("action", [""])[0] if query else ""
-            if req.action in PROTECTED_SLOT_ACTIONS:
-                if req.length is not None and req.length > MAX_SLOT_ACTION_BODY:
-                    req.mode = _DISCARD
-                    self.reply(req, error_reply(413, "slot action body too large", "invalid_request_error"))
-                    return
-                req.mode = _CHECKED
-            elif req.length is not None and req.length <= SMALL_BODY:
-                req.mode = _WHOLE
-            if req.mode != _STREAM and not req.complete:
-                req.deferred = True  # _body_read sends it
-                return
-        else:
+        hook = self.proxy.hook
+        if hook is not None and req.has_body and (req.length is None or req.length <= MAX_HOOKED_BODY) \
+                and hook.wants(req.method, req.path):
+            req.mode = _HOOKED
+        elif not req.has_body or (req.length is not None and req.length <= SMALL_BODY):
             req.mode = _WHOLE
-        self.forward(req)
+        if req.expect_continue and req.has_body and not req.complete:
+            self.send(_CONTINUE)  # we are about to read the body
+        if req.mode == _STREAM:
+            self.forward(req)
+            return
+        req.deferred = True
+        if req.complete:
+            self._body_read(req)
 
     def _body_read(self, req: Request) -> None:
-        """The active request's body is all here: send it, or the answer slotkeeper had for it."""
+        """The active request's body is all here: send it (placed first), or the answer slotkeeper had for it."""
         if req.mode == _DISCARD:
             if req.own_route is not None and req.reply is None:
                 self.task = asyncio.ensure_future(self._own_route(req, req.own_route))
@@ -445,11 +465,22 @@ class ClientConnection(asyncio.Protocol):
                 self._send_reply(req)
         elif req.deferred:
             req.deferred = False
-            refusal = refuse_own_files(req.action, b"".join(req.parts)) if req.mode == _CHECKED else None
-            if refusal is not None:
-                self.reply(req, refusal)
+            if req.mode == _HOOKED:
+                self.task = asyncio.ensure_future(self._place(req))
             else:
                 self.forward(req)
+
+    async def _place(self, req: Request) -> None:
+        """Off the hot path: the hook may tokenize, save a victim slot or restore one before the request goes."""
+        hook = self.proxy.hook
+        assert hook is not None
+        body = b"".join(req.parts)
+        placed = await hook.place(req.path, body)
+        self.task = None
+        req.done = placed.done
+        req.parts = [placed.body]
+        req.buffered = len(placed.body)
+        self.forward(req)
 
     async def _own_route(self, req: Request, route: OwnRoute) -> None:
         try:
@@ -615,6 +646,9 @@ class ClientConnection(asyncio.Protocol):
 
     def _end(self, req: Request, status: int) -> None:
         """The active exchange is over: count it, then the next pipelined request, or close."""
+        if req.done is not None:
+            done, req.done = req.done, None
+            done(status)
         if req.counted:
             self.proxy.leave(self, status)
         self.active = None
@@ -905,10 +939,103 @@ class ChildPool:
             idle.pop(0).abort()
         idle.append(conn)
 
+    async def request(self, payload: bytes) -> ChildReplyBytes:
+        """One whole request of slotkeeper's own (head and body in `payload`), answered whole."""
+        return await InternalExchange(self, payload).run()
+
     def close(self) -> None:
         for conn in self._idle:
             conn.abort()
         self._idle.clear()
+
+
+class ChildReplyBytes:
+    """A whole answer from the child to one of slotkeeper's own requests."""
+
+    __slots__ = ("status", "head", "body")
+
+    def __init__(self, status: int, head: bytes, body: bytes) -> None:
+        self.status = status
+        self.head = head
+        self.body = body
+
+
+class InternalExchange:
+    """Plays a ClientConnection's part for one of slotkeeper's own requests: collects the answer whole.
+
+    slotkeeper's calls to the child (health, props, tokenize, slot save and restore) share the proxy's pool,
+    so they cost what a proxied request costs and need no second HTTP client.
+    """
+
+    def __init__(self, pool: ChildPool, payload: bytes) -> None:
+        self.pool = pool
+        self.payload = payload
+        self.result: asyncio.Future[ChildReplyBytes] = asyncio.get_running_loop().create_future()
+        self._status = 0
+        self._head = b""
+        self._parts: list[bytes] = []
+        self._retried = False
+        self._conn: ChildConnection | None = None
+
+    async def run(self) -> ChildReplyBytes:
+        try:
+            self._send(self.pool.take() or await self.pool.connect())
+            return await self.result
+        except BaseException:
+            if self._conn is not None and not self.result.done():  # cancelled: the child stops what it did for us
+                self._conn.client = None
+                self._conn.abort()
+            raise
+
+    def _send(self, conn: ChildConnection) -> None:
+        self._conn = conn
+        conn.start(self, self.payload, False, True)  # type: ignore[arg-type]
+
+    # the interface ChildConnection calls
+    def batch(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def _hold(self, reason: int) -> None:
+        pass
+
+    def _unhold(self, reason: int) -> None:
+        pass
+
+    def response_head(self, status: int, head: bytes, no_body: bool) -> bool:
+        self._status, self._head = status, head
+        lower = head.lower()
+        return not (no_body or b"\r\ncontent-length:" in lower or b"\r\ntransfer-encoding:" in lower)
+
+    def response_body(self, data: bytes) -> None:
+        self._parts.append(data)
+
+    def response_done(self) -> None:
+        if not self.result.done():
+            self.result.set_result(ChildReplyBytes(self._status, self._head, b"".join(self._parts)))
+
+    def child_failed(self, reason: str) -> None:
+        conn, self._conn = self._conn, None
+        if self.result.done():
+            return
+        if conn is not None and conn.reused and not conn.got_bytes and not self._retried:
+            self._retried = True  # a kept-alive connection the child closed as we used it: once more, fresh
+            task = asyncio.ensure_future(self.pool.connect())
+            task.add_done_callback(self._on_fresh)
+            return
+        self.result.set_exception(ConnectionError(reason))
+
+    def _on_fresh(self, task: asyncio.Future[ChildConnection]) -> None:
+        if self.result.done():
+            if not task.cancelled() and task.exception() is None:
+                task.result().abort()
+            return
+        if task.cancelled() or task.exception() is not None:
+            self.result.set_exception(ConnectionError(f"llama-server unreachable: {task.exception()!r}"))
+            return
+        self._send(task.result())
 
 
 # ---- the proxy as a whole ---------------------------------------------------------------------------------------
@@ -954,6 +1081,7 @@ class Proxy:
         self.requests_total = 0
         self.status_counts: collections.Counter[int] = collections.Counter()  # 499: the client went away
         self.own_routes: dict[str, OwnRoute] = {}  # path -> handler
+        self.hook: CompletionHook | None = None  # completion requests go through it (the conversation cache)
         self._idle = asyncio.Event()
         self._idle.set()
         self._servers: list[asyncio.AbstractServer] = []
@@ -1037,20 +1165,4 @@ class Proxy:
     def close(self) -> None:
         """Close the idle connections to the child (requests in flight close theirs when they end)."""
         self.pool.close()
-
-
-def refuse_own_files(action: str, body: bytes) -> Reply | None:
-    """A client's slot save or restore may not touch slotkeeper's own cache files (403); others pass through."""
-    if action not in PROTECTED_SLOT_ACTIONS:
-        return None
-    try:
-        filename = json.loads(body).get("filename", "") if body else ""
-    except (ValueError, AttributeError):
-        return None  # llama-server answers malformed bodies itself
-    if isinstance(filename, str) and is_reserved_filename(filename):
-        return error_reply(
-            403, f"{filename!r} is managed by slotkeeper; use another filename for your own snapshots",
-            "permission_error",
-        )
-    return None
 

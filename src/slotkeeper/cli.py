@@ -12,7 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .cmdline import ConfigError, plan_launch, raw_flag
+from .cmdline import ConfigError, lock_save_dir, plan_launch, raw_flag
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 70
@@ -92,6 +92,7 @@ def run(argv: list[str]) -> int:
         load_dotenv(dotenv_file, override=False)
     try:
         plan = plan_launch(argv, os.environ)
+        lock_save_dir(plan.save_dir)  # held until the process exits
     except ConfigError as exc:
         print(f"slotkeeper: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -16,6 +16,8 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .layout import SNAPSHOTS_DIR, StoreLockedError, lock_store, prepare_layout
+
 Env = os._Environ[str] | dict[str, str]
 
 
@@ -28,6 +30,7 @@ OWN_OPTIONS: dict[str, bool] = {
     "llama_server": False, "startup_timeout": False, "drain_timeout": False, "save_timeout": False,
     "stop_timeout": False, "child_tcp": True, "llama_idle_slot_caching": True, "restore_unverified": True,
     "fsync": True, "autosave_idle": False, "max_cache_bytes": False, "log_level": False, "log_format": False,
+    "placement": True, "min_save_tokens": False,
 }
 ENV_PREFIX = "SLOTKEEPER_"
 ENV_LLAMA_SERVER = "LLAMA_SERVER"
@@ -268,7 +271,8 @@ def default_save_dir(llama: LlamaArgs, env: Env) -> Path:
 
 
 def prepare_save_dir(path: Path) -> Path:
-    """Create the directory (llama-server refuses a missing one) and prove it is writable, before anything starts."""
+    """Create the directory and its layout (llama-server refuses a missing one) and prove it is writable, before
+    anything starts."""
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -277,7 +281,25 @@ def prepare_save_dir(path: Path) -> Path:
         raise ConfigError(f"slot save path {path} is not a directory")
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"slot save directory {path} is not writable")
-    return path.resolve()
+    path = path.resolve()
+    try:
+        prepare_layout(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot prepare slot save directory {path}: {exc.strerror}") from None
+    return path
+
+
+def lock_save_dir(path: Path) -> int:
+    """Run mode's exclusive claim on the save directory; the descriptor stays open until the process exits."""
+    try:
+        return lock_store(path)
+    except StoreLockedError as exc:
+        raise ConfigError(
+            f"slot save directory {path} is in use by another slotkeeper (pid {exc}); give each running model "
+            "its own --slot-save-path"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot lock slot save directory {path}: {exc.strerror}") from None
 
 
 @dataclass
@@ -292,8 +314,10 @@ class LaunchPlan:
     api_key: str | None
 
     def child_command(self, endpoint_args: list[str]) -> list[str]:
-        """The full llama-server command: the user's arguments, the private address, the save directory."""
-        return [*self.binary, *self.child_args, *endpoint_args, "--slot-save-path", str(self.save_dir)]
+        """The full llama-server command: the user's arguments, the private address, and snapshots/ as its
+        save path (the store's entries are outside it, out of any request's reach)."""
+        snapshots = self.save_dir / SNAPSHOTS_DIR
+        return [*self.binary, *self.child_args, *endpoint_args, "--slot-save-path", str(snapshots)]
 
 
 def plan_launch(argv: list[str], env: Env) -> LaunchPlan:

@@ -35,7 +35,17 @@ class Options(BaseModel):
     autosave_idle: float = Field(
         5.0, ge=0, description="save changed slots after this many idle seconds, so a crash or SIGKILL loses little (0: off)"
     )
-    max_cache_bytes: ByteSize | None = Field(None, gt=0, description="cap on the save directory (e.g. 20GB); oldest go first")
+    max_cache_bytes: ByteSize | None = Field(
+        None, gt=0, description="cap on the conversation store (e.g. 20GB; default: half the disk space it could use); "
+        "least recently used entries go first"
+    )
+    placement: bool = Field(
+        True, description="place completion requests on the slot that holds their chat (restoring it first if "
+        "need be); off: llama-server chooses, and only the slots' last contents are kept"
+    )
+    min_save_tokens: int = Field(
+        256, ge=1, description="prompts shorter than this are not saved (title and tag requests are cheaper to recompute)"
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="debug, info, warning or error")
     log_format: Literal["plain", "json"] = Field("plain", description="plain lines, or one JSON object per line")
 
@@ -57,6 +67,7 @@ class RunConfig(BaseModel):
     slots_endpoint: bool
     child_args: list[str]
     model: str | None = None
+    llama_binary: str | None = None  # the child's executable, whose identity entries record
 
 
 # How RunConfig's fields are spelled on llama-server's command line, for error messages.
@@ -89,6 +100,7 @@ def validate(plan: LaunchPlan) -> RunConfig:
             slots_endpoint=llama.slots_endpoint,
             child_args=plan.child_args,
             model=llama.model or llama.hf_repo,
+            llama_binary=plan.binary[0] if plan.binary else None,
         )
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc, LLAMA_FLAG_NAMES)) from None

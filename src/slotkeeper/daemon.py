@@ -20,8 +20,9 @@ from .fingerprint import build_fingerprint, model_identity
 from .llama_client import LlamaClient
 from .log import fmt_bytes, fmt_ms, log
 from .metrics import Metrics
+from .placement import Placement
 from .proxy import Gate, Proxy, Reply
-from .slots import SlotStore, evict_over_cap, read_manifest
+from .store import ConversationStore, default_cap, server_identity
 from .supervisor import ChildProcess
 
 HEALTH_POLL_S = 0.01
@@ -56,8 +57,11 @@ class Daemon:
         self._early_signals = early_signals
         self.stop_requested = asyncio.Event()
         self.force_requested = asyncio.Event()
-        self.store: SlotStore | None = None
+        self.store: ConversationStore | None = None
+        self.placement: Placement | None = None
+        self._seen_tasks: dict[int, int] = {}  # with placement off: llama-server's id_task per slot at the last look
         self._autosave: asyncio.Future[None] | None = None
+        self._client: Any = None  # LlamaClient, once run() made it
         self.metrics = Metrics(state=lambda: self.state.value)
         self._identity: asyncio.Future[dict[str, Any]] | None = None
 
@@ -82,24 +86,24 @@ class Daemon:
         return Reply(200, body, content_type)
 
     async def status(self) -> Reply:
-        """GET /slotkeeper/status: is the cache back, and what is on disk."""
-        slots: dict[str, dict[str, Any]] = {}
-        if self.store is not None:
-            dirty: set[int] = set()
-            if self.state is State.READY and self.config.slots_endpoint:
-                dirty = {slot_id for slot_id, _ in await self.store.dirty_slots(self.total_slots, True)}
-            for info in self.store.slots.values():
-                entry = {k: v for k, v in vars(info).items() if k not in ("slot_id", "saved_task") and v is not None}
-                entry["dirty"] = info.slot_id in dirty
-                slots[str(info.slot_id)] = entry
+        """GET /slotkeeper/status: which slot holds which chat, what the store holds, what a stop must write."""
+        store, placement = self.store, self.placement
         return Reply.json({
             "state": self.state.value,
             "child_pid": self.child.pid,
             "uptime_s": round(time.monotonic() - self.started_at, 3),
             "save_dir": str(self.config.save_dir),
             "total_slots": self.total_slots,
-            "fingerprint": None if self.store is None else self.store.fingerprint,
-            "slots": slots,
+            "placement": self.options.placement,
+            "fingerprint": None if store is None else store.fingerprint,
+            "slots": [] if placement is None else placement.describe(),
+            "store": None if store is None else {
+                "entries": len(store.entries), "bytes": store.total_bytes, "cap_bytes": store.cap_bytes,
+                "kept_unused": len(store.skipped),
+            },
+            "placements": dict(self.metrics.placements),
+            "on_demand_restores": self.metrics.on_demand_restores,
+            "prefill_tokens_saved": self.metrics.prefill_tokens_saved,
             "save_estimate": self.save_estimate(),
         })
 
@@ -118,6 +122,7 @@ class Daemon:
         gate = Gate()
         proxy = Proxy(self.child.endpoint, gate, lambda: self.state.value, startup_deadline)
         client = LlamaClient(proxy.pool, self.config.api_key)
+        self._client = client
         proxy.own_routes["/slotkeeper/status"] = self.status
         proxy.own_routes["/slotkeeper/metrics"] = self.metrics_endpoint
         self.metrics.requests_in_flight = lambda: len(proxy.in_flight)
@@ -128,6 +133,8 @@ class Daemon:
             if code is not None:
                 gate.close()
                 return code
+            if self.options.placement and self.placement is not None:
+                proxy.hook = self.placement
             gate.open()
             # What start-up built (modules, pydantic models, the loop) lives as long as the process: moved out
             # of the collector's sight, a full collection no longer walks it while requests are proxied.
@@ -240,13 +247,28 @@ class Daemon:
         if model and identity.get("model") != str(Path(model).resolve()):  # e.g. -hf: /props names the file
             identity = await asyncio.to_thread(model_identity, model)
         fingerprint = build_fingerprint(identity, self.config.child_args, self.total_slots, n_ctx)
-        self.store = SlotStore(
-            self.config.save_dir, client, fingerprint,
-            fsync=self.options.fsync, restore_unverified=self.options.restore_unverified, metrics=self.metrics,
+        cap = int(self.options.max_cache_bytes) if self.options.max_cache_bytes else None
+        store = ConversationStore(
+            self.config.save_dir, client, fingerprint, server_identity(self.config.llama_binary),
+            fsync=self.options.fsync, cap_bytes=cap, restore_unverified=self.options.restore_unverified,
+            metrics=self.metrics,
         )
-        self.store.recover()
-        log.info("%d slot(s); caches in %s", self.total_slots, self.config.save_dir)
-        await self.store.restore_all(self.total_slots)
+        await asyncio.to_thread(store.open)
+        if store.cap_bytes is None:
+            store.cap_bytes = default_cap(self.config.save_dir, store.total_bytes)
+        if store.needs_format_probe():  # entries from another llama-server: is its state format this one's?
+            store.current_format = await store.probe_format(0)
+            if store.current_format is not None:
+                store.check_formats()
+        self.store = store
+        self.metrics.store_entries = lambda: len(store.entries)
+        self.metrics.store_bytes = lambda: store.total_bytes
+        self.placement = Placement(store, client, self.total_slots, min_tokens=self.options.min_save_tokens,
+                                   metrics=self.metrics)
+        other = f"; {len(store.skipped)} kept for other configurations" if store.skipped else ""
+        log.info("%d slot(s); %d conversation(s) in %s (%s of a %s cap)%s", self.total_slots, len(store.entries),
+                 self.config.save_dir, fmt_bytes(store.total_bytes), fmt_bytes(store.cap_bytes or 0), other)
+        await self.placement.restore_recent()
 
     async def serve(self, proxy: Proxy, child_exited: asyncio.Future[int]) -> int | None:
         """Until a stop request, autosaving when idle; returns the child's exit code if it dies first."""
@@ -266,7 +288,6 @@ class Daemon:
 
         A cache saved while idle survives a crash or a SIGKILL, and leaves little for the stop-time save.
         """
-        assert self.store is not None
         idle_s = self.options.autosave_idle
         seen = proxy.requests_total
         while not self.stop_requested.is_set():
@@ -275,13 +296,38 @@ class Daemon:
                 await asyncio.sleep(max(idle_s - quiet, 0.2) if not proxy.in_flight else idle_s)
                 continue
             seen = proxy.requests_total
-            outcomes = await self.store.save_dirty(self.total_slots, self.config.slots_endpoint, None)
-            if outcomes:
-                self.enforce_cache_cap()
+            await self.save_changed("idle", None)
 
-    def enforce_cache_cap(self) -> None:
-        if self.options.max_cache_bytes:
-            evict_over_cap(self.config.save_dir, int(self.options.max_cache_bytes))
+    async def save_changed(self, why: str, deadline: float | None) -> tuple[int, int]:
+        """Write every changed slot back into the store, then keep the store within its cap."""
+        assert self.placement is not None and self.store is not None
+        if not self.options.placement:
+            await self.note_unplaced_changes()
+        outcome = await self.placement.save_dirty(why, deadline)
+        self.store.evict_over_cap(self.placement.held_entries())
+        return outcome
+
+    async def note_unplaced_changes(self) -> None:
+        """With placement off, llama-server chose the slots: /slots says which ran a new task since the last look."""
+        assert self.placement is not None
+        if not self.config.slots_endpoint:  # --no-slots: nothing to ask; every slot may have changed
+            for slot in self.placement.slots:
+                slot.dirty, slot.keys, slot.tokens = True, [], 0
+            return
+        try:
+            reply = await self._client.slots()
+        except ConnectionError as exc:
+            log.warning("GET /slots failed (%s); saving every slot", exc)
+            reply = None
+        entries = reply.body if reply is not None and reply.ok and isinstance(reply.body, list) else None
+        for slot in self.placement.slots:
+            info = next((e for e in entries or () if e.get("id") == slot.id), None)
+            task = None if info is None else info.get("id_task")
+            if entries is None or (task is not None and info.get("n_prompt_tokens", 0) > 0
+                                   and self._seen_tasks.get(slot.id) != task):
+                slot.dirty, slot.keys, slot.tokens = True, [], 0
+                if task is not None:
+                    self._seen_tasks[slot.id] = task
 
     async def shutdown(self, proxy: Proxy, child_exited: asyncio.Future[int]) -> int:
         """Drain, save what changed inside the budget, stop the child. A second signal skips the rest of the save."""
@@ -299,19 +345,18 @@ class Daemon:
             return await self.stop_forced()
         self.set_state(State.SAVING)
         assert self.store is not None
-        outcome, attempted = await self._race(self.save_at_stop(budget_end), self.force_requested, child_exited)
         if self._autosave is not None:
             self._autosave.cancel()
+            await asyncio.gather(self._autosave, return_exceptions=True)
+        outcome, counts = await self._race(self.save_at_stop(budget_end), self.force_requested, child_exited)
         if outcome == "interrupted":
             return await self.stop_forced()
         self.set_state(State.STOPPING)
         if outcome == "child_exited":
             log.error("llama-server exited with code %d while saving", child_exited.result())
-        # Saved files are complete once llama-server has answered: fsync and rename them while it exits.
-        committed, _ = await asyncio.gather(self.store.flush(), self.child.stop(self.options.stop_timeout))
-        if attempted:
-            log.info("saved %d of %d changed slot(s)", sum(o.saved for o in committed), len(attempted))
-        self.enforce_cache_cap()
+        await asyncio.gather(self.store.flush(), self.child.stop(self.options.stop_timeout))
+        if counts and counts[1]:
+            log.info("saved %d of %d changed slot(s)", *counts)
         return EXIT_OK
 
     async def stop_forced(self) -> int:
@@ -319,40 +364,43 @@ class Daemon:
         self.set_state(State.STOPPING)
         await self.child.stop(min(self.options.stop_timeout, FORCED_STOP_TIMEOUT_S))
         if self.store is not None:
-            await self.store.flush()  # files llama-server had already finished: cheap to keep
+            await self.store.flush()
         return EXIT_FORCED
 
-    async def save_at_stop(self, budget_end: float) -> list[Any]:
-        assert self.store is not None
+    async def save_at_stop(self, budget_end: float) -> tuple[int, int] | None:
         remaining = budget_end - time.monotonic()
         try:
-            outcomes = await asyncio.wait_for(
-                self.store.save_dirty(self.total_slots, self.config.slots_endpoint, budget_end, overlap_commits=True),
-                max(remaining, 0.0),
-            )
+            counts = await asyncio.wait_for(self.save_changed("at stop", budget_end), max(remaining, 0.0))
         except TimeoutError:
-            log.warning("the save budget (--save-timeout %.1f s) ran out; slots not saved yet keep their previous file",
-                        self.options.save_timeout)
-            return []
-        if not outcomes:
+            log.warning("the save budget (--save-timeout %.1f s) ran out; slots not saved yet keep their previous "
+                        "entries", self.options.save_timeout)
+            return None
+        if not counts[1]:
             log.info("no slot changed since its cache was written; nothing to save")
-        return outcomes
+        return counts
 
     def save_estimate(self) -> dict[str, float] | None:
-        """What saving every cache in the directory would take, at the speed the last saves measured."""
-        manifests = [m for m in (read_manifest(p) for p in self.config.save_dir.glob("*.json")) if m]
-        timed = [(m["bytes"], m["save_ms"]) for m in manifests if m.get("save_ms") and m.get("bytes")]
-        if not timed:
+        """What the stop-time save must write: the changed slots (at start, at most one entry per slot), at the
+        speed the saves measured."""
+        store, placement = self.store, self.placement
+        if store is None or placement is None:
             return None
-        rate = sum(b for b, _ in timed) / (sum(ms for _, ms in timed) / 1000)  # bytes per second
-        total = sum(int(m.get("bytes", 0)) for m in manifests)
-        return {"bytes": total, "bytes_per_s": rate, "seconds": total / rate, "budget_s": self.options.save_timeout}
+        rate = store.save_rate()
+        if not rate:
+            return None
+        per_token = store.bytes_per_token() or 0.0
+        largest = max((e.nbytes for e in store.entries.values()), default=0)
+        if self.state is State.READY and any(s.last_used for s in placement.slots):
+            nbytes = sum(int(s.tokens * per_token) if s.tokens else largest for s in placement.dirty_slots())
+        else:  # before any request: what the slots could hold, the largest entries' sizes
+            nbytes = sum(sorted((e.nbytes for e in store.entries.values()), reverse=True)[: self.total_slots])
+        return {"bytes": nbytes, "bytes_per_s": rate, "seconds": nbytes / rate, "budget_s": self.options.save_timeout}
 
     def warn_if_save_exceeds_budget(self) -> None:
         estimate = self.save_estimate()
         if estimate and estimate["seconds"] > self.options.save_timeout:
             log.warning(
-                "saving these caches (%s) takes ~%.1f s at the last measured %s/s, more than --save-timeout %.1f s: "
+                "saving the slots (up to %s) takes ~%.1f s at the last measured %s/s, more than --save-timeout %.1f s: "
                 "raise --save-timeout, and llama-swap's unloadTimeout (and healthCheckTimeout for swaps) above it",
                 fmt_bytes(int(estimate["bytes"])), estimate["seconds"], fmt_bytes(int(estimate["bytes_per_s"])),
                 self.options.save_timeout,

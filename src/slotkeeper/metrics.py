@@ -47,6 +47,11 @@ class Metrics:
     saved_tokens: int = 0
     save_failures: collections.Counter[str] = field(default_factory=collections.Counter)  # by reason
     quarantines: int = 0
+    placements: collections.Counter[str] = field(default_factory=collections.Counter)  # by outcome
+    on_demand_restores: int = 0
+    prefill_tokens_saved: int = 0  # estimated: the prompt tokens placed requests found in their slot
+    store_entries: Callable[[], int] = lambda: 0
+    store_bytes: Callable[[], int] = lambda: 0
     requests_by_status: Callable[[], dict[int, int]] = dict
     requests_in_flight: Callable[[], int] = lambda: 0
     state: Callable[[], str] = lambda: "starting"
@@ -94,7 +99,7 @@ class _Collector:
                 family.add_metric([], values)
             return family
 
-        yield counter("restores", "Slot restores at start, by outcome", "outcome", dict(m.restores))
+        yield counter("restores", "Entry restores (at start and on demand), by outcome", "outcome", dict(m.restores))
         yield HistogramMetricFamily("slotkeeper_restore_seconds", "Duration of successful slot restores",
                                     buckets=m.restore_seconds.cumulative(), sum_value=m.restore_seconds.total)
         yield counter("restored_bytes", "Bytes of slot cache restored", values=m.restored_bytes)
@@ -106,6 +111,16 @@ class _Collector:
         yield counter("saved_tokens", "Tokens of slot cache saved", values=m.saved_tokens)
         yield counter("save_failures", "Failed or abandoned slot saves, by reason", "reason", dict(m.save_failures))
         yield counter("quarantines", "Cache files moved to quarantine/", values=m.quarantines)
+        yield counter("placements", "Completion requests placed: resident (hit), restored (on demand), new, branch "
+                      "(a miss), pinned (the client chose), unplaced (tokens unknown)", "outcome", dict(m.placements))
+        yield counter("on_demand_restores", "Entries restored into a slot for a request", values=m.on_demand_restores)
+        yield counter("prefill_tokens_saved", "Prompt tokens placed requests found cached (estimated, in 64-token "
+                      "blocks)", values=m.prefill_tokens_saved)
+        for name, doc, value in (("store_entries", "Entries in the conversation store", m.store_entries()),
+                                 ("store_bytes", "Bytes of entries in the conversation store", m.store_bytes())):
+            gauge = GaugeMetricFamily(f"slotkeeper_{name}", doc)
+            gauge.add_metric([], value)
+            yield gauge
         yield counter("proxied_requests", "Requests proxied to llama-server, by status", "status",
                       m.requests_by_status())
         in_flight = GaugeMetricFamily("slotkeeper_requests_in_flight", "Requests being proxied now")

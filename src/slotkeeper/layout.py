@@ -1,0 +1,52 @@
+"""The save directory's layout and its lock: stdlib only, because both are needed before llama-server starts.
+
+```
+<save dir>/
+  .lock        held (flock) by the one slotkeeper using this directory
+  entries/     the conversation store: <id>.bin (llama-server's slot file) and <id>.json (its manifest)
+  snapshots/   llama-server's --slot-save-path: clients' own save/restore names, and slotkeeper's transient ones
+  quarantine/  entries llama-server refused
+```
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ENTRIES_DIR = "entries"
+SNAPSHOTS_DIR = "snapshots"
+QUARANTINE_DIR = "quarantine"
+LOCK_NAME = ".lock"
+
+
+class StoreLockedError(Exception):
+    """Another slotkeeper uses this save directory; the text is its pid."""
+
+
+def prepare_layout(root: Path) -> Path:
+    """Create entries/ and snapshots/; returns llama-server's --slot-save-path (snapshots/)."""
+    for name in (ENTRIES_DIR, SNAPSHOTS_DIR):
+        (root / name).mkdir(exist_ok=True)
+    return root / SNAPSHOTS_DIR
+
+
+def lock_store(root: Path) -> int:
+    """An exclusive lock on the directory for this process's lifetime (flock; the kernel drops it at exit).
+
+    Two slotkeepers on one directory would remove each other's transient files and supersede each other's
+    entries: the second one is refused before it starts anything. The descriptor is not inherited by
+    llama-server (O_CLOEXEC), so a lingering child cannot hold the lock.
+    """
+    import fcntl
+
+    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise StoreLockedError(holder) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd

@@ -1,0 +1,437 @@
+"""Placement: which slot a completion request runs on, so that every conversation finds its own cache.
+
+llama-server on its own sends a request to the idle slot with the longest common prefix when that exceeds
+10% of the prompt, else to the least recently used one. Chats share a system prompt, so a returning chat
+lands on a slot that holds *another* chat and overwrites it. slotkeeper pins `id_slot` instead:
+
+* the chat is in an idle slot: that slot (the common case; recognised from the request's messages alone,
+  without a tokenize round trip, when the slot holds the request's earlier messages);
+* it is in the store only: an idle victim (empty slots first, then least recently used) is written back
+  if it changed since its last save, the entry is restored into it, and the request goes there;
+* a new chat: a victim chosen the same way.
+
+The policy is here; the mechanism (files, slot actions) is the store's, and the proxy only calls `place`.
+State is touched only on the event loop, and each decision reserves its slot in the same synchronous step
+that makes it, so no two requests can choose one slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import chatform
+from .llama_client import LlamaClient
+from .log import fmt_bytes, fmt_ms, log
+from .metrics import Metrics
+from .prefix import BLOCK_TOKENS, block_keys, common_keys, unit_keys
+from .proxy import Placed
+from .store import ConversationStore, Entry
+
+CHAT_PATHS = frozenset({"/chat/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"})
+PROMPT_PATHS = frozenset({"/completion", "/completions", "/v1/completions", "/infill"})
+COMPLETION_PATHS = CHAT_PATHS | PROMPT_PATHS
+# llama-server b11434 drops `id_slot` when it converts an Anthropic request to chat form: for these, the slot
+# is prepared where llama-server's own choice will go (see `Placement._llama_choice`).
+UNPINNABLE_PATHS = frozenset({"/v1/messages"})
+# Body fields that do not change the prompt: a chat whose turns differ only in these is still one chat.
+NOT_PROMPT_FIELDS = frozenset({
+    "messages", "input", "prompt", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p",
+    "max_tokens", "max_completion_tokens", "max_output_tokens", "n_predict", "seed", "stop", "stop_sequences",
+    "id_slot", "cache_prompt", "timings_per_token", "return_progress", "presence_penalty", "frequency_penalty",
+    "repeat_penalty", "repeat_last_n", "typical_p", "mirostat", "mirostat_tau", "mirostat_eta", "logit_bias",
+    "n_probs", "logprobs", "top_logprobs", "samplers", "user", "metadata", "store", "dry_multiplier",
+    "dry_base", "dry_allowed_length", "dry_penalty_last_n", "xtc_probability", "xtc_threshold", "top_n_sigma",
+    "t_max_predict_ms", "n_indent", "return_tokens", "post_sampling_probs", "response_fields", "lora",
+})
+DEFAULT_MIN_TOKENS = 256
+BRANCH_SHARE = (3, 4)  # a request sharing 3/4 of a slot's blocks branches that chat (an edited message)
+RESTORE_MIN_GAIN_BLOCKS = 2  # restore an entry only when it covers this many more blocks than the best slot
+SLOT_PROMPT_SIMILARITY = 0.1  # llama-server's --slot-prompt-similarity default (for unpinnable requests)
+TOKENIZE_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class FastKey:
+    """What recognises a chat continuing in its slot without a tokenize round trip.
+
+    Chat form: chained keys of the prompt-relevant settings and of each message. Prompt form: the prompt
+    itself (text, or canonical JSON of a token list, open-ended so that only whole items compare).
+    """
+
+    units: tuple[str, ...] = ()
+    prompt: str | None = None
+
+    def continued_by(self, other: FastKey) -> bool:
+        """`other` opens with everything this request had: the same chat, one turn on."""
+        if self.units:
+            n = len(self.units)
+            return n >= 2 and n <= len(other.units) and common_keys(self.units, other.units) == n
+        if self.prompt and other.prompt is not None:
+            return other.prompt.startswith(self.prompt)
+        return False
+
+
+NO_KEY = FastKey()
+
+
+@dataclass
+class Slot:
+    """What one llama-server slot holds, as far as slotkeeper placed it there."""
+
+    id: int
+    keys: list[str] = field(default_factory=list)  # block keys of a prefix of what it holds
+    fast: FastKey = NO_KEY  # the last request placed here
+    tokens: int = 0  # tokens known to be there (a lower bound after a fast-path turn)
+    entry: Entry | None = None  # the entry its content is saved as, while it has not changed since
+    dirty: bool = False  # changed since its content was last saved
+    busy: bool = False
+    last_used: float = 0.0
+    label: str = ""  # the chat it holds, for log lines
+
+
+@dataclass
+class Plan:
+    """One decision: the slot, and what must happen to it before the request may go."""
+
+    slot: Slot
+    restore: Entry | None = None
+    write_back: bool = False
+    outcome: str = "new"  # resident | restored | branch | new | pinned (the client chose) | unplaced
+    keys: list[str] | None = None  # the prompt's block keys, when it was tokenized
+
+
+def with_id_slot(body: bytes, slot_id: int) -> bytes:
+    """The body with `"id_slot": N` added as its last member, every other byte unchanged.
+
+    Last, because llama-server's JSON parser keeps the last of duplicate keys: an `"id_slot": -1` the client
+    sent earlier in the object is overridden.
+    """
+    end = body.rstrip()
+    if not end.endswith(b"}"):
+        return body
+    inner = end[:-1].rstrip()
+    separator = b"" if inner.endswith(b"{") else b","
+    return b'%s%s"id_slot":%d}%s' % (inner, separator, slot_id, body[len(end):])
+
+
+def fast_key(path: str, data: dict[str, Any]) -> tuple[FastKey, dict[str, Any] | None]:
+    """A request's fast key, and its chat-form body (None for prompt-form requests)."""
+    if path in CHAT_PATHS:
+        chat = chatform.to_chat_form(path, data)
+        if chat is None:
+            return NO_KEY, None
+        messages = chat.get("messages")
+        if not isinstance(messages, list):
+            return NO_KEY, chat
+        settings = {k: v for k, v in chat.items() if k not in NOT_PROMPT_FIELDS}
+        return FastKey(units=tuple(unit_keys([_canonical(settings), *map(_canonical, messages)]))), chat
+    prompt = data.get("prompt")
+    if path == "/infill" or prompt is None:
+        return NO_KEY, None
+    if isinstance(prompt, str):
+        return FastKey(prompt=prompt), None
+    text = _canonical(prompt).decode()
+    return FastKey(prompt=text[:-1] + "," if text.endswith("]") else text), None
+
+
+def _canonical(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def is_multi_prompt(data: dict[str, Any]) -> bool:
+    """A prompt-form request with several prompts runs on several slots at once: llama-server places it."""
+    prompt = data.get("prompt")
+    return isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt)
+
+
+class Placement:
+    """The completion hook (proxy.CompletionHook) and the table of what each slot holds."""
+
+    def __init__(
+        self, store: ConversationStore, client: LlamaClient, n_slots: int, *, min_tokens: int = DEFAULT_MIN_TOKENS,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.store = store
+        self.client = client
+        self.slots = [Slot(i) for i in range(n_slots)]
+        self.min_tokens = min_tokens
+        self.metrics = metrics or Metrics()
+        self._freed = asyncio.Event()
+        self._clock = 0.0
+
+    # ---- the proxy's hook ---------------------------------------------------------------------------------
+
+    def wants(self, method: bytes, path: str) -> bool:
+        return method == b"POST" and path in COMPLETION_PATHS
+
+    async def place(self, path: str, body: bytes) -> Placed:
+        """Choose the slot, make it hold the chat's cache, pin the request to it. Never raises."""
+        try:
+            data = json.loads(body)
+            if not isinstance(data, dict) or (path in PROMPT_PATHS and is_multi_prompt(data)):
+                return Placed(body)
+            fast, chat = fast_key(path, data)
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+            return Placed(body)  # llama-server answers it with its own message
+        pinned = data.get("id_slot")
+        pinned = pinned % len(self.slots) if isinstance(pinned, int) and pinned >= 0 else None
+        plan: Plan | None = None
+        try:
+            plan = await self._plan(path, body, data, chat, fast, pinned)
+            await self._prepare(plan)
+        except asyncio.CancelledError:
+            if plan is not None:
+                self._release(plan.slot)
+            raise
+        except Exception as exc:  # noqa: BLE001 - placement is an optimisation: the request goes on unplaced
+            log.warning("placement failed (%r); the request goes on as it came", exc)
+            if plan is not None:
+                self._release(plan.slot)
+            return Placed(body)
+        self.metrics.placements[plan.outcome] += 1
+        out = body if path in UNPINNABLE_PATHS or pinned is not None else with_id_slot(body, plan.slot.id)
+        return Placed(out, lambda status: self._finished(plan, status, fast))
+
+    async def _plan(
+        self, path: str, body: bytes, data: dict[str, Any], chat: dict[str, Any] | None, fast: FastKey,
+        pinned: int | None,
+    ) -> Plan:
+        """Decide (waiting for an idle slot if need be); the chosen slot is reserved."""
+        if pinned is None:
+            while (resident := self._resident(fast)) is not None:
+                if not resident.busy:
+                    return Plan(self._reserve(resident), outcome="resident")
+                await self._wait_freed()  # its own previous request: this one goes after it, as in llama-server
+        tokens = await self._tokens(path, body, data, chat)
+        keys = block_keys(tokens) if tokens is not None else None
+        while (plan := self._decide(keys, len(tokens or ()), pinned, path in UNPINNABLE_PATHS)) is None:
+            await self._wait_freed()
+        plan.keys = keys
+        return plan
+
+    # ---- deciding (synchronous: decide and reserve in one step) -------------------------------------------
+
+    def _resident(self, fast: FastKey) -> Slot | None:
+        """The slot whose last request this one continues (same chat, one turn on)."""
+        if fast is NO_KEY:
+            return None
+        for slot in self.slots:
+            if slot.fast.continued_by(fast):
+                return slot
+        return None
+
+    def _decide(self, keys: list[str] | None, n_tokens: int, pinned: int | None, unpinnable: bool) -> Plan | None:
+        """The plan for a request whose prompt has these block keys, or None when it must wait for a slot."""
+        if pinned is not None:
+            slot = self.slots[pinned]
+            if slot.busy:
+                return None
+            shared = common_keys(slot.keys, keys) if keys else 0
+            return Plan(self._reserve(slot), write_back=not self._holds(slot, shared), outcome="pinned")
+        idle = [s for s in self.slots if not s.busy]
+        if not idle:
+            return None
+        if keys is None:  # tokens unknown: a victim, whose content then is unknown too
+            return Plan(self._reserve(self._victim(idle)), write_back=True, outcome="unplaced")
+        best, shared = max(((s, common_keys(s.keys, keys)) for s in idle), key=lambda p: (p[1], p[0].last_used))
+        entry, in_store = self.store.lookup(keys)
+        if (entry is not None and not self._in_a_slot(entry) and in_store >= shared + RESTORE_MIN_GAIN_BLOCKS
+                and in_store * BLOCK_TOKENS >= self.min_tokens and in_store * 2 >= len(entry.keys)):
+            victim = self._llama_choice(idle, keys, n_tokens) if unpinnable else self._victim(idle)
+            return Plan(self._reserve(victim), restore=entry, write_back=True, outcome="restored")
+        if shared and self._holds(best, shared):
+            return Plan(self._reserve(best), outcome="resident")
+        if shared * BLOCK_TOKENS >= self.min_tokens and shared * BRANCH_SHARE[1] >= len(best.keys) * BRANCH_SHARE[0]:
+            return Plan(self._reserve(best), write_back=True, outcome="branch")  # an edit of this chat's past
+        victim = self._llama_choice(idle, keys, n_tokens) if unpinnable else self._victim(idle)
+        return Plan(self._reserve(victim), write_back=True, outcome="new")
+
+    @staticmethod
+    def _holds(slot: Slot, shared: int) -> bool:
+        """The request continues what the slot holds (all its full blocks, give or take the last one)."""
+        return bool(slot.keys) and shared >= len(slot.keys) - 1
+
+    def _in_a_slot(self, entry: Entry) -> bool:
+        return any(s.entry is entry for s in self.slots)
+
+    def _victim(self, idle: list[Slot]) -> Slot:
+        """Slots holding nothing worth keeping first, then the least recently used."""
+        return min(idle, key=lambda s: (self._worth_keeping(s), s.last_used))
+
+    def _llama_choice(self, idle: list[Slot], keys: list[str], n_tokens: int) -> Slot:
+        """Where llama-server itself will put an unpinnable request: the idle slot with the longest common
+        prefix if it covers over SLOT_PROMPT_SIMILARITY of the prompt, else the least recently used one."""
+        best, shared = max(((s, common_keys(s.keys, keys)) for s in idle), key=lambda p: p[1])
+        if n_tokens and shared * BLOCK_TOKENS / n_tokens > SLOT_PROMPT_SIMILARITY:
+            return best
+        return min(idle, key=lambda s: s.last_used)
+
+    def _worth_keeping(self, slot: Slot) -> bool:
+        """Worth a file: enough tokens, or content slotkeeper could not see (saved to find out)."""
+        return slot.dirty and (slot.tokens >= self.min_tokens or not slot.keys)
+
+    def _reserve(self, slot: Slot) -> Slot:
+        slot.busy = True
+        return slot
+
+    async def _wait_freed(self) -> None:
+        self._freed.clear()
+        await self._freed.wait()
+
+    def _release(self, slot: Slot) -> None:
+        slot.busy = False
+        self._freed.set()
+
+    # ---- preparing the slot -------------------------------------------------------------------------------
+
+    async def _prepare(self, plan: Plan) -> None:
+        """Write the victim back if it changed since its last save, then restore the entry into it."""
+        slot = plan.slot
+        if plan.write_back and self._worth_keeping(slot):
+            await self.write_back(slot, "before it is reused")
+        if plan.restore is not None:
+            await self.restore_into(slot, plan.restore)
+
+    async def write_back(self, slot: Slot, why: str, deadline: float | None = None) -> bool:
+        """Save a (reserved) slot's content as an entry; True when it was saved."""
+        work = self.store.save_slot(slot.id, self._expected_bytes(slot), list(slot.fast.units))
+        result = await (work if deadline is None else asyncio.wait_for(work, max(0.0, deadline - time.monotonic())))
+        if result.entry is None:
+            if result.reason == "0 tokens":
+                slot.dirty = False
+                return False
+            log.warning("slot %d not saved (%s): %s; its previous entries are kept", slot.id, why, result.reason)
+            return False
+        entry = result.entry
+        slot.entry, slot.dirty, slot.keys, slot.tokens, slot.label = entry, False, entry.keys, entry.tokens, entry.short
+        superseding = f", superseding {result.superseded}" if result.superseded else ""
+        log.info("chat %s saved from slot %d (%s): %s tokens, %s in %s%s", entry.short, slot.id, why,
+                 f"{entry.tokens:,}", fmt_bytes(entry.nbytes), fmt_ms(result.seconds), superseding)
+        return True
+
+    async def restore_into(self, slot: Slot, entry: Entry) -> bool:
+        """Restore an entry into a (reserved) slot; the slot then holds it, unchanged since saved."""
+        result = await self.store.restore(entry, slot.id)
+        if not result.ok:
+            slot.keys, slot.fast, slot.tokens, slot.entry, slot.dirty, slot.label = [], NO_KEY, 0, None, False, ""
+            log.warning("chat %s not restored into slot %d (%s); the request starts cold", entry.short, slot.id,
+                        result.reason)
+            return False
+        slot.keys, slot.tokens, slot.entry, slot.dirty, slot.label = entry.keys, entry.tokens, entry, False, entry.short
+        slot.fast = FastKey(units=tuple(entry.units))
+        slot.last_used = self._tick()
+        self.metrics.on_demand_restores += 1
+        log.info("chat %s restored into slot %d: %s tokens, %s in %s", entry.short, slot.id, f"{result.tokens:,}",
+                 fmt_bytes(result.nbytes), fmt_ms(result.seconds))
+        return True
+
+    def _expected_bytes(self, slot: Slot) -> int:
+        rate = self.store.bytes_per_token()
+        return int(rate * slot.tokens) if rate else 0
+
+    # ---- after the request --------------------------------------------------------------------------------
+
+    def _finished(self, plan: Plan, status: int, fast: FastKey) -> None:
+        """The request ended: the slot now holds its prompt and what was generated (unless it was refused)."""
+        slot = plan.slot
+        if status in (200, 499):  # answered, or the client left while it ran: the slot holds (part of) it
+            if plan.keys is not None:
+                self.metrics.prefill_tokens_saved += common_keys(slot.keys, plan.keys) * BLOCK_TOKENS
+                slot.keys, slot.tokens = plan.keys, len(plan.keys) * BLOCK_TOKENS
+            elif plan.outcome == "resident":
+                self.metrics.prefill_tokens_saved += slot.tokens
+            else:  # unplaced: what it holds is unknown
+                slot.keys, slot.tokens = [], 0
+            slot.fast, slot.entry, slot.dirty, slot.last_used = fast, None, True, self._tick()
+            if plan.outcome != "resident" or not slot.label:
+                slot.label = fast.units[-1][:4] if fast.units else f"s{slot.id}"
+        self._release(slot)
+
+    def _tick(self) -> float:
+        self._clock = max(self._clock + 1e-6, time.monotonic())
+        return self._clock
+
+    # ---- tokens -------------------------------------------------------------------------------------------
+
+    async def _tokens(self, path: str, body: bytes, data: dict[str, Any], chat: dict[str, Any] | None) -> list[int] | None:
+        """The prompt's tokens, as llama-server will see them (template applied); None when it cannot say."""
+        try:
+            return await asyncio.wait_for(self._ask_tokens(path, body, data, chat), TOKENIZE_TIMEOUT_S)
+        except (TimeoutError, ConnectionError, ValueError, KeyError, TypeError) as exc:
+            log.debug("tokens of a %s request unknown: %r", path, exc)
+            return None
+
+    async def _ask_tokens(self, path: str, body: bytes, data: dict[str, Any], chat: dict[str, Any] | None) -> list[int] | None:
+        if path in CHAT_PATHS:
+            if chat is None:
+                return None
+            chat_body = body if chat is data else json.dumps(chat, separators=(",", ":")).encode()
+            status, raw = await self.client.call_raw("POST", "/apply-template", chat_body)
+            if status != 200:
+                return None
+            prompt: Any = json.loads(raw)["prompt"]
+        else:
+            prompt = data.get("prompt")
+            if path == "/infill" or prompt is None:
+                return None
+        payload = json.dumps({"content": prompt, "add_special": True, "parse_special": True},
+                             separators=(",", ":")).encode()
+        status, raw = await self.client.call_raw("POST", "/tokenize", payload)
+        if status != 200:
+            return None
+        tokens = json.loads(raw)["tokens"]
+        return tokens if isinstance(tokens, list) else None
+
+    # ---- start, idle and stop -----------------------------------------------------------------------------
+
+    async def restore_recent(self) -> None:
+        """At start, before /health says ready: the most recently used entries, one per slot."""
+        for slot, entry in zip(self.slots, self.store.most_recent(len(self.slots))):
+            self._reserve(slot)
+            try:
+                await self.restore_into(slot, entry)
+            finally:
+                self._release(slot)
+        self.metrics.on_demand_restores = 0  # those were the start's, not on demand
+
+    def dirty_slots(self) -> list[Slot]:
+        """Slots changed since their last save and worth a file, most recently used first."""
+        return sorted((s for s in self.slots if self._worth_keeping(s)), key=lambda s: s.last_used, reverse=True)
+
+    async def save_dirty(self, why: str, deadline: float | None = None) -> tuple[int, int]:
+        """Write back every idle changed slot, each reserved while it is saved; (saved, attempted)."""
+        saved = attempted = 0
+        for slot in self.dirty_slots():
+            if slot.busy:
+                continue
+            if deadline is not None and deadline - time.monotonic() <= 0:
+                log.warning("slot %d not saved: the save budget ran out; its previous entries are kept", slot.id)
+                self.metrics.save_failed("budget")
+                continue
+            self._reserve(slot)
+            attempted += 1
+            try:
+                saved += await self.write_back(slot, why, deadline)
+            except TimeoutError:
+                self.metrics.save_failed("budget")
+                log.warning("slot %d save abandoned: the save budget (--save-timeout) ran out; "
+                            "its previous entries are kept", slot.id)
+            finally:
+                self._release(slot)
+        return saved, attempted
+
+    def held_entries(self) -> set[str]:
+        """Entries a slot holds unchanged: evicting one would lose what only that slot still has."""
+        return {s.entry.id for s in self.slots if s.entry is not None}
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Per slot, for /slotkeeper/status."""
+        return [
+            {"slot": s.id, "chat": s.label or None, "entry": s.entry.id if s.entry else None,
+             "tokens_known": s.tokens, "dirty": s.dirty, "busy": s.busy}
+            for s in self.slots
+        ]

@@ -1,0 +1,593 @@
+"""The conversation store: saved KV states of conversations, found by prefix, never lost to a crash.
+
+An *entry* is one llama-server slot file (`entries/<id>.bin`) and its manifest (`entries/<id>.json`): the
+fingerprint of the configuration that can use it, token count, bytes, last use, llama-server's identity and
+the file's format version, and the prefix keys of its tokens (`prefix.block_keys`). Entries are keyed by
+content, not by slot: the placement policy restores one into whichever slot it chooses.
+
+The mechanism lives here; what to save, restore or evict, and when, is the caller's (placement, daemon).
+
+Nothing lost, by construction:
+* llama-server never sees the store. Its `--slot-save-path` is `snapshots/` (clients' own save and restore
+  names land there); slotkeeper saves into it under a random transient name and renames the file into
+  `entries/`, and restores through a transient hard link. No request can name an entry.
+* A save never overwrites: every save is a new entry, committed by its manifest (fsync, rename, fsync the
+  directory), and only then are the entries it extends removed. A crash at any step leaves the previous
+  entries whole; an entry file without a manifest is an interrupted save and is removed at the next start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .fingerprint import first_difference
+from .layout import ENTRIES_DIR, LOCK_NAME, QUARANTINE_DIR, SNAPSHOTS_DIR, prepare_layout
+from .log import fmt_bytes, log
+from .metrics import Metrics
+from .prefix import BLOCK_TOKENS, block_keys, common_keys
+from .statefile import SEQ_MAGIC, StateFileError, read_header
+
+if TYPE_CHECKING:  # `slotkeeper ls` reads a store without the client
+    from .llama_client import LlamaClient
+
+TRANSIENT_PREFIX = "slotkeeper-"  # + 32 random hex digits: unguessable, so no client can name it either
+BIN_SUFFIX = ".bin"
+MANIFEST_SUFFIX = ".json"
+PARTIAL_SUFFIX = ".partial"
+MANIFEST_VERSION = 2
+QUARANTINE_KEEP = 8  # newest pairs kept in quarantine/
+FREE_SPACE_HEADROOM = 1.1  # a save needs the expected size plus 10% free
+DEFAULT_CAP_SHARE = 0.5  # without --max-cache-bytes: half of what the store could use when it opened
+PROGRESS_INTERVAL_S = 2.0
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A manifest, or None when it is missing or unreadable."""
+    with contextlib.suppress(OSError, ValueError):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(data, dict):
+            return data
+    return None
+
+
+def write_json_atomic(path: Path, data: dict[str, Any], fsync: bool) -> None:
+    """Write to `<name>.partial`, fsync, rename over `path`, fsync the directory."""
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    with open(partial, "w", encoding="utf-8") as f:
+        json.dump(data, f, separators=(",", ":"))
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(partial, path)
+    if fsync:
+        fsync_path(path.parent)
+
+
+def server_identity(binary: str | None) -> dict[str, Any]:
+    """Which llama-server wrote a file: its path, size and mtime (build_info says `b0-unknown` when built
+    from the sdist, so it cannot tell builds apart)."""
+    if not binary:
+        return {}
+    with contextlib.suppress(OSError):
+        st = os.stat(binary)
+        return {"path": str(Path(binary).resolve()), "size": st.st_size, "mtime": int(st.st_mtime)}
+    return {"path": binary}
+
+
+def shareable(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """The fingerprint without the model's path when its content hash is known: the same model file under
+    another path (another host, a moved directory) is the same model."""
+    if "model_sha256" in fingerprint:
+        return {k: v for k, v in fingerprint.items() if k != "model"}
+    return fingerprint
+
+
+@dataclass
+class Entry:
+    """One saved conversation state and what its manifest says about it."""
+
+    id: str
+    tokens: int
+    nbytes: int
+    keys: list[str]
+    saved_at: float
+    last_used: float
+    fingerprint: dict[str, Any]
+    seq_version: int
+    layout: str
+    server: dict[str, Any] = field(default_factory=dict)
+    units: list[str] = field(default_factory=list)  # the request units that led to it (placement's fast path)
+    save_ms: float | None = None
+
+    def manifest(self) -> dict[str, Any]:
+        return {
+            "version": MANIFEST_VERSION, "id": self.id, "tokens": self.tokens, "bytes": self.nbytes,
+            "saved_at": self.saved_at, "last_used": self.last_used, "save_ms": self.save_ms,
+            "fingerprint": self.fingerprint, "format": {"seq_version": self.seq_version, "layout": self.layout},
+            "llama_server": self.server, "block_tokens": BLOCK_TOKENS, "keys": self.keys, "units": self.units,
+        }
+
+    @classmethod
+    def from_manifest(cls, data: dict[str, Any]) -> Entry:
+        fmt = data.get("format") or {}
+        return cls(
+            id=str(data["id"]), tokens=int(data["tokens"]), nbytes=int(data["bytes"]), keys=list(data["keys"]),
+            saved_at=float(data.get("saved_at", 0)), last_used=float(data.get("last_used", data.get("saved_at", 0))),
+            fingerprint=dict(data.get("fingerprint") or {}), seq_version=int(fmt.get("seq_version", 0)),
+            layout=str(fmt.get("layout", "")), server=dict(data.get("llama_server") or {}),
+            units=list(data.get("units") or []), save_ms=data.get("save_ms"),
+        )
+
+    @property
+    def short(self) -> str:
+        return self.id[:4]
+
+
+@dataclass
+class SaveResult:
+    entry: Entry | None
+    reason: str = ""  # why not, when entry is None
+    seconds: float = 0.0
+    superseded: int = 0
+
+
+@dataclass
+class RestoreResult:
+    ok: bool
+    reason: str = ""
+    tokens: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+def compatible_format(entry: Entry, current: tuple[int, str] | None) -> bool:
+    """Can this llama-server read the file? (seq-state version equal; b11434 also reads plain token lists)."""
+    if current is None:
+        return True  # unknown: llama-server will say
+    version, layout = current
+    return entry.seq_version == version and (entry.layout == "plain" or entry.layout == layout)
+
+
+class ConversationStore:
+    """The entries of one save directory, indexed by prefix key, and the save/restore protocol around them."""
+
+    def __init__(
+        self,
+        root: Path,
+        client: LlamaClient | None,
+        fingerprint: dict[str, Any],
+        server: dict[str, Any] | None = None,
+        *,
+        fsync: bool = True,
+        cap_bytes: int | None = None,
+        restore_unverified: bool = False,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.root = root
+        self.entries_dir = root / ENTRIES_DIR
+        self.snapshots_dir = root / SNAPSHOTS_DIR
+        self.client = client
+        self.fingerprint = fingerprint
+        self.server = server or {}
+        self.fsync = fsync
+        self.restore_unverified = restore_unverified
+        self.metrics = metrics or Metrics()
+        self.cap_bytes = cap_bytes
+        self.current_format: tuple[int, str] | None = None  # (seq version, layout) this llama-server writes
+        self.entries: dict[str, Entry] = {}  # usable by this configuration
+        self.skipped: dict[str, str] = {}  # entry id -> why it is kept but not used
+        self._by_key: dict[str, set[str]] = {}
+        self._pending: set[asyncio.Future[Any]] = set()  # manifest updates (last use) written in the background
+        self.bytes_per_s: float | None = None  # measured save speed
+
+    # ---- opening ------------------------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Finish what a killed run left, take over a directory of the slot-file layout, read the manifests."""
+        prepare_layout(self.root)
+        self._remove_transients()
+        self._take_over_slot_files()
+        for manifest_path in sorted(self.entries_dir.glob(f"*{MANIFEST_SUFFIX}{PARTIAL_SUFFIX}")):
+            manifest_path.unlink(missing_ok=True)
+        manifests: dict[str, dict[str, Any]] = {}
+        for manifest_path in self.entries_dir.glob(f"*{MANIFEST_SUFFIX}"):
+            data = read_json(manifest_path)
+            if data is None or data.get("version") != MANIFEST_VERSION:
+                continue
+            manifests[manifest_path.name.removesuffix(MANIFEST_SUFFIX)] = data
+        for bin_path in self.entries_dir.glob(f"*{BIN_SUFFIX}"):
+            entry_id = bin_path.name.removesuffix(BIN_SUFFIX)
+            if entry_id not in manifests:  # saved, never committed: an interrupted save
+                bin_path.unlink(missing_ok=True)
+                log.info("removed entry %s left by an interrupted save", entry_id[:4])
+        for entry_id, data in manifests.items():
+            self._admit(entry_id, data)
+
+    def _admit(self, entry_id: str, data: dict[str, Any]) -> None:
+        bin_path = self.entries_dir / f"{entry_id}{BIN_SUFFIX}"
+        try:
+            entry = Entry.from_manifest(data)
+            size = bin_path.stat().st_size
+        except (KeyError, TypeError, ValueError, OSError):
+            (self.entries_dir / f"{entry_id}{MANIFEST_SUFFIX}").unlink(missing_ok=True)
+            return
+        if size != entry.nbytes:
+            self._quarantine(entry, f"size {size} differs from its manifest's {entry.nbytes}")
+            return
+        difference = first_difference(shareable(entry.fingerprint), shareable(self.fingerprint))
+        if difference:
+            self.skipped[entry.id] = f"saved for another configuration ({difference})"
+            return
+        self._index(entry)
+
+    def _index(self, entry: Entry) -> None:
+        self.entries[entry.id] = entry
+        for key in entry.keys:
+            self._by_key.setdefault(key, set()).add(entry.id)
+
+    def _unindex(self, entry: Entry) -> None:
+        self.entries.pop(entry.id, None)
+        for key in entry.keys:
+            ids = self._by_key.get(key)
+            if ids is not None:
+                ids.discard(entry.id)
+                if not ids:
+                    del self._by_key[key]
+
+    def _remove_transients(self) -> None:
+        for leftover in self.snapshots_dir.glob(f"{TRANSIENT_PREFIX}*"):
+            leftover.unlink(missing_ok=True)
+
+    def _take_over_slot_files(self) -> None:
+        """`<slot>.bin` + `<slot>.json` from the slot-file layout become entries; clients' own files move to snapshots/.
+
+        So an upgrade loses no cache. A slot file without a manifest is taken over only with --restore-unverified
+        (it is then trusted to match the running configuration).
+        """
+        for manifest_path in sorted(self.root.glob(f"*{MANIFEST_SUFFIX}{PARTIAL_SUFFIX}")):
+            final = manifest_path.with_name(manifest_path.name.removesuffix(PARTIAL_SUFFIX))
+            data = read_json(manifest_path)
+            bin_path = final.with_suffix(BIN_SUFFIX)
+            if data and bin_path.is_file() and bin_path.stat().st_size == data.get("bytes"):
+                os.replace(manifest_path, final)  # a save that completed its file before the stop
+            else:
+                manifest_path.unlink(missing_ok=True)
+        for partial in self.root.glob(f"*{BIN_SUFFIX}{PARTIAL_SUFFIX}"):
+            partial.unlink(missing_ok=True)
+        for path in sorted(self.root.iterdir()):
+            if not path.is_file() or path.name == LOCK_NAME:
+                continue
+            stem = path.name.removesuffix(BIN_SUFFIX)
+            if path.suffix == BIN_SUFFIX and stem.isascii() and stem.isdigit():
+                self._take_over_one(path, read_json(path.with_suffix(MANIFEST_SUFFIX)))
+            elif path.suffix != MANIFEST_SUFFIX and _is_state_file(path):
+                os.replace(path, self.snapshots_dir / path.name)
+                log.info("moved %s (a client's own slot file) to %s/", path.name, SNAPSHOTS_DIR)
+
+    def _take_over_one(self, bin_path: Path, old: dict[str, Any] | None) -> None:
+        manifest_path = bin_path.with_suffix(MANIFEST_SUFFIX)
+        if old is None and not self.restore_unverified:
+            log.warning("%s has no slotkeeper manifest; left as it is (--restore-unverified takes it over)",
+                        bin_path.name)
+            return
+        try:
+            header = read_header(bin_path)
+        except (OSError, StateFileError) as exc:
+            log.warning("%s is not a slot file slotkeeper can read (%s); left as it is", bin_path.name, exc)
+            return
+        now = time.time()
+        saved_at = float((old or {}).get("saved_at", bin_path.stat().st_mtime))
+        entry = Entry(
+            id=secrets.token_hex(8), tokens=header.n_tokens, nbytes=bin_path.stat().st_size,
+            keys=block_keys(header.tokens), saved_at=saved_at, last_used=saved_at,
+            fingerprint=(old or {}).get("fingerprint") or self.fingerprint, seq_version=header.version,
+            layout=header.layout, server={}, save_ms=(old or {}).get("save_ms"),
+        )
+        os.replace(bin_path, self.entries_dir / f"{entry.id}{BIN_SUFFIX}")
+        write_json_atomic(self.entries_dir / f"{entry.id}{MANIFEST_SUFFIX}", entry.manifest(), self.fsync)
+        manifest_path.unlink(missing_ok=True)
+        log.info("slot file %s taken over as entry %s: %s tokens, %s (%.0f s old)", bin_path.name, entry.short,
+                 f"{entry.tokens:,}", fmt_bytes(entry.nbytes), now - saved_at)
+
+    # ---- finding ------------------------------------------------------------------------------------------
+
+    def lookup(self, keys: list[str]) -> tuple[Entry | None, int]:
+        """The usable entry sharing the longest prefix with `keys`, and how many keys it shares.
+
+        An entry that holds key i holds every key before it, so the index answers "is key i in some entry?"
+        monotonically in i: a binary search over the request's keys finds the deepest one.
+        """
+        by_key = self._by_key
+        lo, hi = 0, len(keys)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if keys[mid - 1] in by_key:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo == 0:
+            return None, 0
+        ids = by_key[keys[lo - 1]]
+        best = max((self.entries[i] for i in ids), key=lambda e: e.last_used)
+        return best, lo
+
+    def most_recent(self, n: int) -> list[Entry]:
+        usable = [e for e in self.entries.values() if compatible_format(e, self.current_format)]
+        return sorted(usable, key=lambda e: e.last_used, reverse=True)[:n]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+    def bytes_per_token(self) -> float | None:
+        """What a token of cache costs on disk here, from the entries (None before the first one)."""
+        tokens = sum(e.tokens for e in self.entries.values())
+        return self.total_bytes / tokens if tokens else None
+
+    def save_rate(self) -> float | None:
+        """Bytes per second the saves achieved, from llama-server's own save times in the manifests."""
+        timed = [(e.nbytes, e.save_ms) for e in self.entries.values() if e.save_ms]
+        seconds = sum(ms for _, ms in timed) / 1000
+        return sum(b for b, _ in timed) / seconds if seconds > 0 else self.bytes_per_s
+
+    def needs_format_probe(self) -> bool:
+        """True when some entry was written by another llama-server than this one (its format may differ)."""
+        return any(e.server != self.server for e in self.entries.values())
+
+    def check_formats(self) -> None:
+        """Set aside entries this llama-server cannot read (one line), instead of trying and quarantining them."""
+        unreadable = [e for e in self.entries.values() if not compatible_format(e, self.current_format)]
+        for entry in unreadable:
+            self._unindex(entry)
+            self.skipped[entry.id] = f"format v{entry.seq_version} ({entry.layout}); this llama-server writes " \
+                f"v{self.current_format[0]} ({self.current_format[1]})"  # type: ignore[index]
+        if unreadable:
+            versions = sorted({f"v{e.seq_version}" for e in unreadable})
+            log.warning(
+                "%d entr%s saved by a llama-server with another state format (%s; this one writes v%d): kept, not used",
+                len(unreadable), "y" if len(unreadable) == 1 else "ies", ", ".join(versions),
+                self.current_format[0],  # type: ignore[index]
+            )
+
+    # ---- the slot-action protocol -------------------------------------------------------------------------
+
+    def _transient(self) -> Path:
+        return self.snapshots_dir / f"{TRANSIENT_PREFIX}{secrets.token_hex(16)}{BIN_SUFFIX}"
+
+    async def probe_format(self, slot_id: int) -> tuple[int, str] | None:
+        """Save an (empty) slot to learn the state format this llama-server writes; None if it cannot say."""
+        assert self.client is not None
+        transient = self._transient()
+        try:
+            reply = await self.client.slot_action(slot_id, "save", transient.name)
+            if not reply.ok:
+                return None
+            header = await asyncio.to_thread(read_header, transient)
+            return header.version, header.layout
+        except (OSError, StateFileError, ConnectionError):
+            return None
+        finally:
+            transient.unlink(missing_ok=True)
+
+    def _check_free_space(self, expected: int) -> str | None:
+        free = shutil.disk_usage(self.root).free
+        if free < expected * FREE_SPACE_HEADROOM:
+            return f"only {fmt_bytes(free)} free in {self.root}, ~{fmt_bytes(expected)} needed"
+        return None
+
+    async def _report_progress(self, label: str, path: Path, expected: int) -> None:
+        """For long saves: `slot 0 saving: 1.2 GB of ~3.4 GB` every couple of seconds."""
+        of_expected = f" of ~{fmt_bytes(expected)}" if expected else ""
+        while True:
+            await asyncio.sleep(PROGRESS_INTERVAL_S)
+            with contextlib.suppress(OSError):
+                log.info("%s saving: %s%s", label, fmt_bytes(path.stat().st_size), of_expected)
+
+    async def save_slot(self, slot_id: int, expected_bytes: int = 0, units: list[str] | None = None) -> SaveResult:
+        """Save what slot `slot_id` holds as a new entry; the entries it extends are then removed.
+
+        Cancellation (a budget) at any point leaves no partial file and every previous entry intact.
+        """
+        assert self.client is not None
+        started = time.monotonic()
+        low_space = self._check_free_space(expected_bytes)
+        if low_space:
+            self.metrics.save_failed("disk_space")
+            return SaveResult(None, low_space)
+        transient = self._transient()
+        progress = asyncio.ensure_future(self._report_progress(f"slot {slot_id}", transient, expected_bytes))
+        committed = False
+        try:
+            reply = await self.client.slot_action(slot_id, "save", transient.name)
+            if not reply.ok:
+                self.metrics.save_failed("llama_server_error")
+                return SaveResult(None, f"llama-server answered {reply.status}: {reply.error}")
+            tokens = int(reply.body.get("n_saved", 0))
+            written = int(reply.body.get("n_written", -1))
+            if tokens == 0:
+                self.metrics.saves["empty"] += 1
+                return SaveResult(None, "0 tokens")
+            size = transient.stat().st_size if transient.exists() else -1
+            if size != written:
+                self.metrics.save_failed("size_mismatch")
+                return SaveResult(None, f"file has {size} bytes, llama-server reported {written}")
+            progress.cancel()
+            entry = Entry(
+                id=secrets.token_hex(8), tokens=tokens, nbytes=written, keys=[], saved_at=time.time(),
+                last_used=time.time(), fingerprint=self.fingerprint, seq_version=0, layout="",
+                server=self.server, units=list(units or []), save_ms=reply.body.get("timings", {}).get("save_ms"),
+            )
+            commit = asyncio.ensure_future(asyncio.to_thread(self._commit, transient, entry))
+            try:
+                await asyncio.shield(commit)
+            except asyncio.CancelledError:  # a budget ran out during the commit: it completes all the same
+                committed = True
+                commit.add_done_callback(lambda f: f.cancelled() or f.exception() or self._admit_saved(entry))
+                raise
+            committed = True
+        except (OSError, StateFileError) as exc:
+            self.metrics.save_failed("commit_failed")
+            return SaveResult(None, str(getattr(exc, "strerror", None) or exc))
+        except ConnectionError as exc:
+            self.metrics.save_failed("request_failed")
+            return SaveResult(None, str(exc))
+        finally:
+            progress.cancel()
+            if not committed:
+                transient.unlink(missing_ok=True)
+        superseded = self._admit_saved(entry)
+        elapsed = time.monotonic() - started
+        self.bytes_per_s = entry.nbytes / elapsed if elapsed > 0 else self.bytes_per_s
+        self.metrics.saved(elapsed, entry.nbytes, entry.tokens)
+        return SaveResult(entry, seconds=elapsed, superseded=superseded)
+
+    def _admit_saved(self, entry: Entry) -> int:
+        """A committed save joins the index; the entries it extends go. Returns how many went."""
+        self.current_format = (entry.seq_version, entry.layout)
+        superseded = [old for old in self.entries.values() if extends(entry, old)]
+        self._index(entry)
+        for old in superseded:
+            self._remove(old)
+        return len(superseded)
+
+    def _commit(self, transient: Path, entry: Entry) -> None:
+        """In a thread: read the tokens from the file, fsync it, rename it into entries/, write its manifest last."""
+        header = read_header(transient)
+        entry.keys = block_keys(header.tokens)
+        entry.tokens = header.n_tokens
+        entry.seq_version, entry.layout = header.version, header.layout
+        if self.fsync:
+            fsync_path(transient)
+        os.replace(transient, self.entries_dir / f"{entry.id}{BIN_SUFFIX}")
+        write_json_atomic(self.entries_dir / f"{entry.id}{MANIFEST_SUFFIX}", entry.manifest(), self.fsync)
+
+    async def restore(self, entry: Entry, slot_id: int) -> RestoreResult:
+        """Load `entry` into slot `slot_id` through a transient hard link (the entry itself stays out of reach)."""
+        assert self.client is not None
+        link = self._transient()
+        started = time.monotonic()
+        try:
+            os.link(self.entries_dir / f"{entry.id}{BIN_SUFFIX}", link)
+            reply = await self.client.slot_action(slot_id, "restore", link.name)
+        except (OSError, ConnectionError) as exc:
+            self.metrics.restores["failed"] += 1
+            return RestoreResult(False, f"restore failed: {exc}")
+        finally:
+            link.unlink(missing_ok=True)
+        elapsed = time.monotonic() - started
+        if not reply.ok:
+            self._quarantine(entry, f"llama-server refused it: {reply.error}")
+            return RestoreResult(False, f"llama-server refused it: {reply.error}")
+        tokens = int(reply.body.get("n_restored", 0))
+        nbytes = int(reply.body.get("n_read", entry.nbytes))
+        self.metrics.restored(elapsed, nbytes, tokens)
+        self.touch(entry)
+        return RestoreResult(True, tokens=tokens, nbytes=nbytes, seconds=elapsed)
+
+    def touch(self, entry: Entry) -> None:
+        """Mark an entry used now (for LRU eviction); its manifest is rewritten in the background."""
+        entry.last_used = time.time()
+        if entry.id not in self.entries:
+            return
+        future = asyncio.ensure_future(asyncio.to_thread(self._rewrite_manifest, entry))
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+
+    def _rewrite_manifest(self, entry: Entry) -> None:
+        with contextlib.suppress(OSError):
+            if (self.entries_dir / f"{entry.id}{BIN_SUFFIX}").exists():
+                write_json_atomic(self.entries_dir / f"{entry.id}{MANIFEST_SUFFIX}", entry.manifest(), False)
+
+    async def flush(self) -> None:
+        """Wait for background manifest updates."""
+        if self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+    # ---- removal ------------------------------------------------------------------------------------------
+
+    def _remove(self, entry: Entry) -> None:
+        """Manifest first: a crash in between leaves an uncommitted file, removed at the next start."""
+        self._unindex(entry)
+        (self.entries_dir / f"{entry.id}{MANIFEST_SUFFIX}").unlink(missing_ok=True)
+        (self.entries_dir / f"{entry.id}{BIN_SUFFIX}").unlink(missing_ok=True)
+
+    def evict_over_cap(self, protect: Iterable[str] = ()) -> list[Entry]:
+        """Remove least recently used entries until the usable ones fit the cap (entries in `protect`, held by a
+        slot and saved nowhere else, stay)."""
+        if self.cap_bytes is None:
+            return []
+        keep = set(protect)
+        total = self.total_bytes
+        evicted = []
+        for entry in sorted(self.entries.values(), key=lambda e: e.last_used):
+            if total <= self.cap_bytes:
+                break
+            if entry.id in keep:
+                continue
+            self._remove(entry)
+            total -= entry.nbytes
+            evicted.append(entry)
+            log.info("entry %s evicted (%s tokens, %s, unused for %.0f s): the store is over its cap %s",
+                     entry.short, f"{entry.tokens:,}", fmt_bytes(entry.nbytes), time.time() - entry.last_used,
+                     fmt_bytes(self.cap_bytes))
+        return evicted
+
+    def _quarantine(self, entry: Entry, reason: str) -> None:
+        """Move a bad pair aside (never delete it outright) and keep only the newest few."""
+        self._unindex(entry)
+        qdir = self.root / QUARANTINE_DIR
+        qdir.mkdir(exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for suffix in (BIN_SUFFIX, MANIFEST_SUFFIX):
+            source = self.entries_dir / f"{entry.id}{suffix}"
+            if source.exists():
+                os.replace(source, qdir / f"{stamp}-{entry.id}{suffix}")
+        self.metrics.quarantines += 1
+        self.metrics.restores["quarantined"] += 1
+        log.warning("entry %s quarantined (%s)", entry.short, reason)
+        olds = sorted(qdir.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in olds[QUARANTINE_KEEP * 2 :]:
+            old.unlink(missing_ok=True)
+
+
+def extends(new: Entry, old: Entry) -> bool:
+    """`new` holds all of `old`'s conversation and more (a chat that grew): `old` is superseded."""
+    return (
+        old.id != new.id and 0 < len(old.keys) <= len(new.keys) and old.tokens <= new.tokens
+        and common_keys(old.keys, new.keys) == len(old.keys)
+    )
+
+
+def _is_state_file(path: Path) -> bool:
+    with contextlib.suppress(OSError):
+        with open(path, "rb") as f:
+            return int.from_bytes(f.read(4), "little") == SEQ_MAGIC
+    return False
+
+
+def default_cap(root: Path, store_bytes: int) -> int:
+    """Without --max-cache-bytes: half of what the store could use when it opened (its files plus free space)."""
+    return int((shutil.disk_usage(root).free + store_bytes) * DEFAULT_CAP_SHARE)
+
+
+def format_entry(entry: Entry) -> str:
+    return f"entry {entry.short} ({entry.tokens:,} tokens, {fmt_bytes(entry.nbytes)})"
+

@@ -104,6 +104,7 @@ class Daemon:
             "placements": dict(self.metrics.placements),
             "on_demand_restores": self.metrics.on_demand_restores,
             "prefill_tokens_saved": self.metrics.prefill_tokens_saved,
+            "prompt_tokenizations": self.metrics.prompt_tokenizations,
             "save_estimate": self.save_estimate(),
         })
 

@@ -49,6 +49,7 @@ class Metrics:
     quarantines: int = 0
     placements: collections.Counter[str] = field(default_factory=collections.Counter)  # by outcome
     on_demand_restores: int = 0
+    prompt_tokenizations: int = 0  # placements that asked llama-server for the prompt's tokens
     prefill_tokens_saved: int = 0  # estimated: the prompt tokens placed requests found in their slot
     store_entries: Callable[[], int] = lambda: 0
     store_bytes: Callable[[], int] = lambda: 0
@@ -114,6 +115,8 @@ class _Collector:
         yield counter("placements", "Completion requests placed: resident (hit), restored (on demand), new, branch "
                       "(a miss), pinned (the client chose), unplaced (tokens unknown)", "outcome", dict(m.placements))
         yield counter("on_demand_restores", "Entries restored into a slot for a request", values=m.on_demand_restores)
+        yield counter("prompt_tokenizations", "Placements that asked llama-server for the prompt's tokens (a chat "
+                      "continuing in its slot needs none)", values=m.prompt_tokenizations)
         yield counter("prefill_tokens_saved", "Prompt tokens placed requests found cached (estimated, in 64-token "
                       "blocks)", values=m.prefill_tokens_saved)
         for name, doc, value in (("store_entries", "Entries in the conversation store", m.store_entries()),

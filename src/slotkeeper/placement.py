@@ -366,6 +366,7 @@ class Placement:
             return None
 
     async def _ask_tokens(self, path: str, body: bytes, data: dict[str, Any], chat: dict[str, Any] | None) -> list[int] | None:
+        self.metrics.prompt_tokenizations += 1
         if path in CHAT_PATHS:
             if chat is None:
                 return None

@@ -220,6 +220,11 @@ class ConversationStore:
                 log.info("removed entry %s left by an interrupted save", entry_id[:4])
         for entry_id, data in manifests.items():
             self._admit(entry_id, data)
+        reasons: dict[str, int] = {}
+        for reason in self.skipped.values():
+            reasons[reason] = reasons.get(reason, 0) + 1
+        for reason, count in reasons.items():
+            log.warning("%d entr%s kept but not used: %s", count, "y" if count == 1 else "ies", reason)
 
     def _admit(self, entry_id: str, data: dict[str, Any]) -> None:
         bin_path = self.entries_dir / f"{entry_id}{BIN_SUFFIX}"
@@ -234,7 +239,7 @@ class ConversationStore:
             return
         difference = first_difference(shareable(entry.fingerprint), shareable(self.fingerprint))
         if difference:
-            self.skipped[entry.id] = f"saved for another configuration ({difference})"
+            self.skipped[entry.id] = f"saved for another configuration: {difference}"
             return
         self._index(entry)
 

@@ -1,0 +1,219 @@
+"""The conversation cache on the real llama-server: every chat comes back warm, under front-end traffic.
+
+Traffic as a chat front end sends it: chats that share a system prompt, each turn followed by a short title
+request to the same model (Open WebUI's pattern), more chats than slots. "Warm" is llama-server's own
+`timings.cache_n`: the next turn reuses at least the whole previous prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from slotkeeper.testing.harness import http_call, stream_lines
+
+BASE = ["-c", "16384", "-t", "2", "--no-warmup"]
+SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: answer briefly and kindly." for i in range(14))
+
+
+@pytest.fixture
+def real(starter, llama_server, models):
+    """start(*extra, ...) around the real llama-server with model A."""
+    def start(*extra: str, **kw):
+        return starter(llama_server, ["-m", str(models["A"]), *BASE])(*extra, **kw)
+    return start
+
+
+@dataclass
+class Chat:
+    """One conversation as a front end keeps it: its messages, and what its last turn's prompt was."""
+
+    n: int
+    messages: list[dict[str, str]] = field(default_factory=list)
+    last_prompt_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        topic = ["the sea", "mountains", "old maps", "rivers", "lighthouses", "deserts", "forests", "cities"][self.n % 8]
+        self.messages = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Conversation {self.n}. Tell me about {topic}. " * 6},
+        ]
+
+    def turn(self, port: int, max_tokens: int = 8) -> dict:
+        """Send the chat's next turn; returns llama-server's timings, and grows the chat."""
+        reply = http_call(port, "POST", "/v1/chat/completions",
+                          {"messages": self.messages, "max_tokens": max_tokens, "temperature": 0})
+        assert reply.status == 200, reply.body
+        timings = reply.body["timings"]
+        self.last_prompt_tokens = timings["prompt_n"] + timings["cache_n"]
+        self.messages.append({"role": "assistant", "content": reply.body["choices"][0]["message"]["content"]})
+        self.messages.append({"role": "user", "content": f"Go on about part {len(self.messages) // 2}, please."})
+        return timings
+
+    def title(self, port: int) -> None:
+        """The front end's title request: a short prompt of its own, on the same model."""
+        excerpt = self.messages[1]["content"][:60]
+        reply = http_call(port, "POST", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": f"Write a 3-word title for: {excerpt}"}],
+            "max_tokens": 6, "temperature": 0})
+        assert reply.status == 200, reply.body
+
+
+def swap_out(sk) -> None:
+    sk.killpg(signal.SIGTERM)
+    assert sk.wait(60) == 0, sk.logs()
+
+
+def warm(chat: Chat, timings: dict) -> bool:
+    return timings["cache_n"] >= chat.last_prompt_tokens_before
+
+
+def converse_round(chats: list[Chat], port: int, titles: bool = True) -> list[dict]:
+    out = []
+    for chat in chats:
+        chat.last_prompt_tokens_before = chat.last_prompt_tokens  # type: ignore[attr-defined]
+        out.append(chat.turn(port))
+        if titles:
+            chat.title(port)
+    return out
+
+
+@pytest.mark.parametrize("slots, order", [([], "first-sent"), (["-np", "1"], "first-sent"), ([], "reversed")],
+                         ids=["default-slots", "np1", "default-slots-reversed"])
+def test_six_chats_with_title_requests_all_come_back_warm_after_a_swap(real, slots, order):
+    """Six chats sharing a system prompt, a title request after each turn, a swap: all six continue warm."""
+    sk = real(*slots)
+    chats = [Chat(i) for i in range(6)]
+    converse_round(chats, sk.port)
+    swap_out(sk)
+    sk2 = real(*slots)
+    returning = chats if order == "first-sent" else chats[::-1]
+    results = converse_round(returning, sk2.port)
+    cold = [(c.n, t["cache_n"], c.last_prompt_tokens_before) for c, t in zip(returning, results) if not warm(c, t)]
+    assert not cold, f"cold chats (n, cache_n, previous prompt): {cold}\n{sk2.logs()[-4000:]}"
+
+
+def test_a_chat_whose_slot_llama_server_would_take_stays_warm(real):
+    """Two slots hold chats A and B; a new chat C shares their system prompt, so llama-server's own choice
+    (longest common prefix over 10%) puts C on A's or B's slot. With slotkeeper, A and B both stay warm.
+    Without placement (and without the RAM prompt cache to fall back on), one of them goes cold."""
+    def run(own: tuple[str, ...]) -> list[bool]:
+        sk = real("-np", "2", "--cache-ram", "0", own=own)
+        a, b, c = Chat(0), Chat(1), Chat(2)
+        converse_round([a, b], sk.port, titles=False)
+        converse_round([c], sk.port, titles=False)
+        results = converse_round([a, b], sk.port, titles=False)
+        swap_out(sk)
+        return [warm(x, t) for x, t in zip((a, b), results)]
+
+    assert run(()) == [True, True]
+    assert run(("--no-placement",)) != [True, True], "the scenario did not steal a slot without placement"
+
+
+def test_four_chats_at_once_on_four_slots_run_in_parallel_and_stay_warm(real):
+    """-np 4: four chats streamed at the same time all generate at once (each has its first token before any
+    has finished), and after a swap all four continue warm."""
+    sk = real("-np", "4")
+    chats = [Chat(i) for i in range(4)]
+    converse_round(chats, sk.port, titles=False)
+
+    def streamed(port: int) -> list[tuple[float, float, dict]]:
+        spans: list[tuple[float, float, dict]] = [None] * 4  # type: ignore[list-item]
+        start = threading.Barrier(4)
+
+        def one(i: int) -> None:
+            start.wait()
+            first = last = 0.0
+            timings: dict = {}
+            body = {"messages": chats[i].messages, "max_tokens": 48, "temperature": 0, "stream": True,
+                    "timings_per_token": True}
+            for at, line in stream_lines(port, "/v1/chat/completions", body, timeout=120):
+                if line.startswith(b"data: {"):
+                    event = json.loads(line[6:])
+                    first = first or at
+                    last = at
+                    timings = event.get("timings", timings)
+            spans[i] = (first, last, timings)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        return spans
+
+    for chat in chats:
+        chat.last_prompt_tokens_before = chat.last_prompt_tokens  # type: ignore[attr-defined]
+    spans = streamed(sk.port)
+    assert max(first for first, _, _ in spans) < min(last for _, last, _ in spans), f"not in parallel: {spans}"
+    assert all(warm(c, t) for c, (_, _, t) in zip(chats, spans)), [t.get("cache_n") for _, _, t in spans]
+    swap_out(sk)
+    sk2 = real("-np", "4")
+    results = converse_round(chats, sk2.port, titles=False)
+    assert all(warm(c, t) for c, t in zip(chats, results)), [t["cache_n"] for t in results]
+
+
+def test_the_victim_is_saved_before_a_restore_overwrites_it(real):
+    """-np 1, three chats in turn: each returning chat is restored into the one slot, after the chat that
+    held it was saved; every one is warm at every return, without any restart."""
+    sk = real("-np", "1")
+    chats = [Chat(i) for i in range(3)]
+    converse_round(chats, sk.port, titles=False)
+    for _ in range(2):
+        results = converse_round(chats, sk.port, titles=False)
+        assert all(warm(c, t) for c, t in zip(chats, results)), [t["cache_n"] for t in results]
+    lines = [line for line in sk.logs().splitlines() if "(before it is reused)" in line or "restored into" in line]
+    restores = [i for i, line in enumerate(lines) if "restored into slot 0" in line]
+    assert len(restores) == 6, lines
+    # each restore overwrote a slot whose chat had just been saved
+    assert all(i > 0 and "saved from slot 0 (before it is reused)" in lines[i - 1] for i in restores), lines
+
+
+def test_a_request_with_its_own_id_slot_keeps_it(real):
+    """A client that sets id_slot keeps its choice; what that slot held is saved first, so it stays warm."""
+    sk = real("-np", "2", "--cache-ram", "0")
+    a, b = Chat(0), Chat(1)
+    converse_round([a], sk.port, titles=False)
+    # b asks for slot 0 by itself, where a is
+    reply = http_call(sk.port, "POST", "/completion", {"prompt": "x" * 400, "n_predict": 2, "id_slot": 0,
+                                                        "temperature": 0})
+    assert reply.status == 200 and reply.body["id_slot"] == 0
+    results = converse_round([a], sk.port, titles=False)
+    assert warm(a, results[0]), (results, sk.logs()[-3000:])
+    del b
+
+
+def test_no_per_turn_cost_for_a_chat_in_its_own_slot(real):
+    """Back-to-back turns of one chat in its slot write nothing (no save per turn) and need no tokenize."""
+    sk = real("-np", "2", "--cache-ram", "0", own=("--autosave-idle", "0"))
+    chat = Chat(0)
+    converse_round([chat], sk.port, titles=False)
+    entries = sk.extra["save_dir"] / "entries"
+    before = sorted(p.name for p in entries.iterdir())
+    asked = http_call(sk.port, "GET", "/slotkeeper/status").body["prompt_tokenizations"]
+    for _ in range(3):
+        results = converse_round([chat], sk.port, titles=False)
+        assert warm(chat, results[0])
+    assert sorted(p.name for p in entries.iterdir()) == before
+    status = http_call(sk.port, "GET", "/slotkeeper/status").body
+    assert status["placements"].get("resident", 0) >= 3, status
+    assert status["prompt_tokenizations"] == asked, status
+
+
+def test_entries_outlive_restarts_and_a_foreign_model_never_uses_them(real, starter, llama_server, models):
+    """Chats saved with model A are kept, but a start with model B (same shape) restores none of them."""
+    sk = real()
+    chats = [Chat(i) for i in range(2)]
+    converse_round(chats, sk.port, titles=False)
+    swap_out(sk)
+    other = starter(llama_server, ["-m", str(models["B"]), *BASE])()
+    results = converse_round(chats, other.port, titles=False)
+    assert all(t["cache_n"] < c.last_prompt_tokens_before for c, t in zip(chats, results)), results
+    assert "saved for another configuration" in other.logs()
+    swap_out(other)
+    time.sleep(0.1)

@@ -6,6 +6,8 @@ Numbered as in issue 3; foreign-cache scenarios from issue 4 are marked so.
 from __future__ import annotations
 
 import signal
+from pathlib import Path
+
 import pytest
 
 from slotkeeper.testing.harness import wait_until
@@ -54,9 +56,9 @@ def test_1_cache_survives_a_restart(real):
     assert cold["timings"]["cache_n"] == 0
     prompt_tokens = n_tokens(sk, PROMPT)
     swap_out(sk)
-    assert "slot 0 saved:" in sk.logs()
+    assert "saved from slot 0 (at stop)" in sk.logs()
     sk2 = real("-np", "1")
-    assert "slot 0 restored:" in sk2.logs()
+    assert "restored into slot 0" in sk2.logs()
     warm = complete(sk2)
     assert warm["timings"]["cache_n"] >= prompt_tokens - 1
     assert warm["content"] == cold["content"]
@@ -98,14 +100,20 @@ def test_4_api_key(real):
     assert complete(sk2, headers=auth)["timings"]["cache_n"] > 0, sk2.logs()
 
 
+def the_entry(sk) -> Path:
+    """The one entry file a run left in its store."""
+    (entry,) = (sk.extra["save_dir"] / "entries").glob("*.bin")
+    return entry
+
+
 def test_5a_truncated_file_starts_cold(real):
-    """5. A truncated cache file: the server still becomes ready, that slot starts cold, one clear log line."""
+    """5. A truncated cache file: the server still becomes ready, that chat starts cold, one clear log line."""
     sk = cache_from(real)
-    cache = sk.extra["save_dir"] / "0.bin"
+    cache = the_entry(sk)
     cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 2])
     sk2 = real("-np", "1")
     assert complete(sk2)["timings"]["cache_n"] == 0
-    assert "slot 0: cache quarantined" in sk2.logs()
+    assert f"entry {cache.stem[:4]} quarantined (size" in sk2.logs()
     assert "Traceback" not in sk2.logs()
 
 
@@ -114,16 +122,18 @@ def test_5b_file_from_other_dimensions_starts_cold(real):
     sk = cache_from(real, "W")
     sk2 = real("-np", "1")
     assert complete(sk2)["timings"]["cache_n"] == 0
-    assert "slot 0: cache skipped, saved for another configuration: model" in sk2.logs()
+    assert "1 entry kept but not used: saved for another configuration: model" in sk2.logs()
 
 
 def test_5c_unverified_foreign_file_is_refused_by_llama_server(real):
     """5. Even when the fingerprint check is bypassed, llama-server's refusal leaves the slot cold and quarantined."""
     sk = cache_from(real, "W")
-    (sk.extra["save_dir"] / "0.json").unlink()
+    entry = the_entry(sk)
+    entry.rename(sk.extra["save_dir"] / "0.bin")  # a slot file of the old layout, without its manifest
+    entry.with_suffix(".json").unlink()
     sk2 = real("-np", "1", own=("--restore-unverified",))
     assert complete(sk2)["timings"]["cache_n"] == 0
-    assert "slot 0: cache quarantined (llama-server refused it" in sk2.logs()
+    assert "quarantined (llama-server refused it" in sk2.logs()
 
 
 def test_issue4_2_same_shape_foreign_model_never_restored(real):

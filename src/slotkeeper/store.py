@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -194,9 +195,11 @@ class ConversationStore:
         self.current_format: tuple[int, str] | None = None  # (seq version, layout) this llama-server writes
         self.entries: dict[str, Entry] = {}  # usable by this configuration
         self.skipped: dict[str, str] = {}  # entry id -> why it is kept but not used
+        self._kept: dict[str, Entry] = {}  # those entries (they count against the cap, and can be evicted)
         self._by_key: dict[str, set[str]] = {}
         self._pending: set[asyncio.Future[Any]] = set()  # manifest updates (last use) written in the background
         self.bytes_per_s: float | None = None  # measured save speed
+        self._warned_copy = False
 
     # ---- opening ------------------------------------------------------------------------------------------
 
@@ -239,9 +242,13 @@ class ConversationStore:
             return
         difference = first_difference(shareable(entry.fingerprint), shareable(self.fingerprint))
         if difference:
-            self.skipped[entry.id] = f"saved for another configuration: {difference}"
+            self._keep_unused(entry, f"saved for another configuration: {difference}")
             return
         self._index(entry)
+
+    def _keep_unused(self, entry: Entry, reason: str) -> None:
+        self.skipped[entry.id] = reason
+        self._kept[entry.id] = entry
 
     def _index(self, entry: Entry) -> None:
         self.entries[entry.id] = entry
@@ -362,8 +369,8 @@ class ConversationStore:
         unreadable = [e for e in self.entries.values() if not compatible_format(e, self.current_format)]
         for entry in unreadable:
             self._unindex(entry)
-            self.skipped[entry.id] = f"format v{entry.seq_version} ({entry.layout}); this llama-server writes " \
-                f"v{self.current_format[0]} ({self.current_format[1]})"  # type: ignore[index]
+            self._keep_unused(entry, f"format v{entry.seq_version} ({entry.layout}); this llama-server writes "
+                              f"v{self.current_format[0]} ({self.current_format[1]})")  # type: ignore[index]
         if unreadable:
             versions = sorted({f"v{e.seq_version}" for e in unreadable})
             log.warning(
@@ -490,7 +497,7 @@ class ConversationStore:
         link = self._transient()
         started = time.monotonic()
         try:
-            os.link(self.entries_dir / f"{entry.id}{BIN_SUFFIX}", link)
+            await self._expose(self.entries_dir / f"{entry.id}{BIN_SUFFIX}", link)
             reply = await self.client.slot_action(slot_id, "restore", link.name)
         except (OSError, ConnectionError) as exc:
             self.metrics.restores["failed"] += 1
@@ -506,6 +513,19 @@ class ConversationStore:
         self.metrics.restored(elapsed, nbytes, tokens)
         self.touch(entry)
         return RestoreResult(True, tokens=tokens, nbytes=nbytes, seconds=elapsed)
+
+    async def _expose(self, source: Path, link: Path) -> None:
+        """Make an entry readable by llama-server under a transient name: a hard link (free), or a copy on a
+        filesystem without hard links."""
+        try:
+            os.link(source, link)
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EXDEV, errno.ENOTSUP, errno.EMLINK, errno.EOPNOTSUPP):
+                raise
+            if not self._warned_copy:
+                self._warned_copy = True
+                log.warning("%s allows no hard links (%s): restores copy each entry first", self.root, exc.strerror)
+            await asyncio.to_thread(shutil.copyfile, source, link)
 
     def touch(self, entry: Entry) -> None:
         """Mark an entry used now (for LRU eviction); its manifest is rewritten in the background."""
@@ -529,20 +549,20 @@ class ConversationStore:
     # ---- removal ------------------------------------------------------------------------------------------
 
     def _remove(self, entry: Entry) -> None:
-        """Manifest first: a crash in between leaves an uncommitted file, removed at the next start."""
         self._unindex(entry)
-        (self.entries_dir / f"{entry.id}{MANIFEST_SUFFIX}").unlink(missing_ok=True)
-        (self.entries_dir / f"{entry.id}{BIN_SUFFIX}").unlink(missing_ok=True)
+        self._kept.pop(entry.id, None)
+        self.skipped.pop(entry.id, None)
+        remove_pair(self.entries_dir, entry.id)
 
     def evict_over_cap(self, protect: Iterable[str] = ()) -> list[Entry]:
-        """Remove least recently used entries until the usable ones fit the cap (entries in `protect`, held by a
-        slot and saved nowhere else, stay)."""
+        """Remove least recently used entries until the store fits its cap. Entries kept for other configurations
+        count too; entries in `protect` (held by a slot and saved nowhere else) stay."""
         if self.cap_bytes is None:
             return []
         keep = set(protect)
-        total = self.total_bytes
+        total = self.total_bytes + sum(e.nbytes for e in self._kept.values())
         evicted = []
-        for entry in sorted(self.entries.values(), key=lambda e: e.last_used):
+        for entry in sorted([*self.entries.values(), *self._kept.values()], key=lambda e: e.last_used):
             if total <= self.cap_bytes:
                 break
             if entry.id in keep:
@@ -571,6 +591,17 @@ class ConversationStore:
         olds = sorted(qdir.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
         for old in olds[QUARANTINE_KEEP * 2 :]:
             old.unlink(missing_ok=True)
+
+
+def remove_pair(directory: Path, name: str) -> None:
+    """Remove `<name>.json`, then `<name>.bin` (either may be missing; other errors raise).
+
+    Manifest first: a crash in between leaves an uncommitted file, removed at the next start, never a manifest
+    naming a file that is gone. Used by the store and by `slotkeeper prune` (entries, quarantined pairs and
+    slot-file pairs are all named this way).
+    """
+    (directory / f"{name}{MANIFEST_SUFFIX}").unlink(missing_ok=True)
+    (directory / f"{name}{BIN_SUFFIX}").unlink(missing_ok=True)
 
 
 def extends(new: Entry, old: Entry) -> bool:

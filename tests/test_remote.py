@@ -1,0 +1,434 @@
+"""The shared tier against a real S3 server (rclone serve s3), never a mock of the client."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import obstore
+import pytest
+
+from slotkeeper import remote
+from slotkeeper.log import log
+from slotkeeper.remote import RemoteConfig, RemoteTier
+from slotkeeper.testing.s3server import ACCESS_KEY_ID, SECRET_ACCESS_KEY, S3Server, free_port
+
+BUCKET = "slotkeeper"
+URL = f"s3://{BUCKET}/team/cache"
+MB = 1024 * 1024
+
+
+@pytest.fixture
+def s3(tmp_path: Path) -> Iterator[S3Server]:
+    server = S3Server(tmp_path / "s3", bucket=BUCKET).start()
+    yield server
+    server.kill()  # a graceful stop waits for uploads the tests left behind
+
+
+@pytest.fixture
+def logs(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """slotkeeper's log lines, whether or not setup_logging() turned propagation off."""
+    old_level, old_propagate = log.level, log.propagate
+    log.addHandler(caplog.handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    yield caplog
+    log.removeHandler(caplog.handler)
+    log.setLevel(old_level)
+    log.propagate = old_propagate
+
+
+TierFactory = Callable[..., RemoteTier]
+
+
+@pytest.fixture
+async def make_tier(tmp_path: Path) -> Any:
+    """make_tier(server, namespace=..., journal=..., **kw): tiers closed (deadline now) at teardown."""
+    made: list[RemoteTier] = []
+
+    def make(server: S3Server, namespace: str = "ns1", journal: Path | None = None, **kw: Any) -> RemoteTier:
+        tier = RemoteTier(RemoteConfig.from_url(URL, server.env()), namespace,
+                          journal or tmp_path / f"journal-{namespace}", **kw)
+        made.append(tier)
+        return tier
+
+    yield make
+    for tier in made:
+        await tier.close(time.monotonic())
+
+
+def write_entry(directory: Path, entry_id: str, nbytes: int, blocks: list[str],
+                block_tokens: int = 16) -> tuple[Path, dict[str, Any]]:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{entry_id}.bin"
+    with open(path, "wb") as f:
+        for _ in range(nbytes // MB):
+            f.write(os.urandom(MB))
+        f.write(os.urandom(nbytes % MB))
+    return path, {"bytes": nbytes, "blocks": blocks, "block_tokens": block_tokens, "tokens": len(blocks) * block_tokens}
+
+
+def sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+async def until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def upload(tier: RemoteTier, path: Path, manifest: dict[str, Any], timeout: float = 20.0) -> None:
+    done = tier.stats.uploads_done
+    tier.schedule_upload(path.stem, path, manifest)
+    await until(lambda: tier.stats.uploads_done > done, timeout, f"upload of {path.name}")
+
+
+def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+# ---- roundtrip ------------------------------------------------------------------------------------------------
+
+
+async def test_upload_then_find_and_fetch_roundtrip(s3: S3Server, make_tier: TierFactory, tmp_path: Path) -> None:
+    """Bytes come back identical; the remote manifest carries sha256 and bytes; another namespace sees nothing."""
+    tier = make_tier(s3)
+    path, manifest = write_entry(tmp_path / "local", "e1", 20 * MB + 123, ["b1", "b2", "b3"])  # > 2 parts
+    await upload(tier, path, manifest)
+    assert list(tier.journal_dir.iterdir()) == []  # done: the journal record is gone
+
+    remote_json = json.loads(s3.object_path("team/cache/ns1/e1.json").read_text())
+    assert remote_json == {**manifest, "sha256": sha256(path), "bytes": path.stat().st_size}
+
+    other = make_tier(s3, namespace="ns2")
+    assert await other.find(["b1", "b2", "b3"], 16) is None
+    assert await other.list_entries() == []
+
+    match = await tier.find(["b1", "b2", "b3", "b4"], 16)
+    assert match is not None and (match.entry_id, match.matched_blocks) == ("e1", 3)
+    fetched = await tier.fetch(match, tmp_path / "dest")  # type: ignore[arg-type]
+    assert fetched is not None
+    got, got_manifest = fetched
+    assert got == tmp_path / "dest" / "e1.bin"
+    assert sha256(got) == sha256(path) and got_manifest["sha256"] == sha256(path)
+    assert sorted(p.name for p in (tmp_path / "dest").iterdir()) == ["e1.bin"]  # no partial left
+    assert tier.stats.download_bytes == path.stat().st_size and tier.stats.rejected == 0
+    assert tier.estimated_fetch_seconds(100 * MB) is not None
+
+    path2, manifest2 = write_entry(tmp_path / "local2", "e2", 1000, ["b1"])
+    await upload(other, path2, manifest2)
+    listing = await tier.list_all()
+    assert {ns: [m["entry_id"] for m in entries] for ns, entries in listing.items()} == {"ns1": ["e1"], "ns2": ["e2"]}
+    assert [m["entry_id"] for m in await tier.list_entries()] == ["e1"]
+
+
+async def test_bin_without_manifest_is_not_an_entry(s3: S3Server, make_tier: TierFactory, tmp_path: Path) -> None:
+    """The .json is the commit marker: a .bin without its manifest is not an entry."""
+    tier = make_tier(s3)
+    path, manifest = write_entry(tmp_path / "local", "e1", 1000, ["b1"])
+    await upload(tier, path, manifest)
+    reader = make_tier(s3, journal=tmp_path / "j2")
+    assert await reader.find(["b1"], 16) is not None
+    store = RemoteConfig.from_url(URL, s3.env()).store(timedelta(seconds=5), timedelta(seconds=5))
+    await obstore.delete_async(store, "ns1/e1.json")
+    assert await make_tier(s3, journal=tmp_path / "j3").find(["b1"], 16) is None
+    assert s3.object_path("team/cache/ns1/e1.bin").exists()
+
+
+# ---- choosing among entries -----------------------------------------------------------------------------------
+
+
+async def test_longest_prefix_wins_and_index_refreshes(s3: S3Server, make_tier: TierFactory, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    host_a, host_b = make_tier(s3), make_tier(s3, journal=tmp_path / "journal-b")
+    entries = {
+        "short": (["h1", "h2"], 16),
+        "long": (["h1", "h2", "h3", "h4"], 16),
+        "sideways": (["h1", "x2", "x3", "x4", "x5"], 16),
+        "other_block_size": (["h1", "h2", "h3", "h4", "h5"], 32),
+    }
+    for entry_id, (blocks, block_tokens) in entries.items():
+        await upload(host_b, *write_entry(tmp_path / "b", entry_id, 100, blocks, block_tokens))
+    foreign = make_tier(s3, namespace="ns2")
+    await upload(foreign, *write_entry(tmp_path / "f", "foreign", 100, ["h1", "h2", "h3", "h4", "h5"]))
+
+    match = await host_a.find(["h1", "h2", "h3", "h9"], 16)
+    assert match is not None and (match.entry_id, match.matched_blocks) == ("long", 3)
+    match = await host_a.find(["h1", "h2", "h3", "h4", "h5", "h6"], 16)
+    assert match is not None and (match.entry_id, match.matched_blocks) == ("long", 4)  # not ns2's, not 32's
+    match = await host_a.find(["h1", "h2", "h3"], 32)
+    assert match is not None and match.entry_id == "other_block_size"
+    assert await host_a.find(["zz"], 16) is None
+    assert await host_a.find([], 16) is None
+    assert (host_a.stats.remote_hits, host_a.stats.remote_misses) == (3, 2)
+
+    # host B saves a better entry: host A sees it only once its index is INDEX_MAX_AGE_S old.
+    monkeypatch.setattr(remote, "INDEX_MAX_AGE_S", 3600.0)
+    await upload(host_b, *write_entry(tmp_path / "b", "longer", 100, ["h1", "h2", "h3", "h4", "h5"]))
+    match = await host_a.find(["h1", "h2", "h3", "h4", "h5"], 16)
+    assert match is not None and match.entry_id == "long"
+    monkeypatch.setattr(remote, "INDEX_MAX_AGE_S", 0.0)
+    match = await host_a.find(["h1", "h2", "h3", "h4", "h5"], 16)
+    assert match is not None and (match.entry_id, match.matched_blocks) == ("longer", 5)
+
+
+# ---- nothing remote is trusted ------------------------------------------------------------------------------
+
+
+async def test_tampered_and_truncated_objects_are_rejected(s3: S3Server, make_tier: TierFactory, tmp_path: Path,
+                                                           logs: pytest.LogCaptureFixture) -> None:
+    uploader = make_tier(s3)
+    for entry_id in ("tampered", "truncated"):
+        await upload(uploader, *write_entry(tmp_path / "local", entry_id, 3 * MB, [entry_id]))
+    tampered = s3.object_path("team/cache/ns1/tampered.bin")
+    with open(tampered, "r+b") as f:  # same size, different bytes
+        f.seek(MB)
+        byte = f.read(1)
+        f.seek(MB)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    truncated = s3.object_path("team/cache/ns1/truncated.bin")
+    os.truncate(truncated, 2 * MB)
+
+    tier = make_tier(s3, journal=tmp_path / "j2")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    for entry_id in ("tampered", "truncated"):
+        match = await tier.find([entry_id], 16)
+        assert match is not None and match.entry_id == entry_id
+        assert await tier.fetch(match, dest) is None
+        assert await tier.find([entry_id], 16) is None  # not offered again
+    assert tier.stats.rejected == 2
+    assert list(dest.iterdir()) == []  # neither the partial nor a final file
+    rejected = [line for line in warnings(logs) if "rejected" in line]
+    assert len(rejected) == 2 and "sha256" in rejected[0] and "bytes" in rejected[1]
+
+
+async def test_malformed_remote_manifest_is_rejected(s3: S3Server, make_tier: TierFactory, tmp_path: Path) -> None:
+    tier = make_tier(s3)
+    await upload(tier, *write_entry(tmp_path / "local", "e1", 100, ["b1"]))
+    s3.object_path("team/cache/ns1/e1.json").write_text('{"blocks": ["b1"], "block_tokens": 16, "bytes": 100}')
+    reader = make_tier(s3, journal=tmp_path / "j2")
+    assert await reader.find(["b1"], 16) is None  # no sha256: never offered
+    assert reader.stats.rejected == 1
+
+
+# ---- write-behind survives a dead link --------------------------------------------------------------------------
+
+
+async def test_server_stopped_mid_upload_then_resumed_by_a_new_tier(s3: S3Server, make_tier: TierFactory,
+                                                                    tmp_path: Path,
+                                                                    logs: pytest.LogCaptureFixture) -> None:
+    s3.stop()
+    s3.bwlimit = "16M"  # 64 MB take ~4 s: the server is stopped well before the end
+    s3.start()
+    journal = tmp_path / "journal"
+    tier = make_tier(s3, journal=journal, request_timeout_s=3.0)
+    path, manifest = write_entry(tmp_path / "local", "big", 64 * MB, ["b1"])
+    before = (sha256(path), path.stat().st_mtime_ns)
+    tier.schedule_upload("big", path, manifest)
+    await until(lambda: (journal / "big.json").exists(), 5, "the journal record")
+    await asyncio.sleep(1.0)
+    s3.kill()
+    await until(lambda: tier.stats.uploads_failed == 1, 15, "the upload to give up")
+    assert tier.stats.uploads_done == 0 and tier.stats.uploads_pending == 0
+    assert (sha256(path), path.stat().st_mtime_ns) == before  # the local file is untouched
+    assert json.loads((journal / "big.json").read_text())["entry_id"] == "big"
+    assert not s3.object_path("team/cache/ns1/big.json").exists()  # never committed
+    assert [line for line in warnings(logs) if "upload failed" in line and "journal" in line]
+
+    s3.bwlimit = None
+    s3.start()
+    resumed = make_tier(s3, journal=journal)
+    assert resumed.resume() == 1
+    await until(lambda: resumed.stats.uploads_done == 1, 20, "the resumed upload")
+    assert list(journal.iterdir()) == []
+    match = await resumed.find(["b1"], 16)
+    assert match is not None
+    fetched = await resumed.fetch(match, tmp_path / "dest")
+    assert fetched is not None and sha256(fetched[0]) == before[0]
+
+
+async def test_evicted_or_changed_files_are_dropped(s3: S3Server, make_tier: TierFactory, tmp_path: Path,
+                                                    logs: pytest.LogCaptureFixture) -> None:
+    journal = tmp_path / "journal"
+    tier = make_tier(s3, journal=journal)
+    gone, gone_manifest = write_entry(tmp_path / "local", "gone", 1000, ["b1"])
+    changed, changed_manifest = write_entry(tmp_path / "local", "changed", 1000, ["b2"])
+    gone.unlink()
+    with open(changed, "ab") as f:
+        f.write(b"more")
+    tier.schedule_upload("gone", gone, gone_manifest)
+    tier.schedule_upload("changed", changed, changed_manifest)
+    await until(lambda: tier.stats.uploads_pending == 0, 10, "both uploads to be dropped")
+    assert (tier.stats.uploads_done, tier.stats.uploads_failed) == (0, 0)
+    assert list(journal.iterdir()) == []
+    dropped = [r.getMessage() for r in logs.records if "dropped" in r.getMessage()]
+    assert len(dropped) == 2
+    assert not s3.object_path("team/cache/ns1/gone.bin").exists()
+    assert not s3.object_path("team/cache/ns1/changed.bin").exists()
+
+    # A journal record whose file was evicted while slotkeeper was down is not resumed.
+    (journal / "old.json").write_text(json.dumps(
+        {"entry_id": "old", "bin_path": str(tmp_path / "nope.bin"), "manifest": {"bytes": 1}}))
+    assert make_tier(s3, journal=journal).resume() == 0
+    assert list(journal.iterdir()) == []
+
+
+# ---- reachability and stopping ----------------------------------------------------------------------------------
+
+
+async def test_unreachable_at_start(make_tier: TierFactory, tmp_path: Path, logs: pytest.LogCaptureFixture) -> None:
+    nobody = S3Server(tmp_path / "never-started", port=free_port())  # refused: nothing listens there
+    tier = make_tier(nobody)
+    started = time.monotonic()
+    assert await tier.probe(1.0) is False
+    assert time.monotonic() - started < 1.5
+    assert warnings(logs) == [f"remote store {URL} unreachable (connection refused); "
+                              "continuing with the local store only"]
+
+    logs.clear()
+    with socket.socket() as silent:  # accepts connections (kernel backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        tier = make_tier(S3Server(tmp_path / "silent", port=silent.getsockname()[1]))
+        started = time.monotonic()
+        assert await tier.probe(1.0) is False
+        elapsed = time.monotonic() - started
+    assert 0.9 < elapsed < 1.5
+    assert warnings(logs) == [f"remote store {URL} unreachable (no answer within 1 s); "
+                              "continuing with the local store only"]
+
+
+async def test_probe_reachable(s3: S3Server, make_tier: TierFactory) -> None:
+    assert await make_tier(s3).probe(2.0) is True
+
+
+async def test_concurrent_fetches_download_once(s3: S3Server, make_tier: TierFactory, tmp_path: Path) -> None:
+    await upload(make_tier(s3), *write_entry(tmp_path / "local", "e1", 24 * MB, ["b1"]))
+    tier = make_tier(s3, journal=tmp_path / "j2")
+    match = await tier.find(["b1"], 16)
+    assert match is not None
+    results = await asyncio.gather(*(tier.fetch(match, tmp_path / "dest") for _ in range(4)))
+    assert all(r is not None and r[0] == tmp_path / "dest" / "e1.bin" for r in results)
+    assert sha256(tmp_path / "dest" / "e1.bin") == match.manifest["sha256"]
+    assert tier.stats.download_bytes == 24 * MB  # one download, not four
+
+
+async def test_close_returns_by_its_deadline_with_uploads_pending(s3: S3Server, make_tier: TierFactory,
+                                                                  tmp_path: Path,
+                                                                  logs: pytest.LogCaptureFixture) -> None:
+    s3.stop()
+    s3.bwlimit = "1M"
+    s3.start()
+    journal = tmp_path / "journal"
+    tier = make_tier(s3, journal=journal, concurrency=1)
+    first, first_manifest = write_entry(tmp_path / "local", "slow1", 16 * MB, ["b1"])
+    second, second_manifest = write_entry(tmp_path / "local", "slow2", 8 * MB, ["b2"])
+    tier.schedule_upload("slow1", first, first_manifest)
+    tier.schedule_upload("slow2", second, second_manifest)
+    await asyncio.sleep(0.5)
+    started = time.monotonic()
+    await tier.close(started + 1.0)
+    elapsed = time.monotonic() - started
+    assert 0.9 < elapsed < 1.0 + remote.CANCEL_GRACE_S
+    assert tier.stats.uploads_pending == 2 and tier.stats.uploads_done == 0
+    assert sorted(p.name for p in journal.iterdir()) == ["slow1.json", "slow2.json"]
+    assert [r.getMessage() for r in logs.records if "pending" in r.getMessage()] == [
+        "remote: 2 upload(s) pending (25.2 MB); they resume at the next start"]
+
+
+# ---- configuration ----------------------------------------------------------------------------------------------
+
+
+def test_from_url_environment() -> None:
+    env = {"AWS_ACCESS_KEY_ID": "AKIDENV", "AWS_SECRET_ACCESS_KEY": "secret-env", "AWS_SESSION_TOKEN": "tok",
+           "AWS_ENDPOINT_URL": "http://general:9000", "AWS_ENDPOINT_URL_S3": "http://minio:9000/",
+           "AWS_DEFAULT_REGION": "eu-west-1", "AWS_REGION": "eu-central-1", "HOME": "/nonexistent"}
+    config = RemoteConfig.from_url("s3://my-bucket/some/prefix/", env)
+    assert (config.bucket, config.prefix, config.endpoint, config.region) == (
+        "my-bucket", "some/prefix", "http://minio:9000", "eu-central-1")
+    assert (config.access_key_id, config.secret_access_key, config.session_token) == ("AKIDENV", "secret-env", "tok")
+    assert "secret-env" not in repr(config) and "tok" not in repr(config)
+    assert config.url == "s3://my-bucket/some/prefix"
+
+    bare = RemoteConfig.from_url("s3://my-bucket", {"HOME": "/nonexistent", "AWS_DEFAULT_REGION": "us-west-2"})
+    assert (bare.prefix, bare.endpoint, bare.region, bare.access_key_id) == ("", None, "us-west-2", None)
+
+
+def test_from_url_profile_files(tmp_path: Path) -> None:
+    credentials, config_file = tmp_path / "credentials", tmp_path / "config"
+    credentials.write_text("[default]\naws_access_key_id = AKIDDEFAULT\naws_secret_access_key = s%default\n\n"
+                           "[dev]\naws_access_key_id = AKIDDEV\naws_secret_access_key = secret-dev\n")
+    config_file.write_text("[default]\nregion = us-east-2\n\n"
+                           "[profile dev]\nregion = ap-south-1\nendpoint_url = http://general:1\n"
+                           "s3 =\n  endpoint_url = http://127.0.0.1:9000\n")
+    files = {"AWS_SHARED_CREDENTIALS_FILE": str(credentials), "AWS_CONFIG_FILE": str(config_file)}
+
+    dev = RemoteConfig.from_url("s3://bucket/p", {**files, "AWS_PROFILE": "dev"})
+    assert (dev.access_key_id, dev.secret_access_key, dev.region, dev.endpoint, dev.profile) == (
+        "AKIDDEV", "secret-dev", "ap-south-1", "http://127.0.0.1:9000", "dev")
+
+    default = RemoteConfig.from_url("s3://bucket/p", files)
+    assert (default.access_key_id, default.secret_access_key, default.region, default.endpoint) == (
+        "AKIDDEFAULT", "s%default", "us-east-2", None)
+
+    # ~/.aws is found through HOME; environment keys and region win over the profile's
+    (tmp_path / ".aws").mkdir()
+    credentials.rename(tmp_path / ".aws" / "credentials")
+    config_file.rename(tmp_path / ".aws" / "config")
+    mixed = RemoteConfig.from_url("s3://bucket", {"HOME": str(tmp_path), "AWS_PROFILE": "dev",
+                                                  "AWS_ACCESS_KEY_ID": "AKIDENV", "AWS_SECRET_ACCESS_KEY": "env",
+                                                  "AWS_REGION": "eu-north-1"})
+    assert (mixed.access_key_id, mixed.secret_access_key, mixed.region, mixed.endpoint) == (
+        "AKIDENV", "env", "eu-north-1", "http://127.0.0.1:9000")
+
+
+async def test_profile_credentials_reach_a_real_server(s3: S3Server, tmp_path: Path) -> None:
+    """Credentials and endpoint from a profile alone (no AWS_ACCESS_KEY_ID) sign requests the server accepts."""
+    (tmp_path / "credentials").write_text(
+        f"[ci]\naws_access_key_id = {ACCESS_KEY_ID}\naws_secret_access_key = {SECRET_ACCESS_KEY}\n")
+    (tmp_path / "config").write_text(f"[profile ci]\nendpoint_url = {s3.endpoint}\n")
+    env = {"AWS_PROFILE": "ci", "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "credentials"),
+           "AWS_CONFIG_FILE": str(tmp_path / "config"), "HOME": str(tmp_path)}
+    tier = RemoteTier(RemoteConfig.from_url(URL, env), "ns1", tmp_path / "journal")
+    assert await tier.probe(2.0) is True
+    wrong = RemoteConfig.from_url(URL, {**env, "AWS_ACCESS_KEY_ID": ACCESS_KEY_ID, "AWS_SECRET_ACCESS_KEY": "wrong"})
+    assert await RemoteTier(wrong, "ns1", tmp_path / "journal").probe(2.0) is False
+
+
+@pytest.mark.parametrize("url, env, message", [
+    ("http://bucket/prefix", {}, "--remote-store must look like s3://bucket/prefix"),
+    ("bucket/prefix", {}, "--remote-store must look like s3://bucket/prefix"),
+    ("s3://", {}, "--remote-store must look like s3://bucket/prefix"),
+    ("s3://bucket?x=1", {}, "--remote-store must look like s3://bucket/prefix"),
+    ("s3://Bad_Bucket/p", {}, "is not an S3 bucket name"),
+    ("s3://bucket/a//b", {}, "prefix"),
+    ("s3://bucket", {"AWS_PROFILE": "missing"}, "AWS_PROFILE=missing: no such profile"),
+    ("s3://bucket", {"AWS_ACCESS_KEY_ID": "AKID"}, "have no secret access key"),
+    ("s3://bucket", {"AWS_ENDPOINT_URL": "localhost:9000"}, "endpoint must look like http(s)://host[:port]"),
+])
+def test_from_url_rejects_bad_input(tmp_path: Path, url: str, env: dict[str, str], message: str) -> None:
+    env = {"HOME": str(tmp_path), **env}
+    with pytest.raises(ValueError) as caught:
+        RemoteConfig.from_url(url, env)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_unreadable_profile_file_is_a_one_line_error(tmp_path: Path) -> None:
+    (tmp_path / "config").write_text("this is not an ini file\n")
+    with pytest.raises(ValueError) as caught:
+        RemoteConfig.from_url("s3://bucket", {"HOME": str(tmp_path), "AWS_CONFIG_FILE": str(tmp_path / "config")})
+    assert "cannot read" in str(caught.value) and "\n" not in str(caught.value)

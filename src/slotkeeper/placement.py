@@ -31,7 +31,7 @@ from .prefix import BLOCK_TOKENS, block_keys, common_keys, unit_keys
 from .proxy import Placed
 from .store import ConversationStore, Entry
 
-CHAT_PATHS = frozenset({"/chat/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"})
+CHAT_PATHS = frozenset({"/chat/completions", "/v1/chat/completions", "/v1/responses", "/responses", "/v1/messages"})
 PROMPT_PATHS = frozenset({"/completion", "/completions", "/v1/completions", "/infill"})
 COMPLETION_PATHS = CHAT_PATHS | PROMPT_PATHS
 # llama-server b11434 drops `id_slot` when it converts an Anthropic request to chat form: for these, the slot

@@ -30,7 +30,7 @@ OWN_OPTIONS: dict[str, bool] = {
     "llama_server": False, "startup_timeout": False, "drain_timeout": False, "save_timeout": False,
     "stop_timeout": False, "child_tcp": True, "llama_idle_slot_caching": True, "restore_unverified": True,
     "fsync": True, "autosave_idle": False, "max_cache_bytes": False, "log_level": False, "log_format": False,
-    "placement": True, "min_save_tokens": False,
+    "placement": True, "min_save_tokens": False, "remote_store": False,
 }
 ENV_PREFIX = "SLOTKEEPER_"
 ENV_LLAMA_SERVER = "LLAMA_SERVER"
@@ -336,6 +336,8 @@ def plan_launch(argv: list[str], env: Env) -> LaunchPlan:
         # With llama-server's default, idle slots are moved out of the KV cache when a new task starts, and a
         # stop-time save would find them empty. Keep them resident unless the user chose otherwise.
         child_args.append("--no-cache-idle-slots")
+    if own.get("remote_store") and "--metrics" not in child_args:
+        child_args.append("--metrics")  # its prompt speed tells whether a download beats a prefill
     raw_flag(own, "child_tcp")
     binary = find_llama_server(own.get("llama_server") or None, env)  # type: ignore[arg-type]
     save_dir = Path(llama.slot_save_path).expanduser() if llama.slot_save_path else default_save_dir(llama, env)

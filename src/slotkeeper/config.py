@@ -43,6 +43,10 @@ class Options(BaseModel):
         True, description="place completion requests on the slot that holds their chat (restoring it first if "
         "need be); off: llama-server chooses, and only the slots' last contents are kept"
     )
+    remote_store: str | None = Field(
+        None, description="shared tier: s3://bucket/prefix (credentials and endpoint from the AWS_* variables "
+        "and profiles); entries are uploaded in the background and fetched when a chat is missing here"
+    )
     min_save_tokens: int = Field(
         256, ge=1, description="prompts shorter than this are not saved (title and tag requests are cheaper to recompute)"
     )

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import RunConfig
-from .fingerprint import build_fingerprint, model_identity
+from .fingerprint import build_fingerprint, model_identity, namespace_key
 from .llama_client import LlamaClient
 from .log import fmt_bytes, fmt_ms, log
 from .metrics import Metrics
@@ -29,7 +29,9 @@ HEALTH_POLL_S = 0.01
 EXIT_OK = 0
 EXIT_FORCED = 1
 EXIT_STARTUP_FAILED = 1
-FORCED_STOP_TIMEOUT_S = 0.5  # a second signal: the child gets this long after SIGTERM before SIGKILL
+FORCED_STOP_TIMEOUT_S = 0.5
+REMOTE_JOURNAL_DIR = "remote-pending"  # in the save directory: uploads not finished yet
+REMOTE_PROBE_TIMEOUT_S = 5.0  # a second signal: the child gets this long after SIGTERM before SIGKILL
 
 
 class State(enum.Enum):
@@ -61,6 +63,8 @@ class Daemon:
         self.placement: Placement | None = None
         self._seen_tasks: dict[int, int] = {}  # with placement off: llama-server's id_task per slot at the last look
         self._autosave: asyncio.Future[None] | None = None
+        self.remote: Any = None  # remote.RemoteTier, with --remote-store
+        self._remote_probe: asyncio.Future[bool] | None = None
         self._client: Any = None  # LlamaClient, once run() made it
         self.metrics = Metrics(state=lambda: self.state.value)
         self._identity: asyncio.Future[dict[str, Any]] | None = None
@@ -106,6 +110,7 @@ class Daemon:
             "prefill_tokens_saved": self.metrics.prefill_tokens_saved,
             "prompt_tokenizations": self.metrics.prompt_tokenizations,
             "save_estimate": self.save_estimate(),
+            "remote": None if self.remote is None else {"url": self.remote.config.url, **vars(self.remote.stats)},
         })
 
     # ---- the script ----------------------------------------------------------------------------------------
@@ -266,10 +271,34 @@ class Daemon:
         self.metrics.store_bytes = lambda: store.total_bytes
         self.placement = Placement(store, client, self.total_slots, min_tokens=self.options.min_save_tokens,
                                    metrics=self.metrics)
+        if self.options.remote_store:
+            self.attach_remote(store, self.placement, fingerprint)
         other = f"; {len(store.skipped)} kept for other configurations" if store.skipped else ""
         log.info("%d slot(s); %d conversation(s) in %s (%s of a %s cap)%s", self.total_slots, len(store.entries),
                  self.config.save_dir, fmt_bytes(store.total_bytes), fmt_bytes(store.cap_bytes or 0), other)
         await self.placement.restore_recent()
+
+    def attach_remote(self, store: ConversationStore, placement: Placement, fingerprint: dict[str, Any]) -> None:
+        """The shared tier: uploads after each local commit, lookups on a miss. Nothing here waits on the network:
+        reachability is probed in the background, so an unreachable server never delays readiness."""
+        import os
+
+        from .remote import RemoteConfig, RemoteTier
+
+        try:
+            config = RemoteConfig.from_url(self.options.remote_store or "", os.environ)
+            tier = RemoteTier(config, namespace_key(fingerprint), self.config.save_dir / REMOTE_JOURNAL_DIR)
+        except ValueError as exc:
+            log.warning("remote store not used: %s", exc)
+            return
+        self.remote = tier
+        store.on_commit = lambda entry, path: tier.schedule_upload(entry.id, path, entry.manifest())
+        placement.remote = tier
+        resumed = tier.resume()
+        if resumed:
+            log.info("remote: %d upload(s) left by the last run resume", resumed)
+        self._remote_probe = asyncio.ensure_future(tier.probe(REMOTE_PROBE_TIMEOUT_S))
+        self.metrics.remote = lambda: tier.stats
 
     async def serve(self, proxy: Proxy, child_exited: asyncio.Future[int]) -> int | None:
         """Until a stop request, autosaving when idle; returns the child's exit code if it dies first."""
@@ -358,6 +387,8 @@ class Daemon:
         await asyncio.gather(self.store.flush(), self.child.stop(self.options.stop_timeout))
         if counts and counts[1]:
             log.info("saved %d of %d changed slot(s)", *counts)
+        if self.remote is not None:  # uploads may use what is left of the budget, never more
+            await self.remote.close(budget_end)
         return EXIT_OK
 
     async def stop_forced(self) -> int:
@@ -391,7 +422,8 @@ class Daemon:
             return None
         per_token = store.bytes_per_token() or 0.0
         largest = max((e.nbytes for e in store.entries.values()), default=0)
-        if self.state is State.READY and any(s.last_used for s in placement.slots):
+        # a restore at start marks its slot used too: "a request ran" is a placed request
+        if self.state is State.READY and sum(self.metrics.placements.values()):
             nbytes = sum(int(s.tokens * per_token) if s.tokens else largest for s in placement.dirty_slots())
         else:  # before any request: what the slots could hold, the largest entries' sizes
             nbytes = sum(sorted((e.nbytes for e in store.entries.values()), reverse=True)[: self.total_slots])

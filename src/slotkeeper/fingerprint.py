@@ -8,6 +8,7 @@ it saves and restores only files whose fingerprint matches the running configura
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,21 @@ def build_fingerprint(
     fingerprint["total_slots"] = total_slots
     fingerprint["n_ctx_slot"] = n_ctx_slot
     return fingerprint
+
+
+def shareable(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """The fingerprint without the model's path when its content hash is known: the same model file under
+    another path (another host, a moved directory) is the same model."""
+    if "model_sha256" in fingerprint:
+        return {k: v for k, v in fingerprint.items() if k != "model"}
+    return fingerprint
+
+
+def namespace_key(fingerprint: dict[str, Any]) -> str:
+    """A short name for everything a fingerprint pins down (the shared tier's folder): equal exactly when two
+    hosts' configurations can use each other's entries."""
+    canonical = json.dumps(shareable(fingerprint), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
 def first_difference(saved: dict[str, Any], current: dict[str, Any]) -> str | None:

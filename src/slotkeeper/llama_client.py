@@ -75,6 +75,20 @@ class LlamaClient:
     async def slots(self) -> ChildReply:
         return await self._call("GET", "/slots")
 
+    async def prompt_rate(self) -> float | None:
+        """Prompt tokens per second this llama-server measured over its life (from its /metrics, which needs
+        --metrics); None when it cannot say yet."""
+        status, raw = await self.call_raw("GET", "/metrics")
+        if status != 200:
+            return None
+        values: dict[str, float] = {}
+        for line in raw.decode(errors="replace").splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total"):
+                values[name] = float(value)
+        tokens, seconds = values.get("llamacpp:prompt_tokens_total", 0.0), values.get("llamacpp:prompt_seconds_total")
+        return tokens / seconds if seconds else None
+
     async def slot_action(self, slot_id: int, action: str, filename: str | None = None) -> ChildReply:
         body = {"filename": filename} if filename is not None else {}
         return await self._call("POST", f"/slots/{slot_id}", payload=body, params={"action": action})

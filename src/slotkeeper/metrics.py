@@ -49,8 +49,11 @@ class Metrics:
     quarantines: int = 0
     placements: collections.Counter[str] = field(default_factory=collections.Counter)  # by outcome
     on_demand_restores: int = 0
+    remote_fetches: int = 0  # entries downloaded from the shared tier for a request
+    remote_prefill_faster: int = 0  # remote entries not fetched: the prefill was estimated faster
     prompt_tokenizations: int = 0  # placements that asked llama-server for the prompt's tokens
     prefill_tokens_saved: int = 0  # estimated: the prompt tokens placed requests found in their slot
+    remote: Callable[[], Any] = lambda: None  # remote.RemoteStats, with --remote-store
     store_entries: Callable[[], int] = lambda: 0
     store_bytes: Callable[[], int] = lambda: 0
     requests_by_status: Callable[[], dict[int, int]] = dict
@@ -115,6 +118,10 @@ class _Collector:
         yield counter("placements", "Completion requests placed: resident (hit), restored (on demand), new, branch "
                       "(a miss), pinned (the client chose), unplaced (tokens unknown)", "outcome", dict(m.placements))
         yield counter("on_demand_restores", "Entries restored into a slot for a request", values=m.on_demand_restores)
+        yield counter("remote_fetches", "Entries downloaded from the remote tier for a request",
+                      values=m.remote_fetches)
+        yield counter("remote_prefill_faster", "Remote entries not downloaded: prefilling was estimated faster",
+                      values=m.remote_prefill_faster)
         yield counter("prompt_tokenizations", "Placements that asked llama-server for the prompt's tokens (a chat "
                       "continuing in its slot needs none)", values=m.prompt_tokenizations)
         yield counter("prefill_tokens_saved", "Prompt tokens placed requests found cached (estimated, in 64-token "
@@ -126,6 +133,21 @@ class _Collector:
             yield gauge
         yield counter("proxied_requests", "Requests proxied to llama-server, by status", "status",
                       m.requests_by_status())
+        remote = m.remote()
+        if remote is not None:
+            pending = GaugeMetricFamily("slotkeeper_remote_uploads_pending", "Uploads to the remote tier not done yet")
+            pending.add_metric([], remote.uploads_pending)
+            yield pending
+            for name, doc in (("uploads_failed", "Uploads that gave up (kept for the next start)"),
+                              ("uploads_done", "Entries uploaded"), ("upload_bytes", "Bytes uploaded"),
+                              ("upload_seconds", "Seconds spent uploading"),
+                              ("remote_hits", "Lookups that found a remote entry"),
+                              ("remote_misses", "Lookups that found none"), ("download_bytes", "Bytes downloaded"),
+                              ("download_seconds", "Seconds spent downloading"),
+                              ("fetches_failed", "Downloads that failed (network or disk)"),
+                              ("rejected", "Remote entries refused: tampered, truncated, malformed or foreign")):
+                yield counter(f"remote_{name}" if not name.startswith("remote_") else name, doc,
+                              values=getattr(remote, name))
         in_flight = GaugeMetricFamily("slotkeeper_requests_in_flight", "Requests being proxied now")
         in_flight.add_metric([], m.requests_in_flight())
         yield in_flight

@@ -52,6 +52,8 @@ BRANCH_SHARE = (3, 4)  # a request sharing 3/4 of a slot's blocks branches that 
 RESTORE_MIN_GAIN_BLOCKS = 2  # restore an entry only when it covers this many more blocks than the best slot
 SLOT_PROMPT_SIMILARITY = 0.1  # llama-server's --slot-prompt-similarity default (for unpinnable requests)
 TOKENIZE_TIMEOUT_S = 30.0
+PREFILL_RATE_MAX_AGE_S = 10.0
+PREFILL_RATE_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,8 @@ class Placement:
         self.metrics = metrics or Metrics()
         self._freed = asyncio.Event()
         self._clock = 0.0
+        self.remote: Any = None  # remote.RemoteTier: asked when a chat is in no slot and not in the store
+        self._prefill: tuple[float, float | None] = (-PREFILL_RATE_MAX_AGE_S, None)  # (when, tokens/s)
 
     # ---- the proxy's hook ---------------------------------------------------------------------------------
 
@@ -208,6 +212,8 @@ class Placement:
                 await self._wait_freed()  # its own previous request: this one goes after it, as in llama-server
         tokens = await self._tokens(path, body, data, chat)
         keys = block_keys(tokens) if tokens is not None else None
+        if keys and self.remote is not None:
+            await self._fetch_if_faster(keys)
         while (plan := self._decide(keys, len(tokens or ()), pinned, path in UNPINNABLE_PATHS)) is None:
             await self._wait_freed()
         plan.keys = keys
@@ -332,6 +338,45 @@ class Placement:
     def _expected_bytes(self, slot: Slot) -> int:
         rate = self.store.bytes_per_token()
         return int(rate * slot.tokens) if rate else 0
+
+    # ---- the shared tier ----------------------------------------------------------------------------------
+
+    async def _fetch_if_faster(self, keys: list[str]) -> None:
+        """A chat found nowhere here may be in the remote tier: download it into the store when that is
+        estimated faster than the prefill it saves (measured transfer speed vs this server's prompt speed).
+        Only this request waits; a concurrent miss for the same entry shares the download."""
+        local = max([common_keys(s.keys, keys) for s in self.slots] + [self.store.lookup(keys)[1]])
+        if len(keys) - local < RESTORE_MIN_GAIN_BLOCKS:
+            return
+        match = await self.remote.find(keys, BLOCK_TOKENS)
+        if match is None or match.entry_id in self.store.entries or \
+                match.matched_blocks < local + RESTORE_MIN_GAIN_BLOCKS:
+            return
+        nbytes = int(match.manifest.get("bytes", 0))
+        gained = (match.matched_blocks - local) * BLOCK_TOKENS
+        fetch_s = self.remote.estimated_fetch_seconds(nbytes)
+        rate = await self._prefill_rate()
+        prefill_s = gained / rate if rate else None
+        if fetch_s is not None and prefill_s is not None and fetch_s >= prefill_s:
+            self.metrics.remote_prefill_faster += 1
+            log.info("chat %s is in the remote store, but fetching %s (~%.1f s) is slower than prefilling %s "
+                     "tokens (~%.1f s): prefilling", match.entry_id[:4], fmt_bytes(nbytes), fetch_s, f"{gained:,}",
+                     prefill_s)
+            return
+        fetched = await self.remote.fetch(match, self.store.entries_dir)
+        if fetched is not None and self.store.adopt(fetched[1]) is not None:
+            self.metrics.remote_fetches += 1
+
+    async def _prefill_rate(self) -> float | None:
+        """This server's prompt tokens per second, refreshed at most every PREFILL_RATE_MAX_AGE_S."""
+        at, rate = self._prefill
+        if time.monotonic() - at >= PREFILL_RATE_MAX_AGE_S:
+            try:
+                rate = await asyncio.wait_for(self.client.prompt_rate(), PREFILL_RATE_TIMEOUT_S)
+            except (TimeoutError, ConnectionError, ValueError):
+                rate = None
+            self._prefill = (time.monotonic(), rate or self._prefill[1])
+        return self._prefill[1]
 
     # ---- after the request --------------------------------------------------------------------------------
 

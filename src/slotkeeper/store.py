@@ -26,12 +26,12 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .fingerprint import first_difference
+from .fingerprint import first_difference, shareable
 from .layout import ENTRIES_DIR, LOCK_NAME, QUARANTINE_DIR, SNAPSHOTS_DIR, prepare_layout
 from .log import fmt_bytes, log
 from .metrics import Metrics
@@ -93,14 +93,6 @@ def server_identity(binary: str | None) -> dict[str, Any]:
     return {"path": binary}
 
 
-def shareable(fingerprint: dict[str, Any]) -> dict[str, Any]:
-    """The fingerprint without the model's path when its content hash is known: the same model file under
-    another path (another host, a moved directory) is the same model."""
-    if "model_sha256" in fingerprint:
-        return {k: v for k, v in fingerprint.items() if k != "model"}
-    return fingerprint
-
-
 @dataclass
 class Entry:
     """One saved conversation state and what its manifest says about it."""
@@ -123,14 +115,16 @@ class Entry:
             "version": MANIFEST_VERSION, "id": self.id, "tokens": self.tokens, "bytes": self.nbytes,
             "saved_at": self.saved_at, "last_used": self.last_used, "save_ms": self.save_ms,
             "fingerprint": self.fingerprint, "format": {"seq_version": self.seq_version, "layout": self.layout},
-            "llama_server": self.server, "block_tokens": BLOCK_TOKENS, "keys": self.keys, "units": self.units,
+            "llama_server": self.server, "block_tokens": BLOCK_TOKENS, "blocks": self.keys, "units": self.units,
         }
 
     @classmethod
     def from_manifest(cls, data: dict[str, Any]) -> Entry:
+        if data.get("block_tokens", BLOCK_TOKENS) != BLOCK_TOKENS:
+            raise ValueError(f"prefix keys of {data.get('block_tokens')}-token blocks, not {BLOCK_TOKENS}")
         fmt = data.get("format") or {}
         return cls(
-            id=str(data["id"]), tokens=int(data["tokens"]), nbytes=int(data["bytes"]), keys=list(data["keys"]),
+            id=str(data["id"]), tokens=int(data["tokens"]), nbytes=int(data["bytes"]), keys=list(data["blocks"]),
             saved_at=float(data.get("saved_at", 0)), last_used=float(data.get("last_used", data.get("saved_at", 0))),
             fingerprint=dict(data.get("fingerprint") or {}), seq_version=int(fmt.get("seq_version", 0)),
             layout=str(fmt.get("layout", "")), server=dict(data.get("llama_server") or {}),
@@ -200,6 +194,7 @@ class ConversationStore:
         self._pending: set[asyncio.Future[Any]] = set()  # manifest updates (last use) written in the background
         self.bytes_per_s: float | None = None  # measured save speed
         self._warned_copy = False
+        self.on_commit: Callable[[Entry, Path], None] | None = None  # told of each new local save (the remote tier)
 
     # ---- opening ------------------------------------------------------------------------------------------
 
@@ -208,8 +203,8 @@ class ConversationStore:
         prepare_layout(self.root)
         self._remove_transients()
         self._take_over_slot_files()
-        for manifest_path in sorted(self.entries_dir.glob(f"*{MANIFEST_SUFFIX}{PARTIAL_SUFFIX}")):
-            manifest_path.unlink(missing_ok=True)
+        for partial in sorted(self.entries_dir.glob(f"*{PARTIAL_SUFFIX}")):  # manifests, downloads
+            partial.unlink(missing_ok=True)
         manifests: dict[str, dict[str, Any]] = {}
         for manifest_path in self.entries_dir.glob(f"*{MANIFEST_SUFFIX}"):
             data = read_json(manifest_path)
@@ -466,6 +461,8 @@ class ConversationStore:
             if not committed:
                 transient.unlink(missing_ok=True)
         superseded = self._admit_saved(entry)
+        if self.on_commit is not None:
+            self.on_commit(entry, self.entries_dir / f"{entry.id}{BIN_SUFFIX}")
         elapsed = time.monotonic() - started
         self.bytes_per_s = entry.nbytes / elapsed if elapsed > 0 else self.bytes_per_s
         self.metrics.saved(elapsed, entry.nbytes, entry.tokens)
@@ -490,6 +487,32 @@ class ConversationStore:
             fsync_path(transient)
         os.replace(transient, self.entries_dir / f"{entry.id}{BIN_SUFFIX}")
         write_json_atomic(self.entries_dir / f"{entry.id}{MANIFEST_SUFFIX}", entry.manifest(), self.fsync)
+
+    def adopt(self, manifest: dict[str, Any]) -> Entry | None:
+        """Take in an entry whose file was just downloaded to entries/<id>.bin (the shared tier): it joins the
+        index only if its manifest is whole, its size right, and it was saved for this configuration and format;
+        else the file is removed (one line) and None returned."""
+        try:
+            entry = Entry.from_manifest(manifest)
+            size = (self.entries_dir / f"{entry.id}{BIN_SUFFIX}").stat().st_size
+        except (KeyError, TypeError, ValueError, OSError) as exc:
+            log.warning("remote entry not used: its manifest or file is unusable (%r)", exc)
+            with contextlib.suppress(KeyError, TypeError):
+                remove_pair(self.entries_dir, str(manifest["id"]))
+            return None
+        difference = first_difference(shareable(entry.fingerprint), shareable(self.fingerprint))
+        problem = (f"size {size} differs from its manifest's {entry.nbytes}" if size != entry.nbytes
+                   else f"saved for another configuration: {difference}" if difference
+                   else "saved in another state format" if not compatible_format(entry, self.current_format)
+                   else None)
+        if problem:
+            log.warning("remote entry %s not used and removed: %s", entry.short, problem)
+            remove_pair(self.entries_dir, entry.id)
+            return None
+        entry.last_used = time.time()
+        write_json_atomic(self.entries_dir / f"{entry.id}{MANIFEST_SUFFIX}", entry.manifest(), self.fsync)
+        self._index(entry)
+        return entry
 
     async def restore(self, entry: Entry, slot_id: int) -> RestoreResult:
         """Load `entry` into slot `slot_id` through a transient hard link (the entry itself stays out of reach)."""

@@ -1,0 +1,182 @@
+"""The shared tier end to end: real llama-servers, a real S3 server (rclone serve s3), two "hosts".
+
+Each host is a slotkeeper with its own save directory; they share only the bucket. What one processed, the
+other continues warm, with identical output; the object server going away never costs a turn or a start.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import obstore
+import pytest
+
+from slotkeeper.testing.harness import http_call, wait_until
+from slotkeeper.remote import RemoteConfig
+from slotkeeper.testing.s3server import S3Server
+
+BASE = ["-c", "16384", "-t", "2", "--no-warmup", "-np", "2"]
+BUCKET = "shared"
+URL = f"s3://{BUCKET}/kv"
+SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: answer briefly and kindly." for i in range(14))
+
+
+@pytest.fixture
+def s3(tmp_path: Path) -> Iterator[S3Server]:
+    server = S3Server(tmp_path / "s3", bucket=BUCKET).start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def host(starter, llama_server, models, tmp_path):
+    """host(name, s3_env, *extra, own=...) -> a slotkeeper with its own save directory and --remote-store."""
+    def start(name: str, s3_env: dict[str, str], *extra: str, own: tuple[str, ...] = (), **kw):
+        return starter(llama_server, ["-m", str(models["A"]), *BASE])(
+            *extra, own=("--remote-store", URL, *own), env=s3_env, save_dir=tmp_path / f"host-{name}", **kw)
+    return start
+
+
+def chat_body(n: int) -> dict:
+    return {"messages": [{"role": "system", "content": SYSTEM},
+                         {"role": "user", "content": f"Conversation {n}. Tell me about the sea. " * 8}],
+            "max_tokens": 12, "temperature": 0}
+
+
+def turn(sk, body: dict) -> dict:
+    reply = sk.call("POST", "/v1/chat/completions", body)
+    assert reply.status == 200, reply.body
+    return reply.body
+
+
+def stop(sk) -> None:
+    sk.killpg(signal.SIGTERM)
+    assert sk.wait(60) == 0, sk.logs()
+
+
+def remote_objects(s3: S3Server) -> list[Path]:
+    root = s3.object_path("kv")
+    return sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
+
+
+def uploaded(s3: S3Server, n: int = 1) -> bool:
+    return len([p for p in remote_objects(s3) if p.suffix == ".json"]) >= n
+
+
+def ensure_uploaded(s3: S3Server, host_start, name: str, n: int = 1) -> None:
+    """The stop's budget may end before the upload: then the host's next start finishes it."""
+    if wait_until(lambda: uploaded(s3, n), 2):
+        return
+    sk = host_start(name, s3.env())
+    assert wait_until(lambda: uploaded(s3, n), 30), sk.logs()
+    stop(sk)
+
+
+def test_a_chat_processed_on_one_host_continues_warm_on_another(s3, host):
+    """Host A converses and uploads in the background; host B, with an empty save directory, continues the chat
+    with cache_n covering its previous prompt, and its answer is identical to host A's."""
+    a = host("a", s3.env())
+    first = turn(a, chat_body(0))
+    prompt_tokens = first["timings"]["prompt_n"] + first["timings"]["cache_n"]
+    stop(a)  # the stop-time save commits the entry locally; its upload goes on within the budget or resumes later
+    assert "saved from slot" in a.logs()
+    ensure_uploaded(s3, host, "a")
+    b = host("b", s3.env())
+    again = turn(b, chat_body(0))
+    assert again["timings"]["cache_n"] >= prompt_tokens - 1, (again["timings"], b.logs()[-3000:])
+    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    assert "fetched" in b.logs()
+    status = http_call(b.port, "GET", "/slotkeeper/status").body
+    assert status["remote"]["remote_hits"] >= 1 and status["remote"]["download_bytes"] > 0, status
+
+
+def test_tampered_and_foreign_objects_are_never_restored(s3, host, starter, llama_server, models, tmp_path):
+    """A remote entry whose bytes were changed, and one saved for another model (same shape, other weights,
+    uploaded under this model's namespace by hand), are not restored: the chat starts cold, one line each."""
+    a = host("a", s3.env())
+    first = turn(a, chat_body(1))
+    stop(a)
+    ensure_uploaded(s3, host, "a")
+    (bin_object,) = [p for p in remote_objects(s3) if p.suffix == ".bin"]
+    data = bytearray(bin_object.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bin_object.write_bytes(bytes(data))
+    b = host("b", s3.env())
+    tampered = turn(b, chat_body(1))
+    assert tampered["timings"]["cache_n"] < first["timings"]["prompt_n"] // 2, tampered["timings"]
+    assert "sha256" in b.logs()
+    stop(b)
+    # foreign: model B's entry, placed under model A's namespace with A's fingerprint claimed in its manifest
+    other = starter(llama_server, ["-m", str(models["B"]), *BASE])(
+        own=("--remote-store", URL), env=s3.env(), save_dir=tmp_path / "host-other")
+    turn(other, chat_body(2))
+    stop(other)
+    assert wait_until(lambda: uploaded(s3, 2), 30), other.logs()
+    namespaces = {p.parent.name for p in remote_objects(s3)}
+    assert len(namespaces) == 2, namespaces  # two models never share a folder
+    a_ns = bin_object.parent.name
+    (b_ns,) = namespaces - {a_ns}
+    bucket = RemoteConfig.from_url(URL, s3.env()).store(timedelta(seconds=10), timedelta(seconds=10))
+    for meta in obstore.list(bucket, f"{a_ns}/").collect():  # only the foreign entry is left to find
+        obstore.delete(bucket, meta["path"].removeprefix("kv/"))
+    for meta in obstore.list(bucket, f"{b_ns}/").collect():  # copied through S3 (rclone caches its listings)
+        key = meta["path"].removeprefix("kv/")
+        obstore.put(bucket, f"{a_ns}/{key.split('/', 1)[1]}", bytes(obstore.get(bucket, key).bytes()))
+    c = host("c", s3.env())
+    foreign = turn(c, chat_body(2))
+    assert foreign["timings"]["cache_n"] < 100, foreign["timings"]
+    assert "not used and removed: saved for another configuration" in c.logs(), c.logs()[-3000:]
+
+
+def test_an_unreachable_object_server_costs_no_readiness_and_no_turn(s3, host, tmp_path):
+    """The object server is down at start: slotkeeper is ready as fast as without a remote (one line says it
+    is unreachable); turns work and the entry is saved locally; the uploads resume at the next start."""
+    s3.stop()
+    t0 = time.monotonic()
+    a = host("a", s3.env())
+    ready_with = time.monotonic() - t0
+    assert wait_until(lambda: "unreachable" in a.logs(), 15), a.logs()
+    assert turn(a, chat_body(3))["timings"]["prompt_n"] > 0
+    stop(a)
+    assert list((tmp_path / "host-a" / "entries").glob("*.bin")), "saved locally all the same"
+    t0 = time.monotonic()
+    plain = host("plain", s3.env(), own=())
+    ready_plain = time.monotonic() - t0
+    stop(plain)
+    assert ready_with < ready_plain + 1.0, (ready_with, ready_plain)
+    s3.start()
+    a = host("a", s3.env())
+    assert wait_until(lambda: uploaded(s3), 30), a.logs()
+    stop(a)
+
+
+def test_a_slow_object_server_does_not_slow_a_turn_nor_the_stop(tmp_path, host):
+    """With the object server throttled (rclone --bwlimit), a turn takes as long as without a remote, and a stop
+    with an upload pending stays within --save-timeout; the upload resumes at the next start."""
+    slow = S3Server(tmp_path / "s3slow", bucket=BUCKET, bwlimit="20k").start()
+    try:
+        a = host("a", slow.env(), own=("--save-timeout", "3"))
+        body = chat_body(4)
+        turn(a, body)
+        started = time.monotonic()
+        turn(a, body)
+        with_remote = time.monotonic() - started
+        stop_started = time.monotonic()
+        stop(a)
+        assert time.monotonic() - stop_started < 3 + 2.0, a.logs()
+        assert "pending" in a.logs()
+        plain = host("plain", slow.env(), own=("--no-placement",))  # a second host for the baseline turn
+        turn(plain, body)
+        started = time.monotonic()
+        turn(plain, body)
+        without = time.monotonic() - started
+        stop(plain)
+        assert with_remote < without * 2 + 0.5, (with_remote, without)
+        journal = tmp_path / "host-a" / "remote-pending"
+        assert any(journal.glob("*.json")), "the pending upload is recorded for the next start"
+    finally:
+        slow.kill()

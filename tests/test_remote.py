@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -19,7 +20,7 @@ import pytest
 
 from slotkeeper import remote
 from slotkeeper.log import log
-from slotkeeper.remote import RemoteConfig, RemoteTier
+from slotkeeper.remote import RemoteConfig, RemoteMatch, RemoteTier
 from slotkeeper.testing.s3server import ACCESS_KEY_ID, SECRET_ACCESS_KEY, S3Server, free_port
 
 BUCKET = "slotkeeper"
@@ -119,6 +120,7 @@ async def test_upload_then_find_and_fetch_roundtrip(s3: S3Server, make_tier: Tie
 
     match = await tier.find(["b1", "b2", "b3", "b4"], 16)
     assert match is not None and (match.entry_id, match.matched_blocks) == ("e1", 3)
+    assert tier.estimated_fetch_seconds(100 * MB) is None  # nothing measured yet
     fetched = await tier.fetch(match, tmp_path / "dest")  # type: ignore[arg-type]
     assert fetched is not None
     got, got_manifest = fetched
@@ -213,7 +215,9 @@ async def test_tampered_and_truncated_objects_are_rejected(s3: S3Server, make_ti
     assert tier.stats.rejected == 2
     assert list(dest.iterdir()) == []  # neither the partial nor a final file
     rejected = [line for line in warnings(logs) if "rejected" in line]
-    assert len(rejected) == 2 and "sha256" in rejected[0] and "bytes" in rejected[1]
+    assert rejected == ["remote: entry tampered rejected: the downloaded bytes do not match its manifest's sha256; "
+                        "nothing was kept",
+                        "remote: entry truncated rejected: its object has 2097152 bytes, its manifest says 3145728"]
 
 
 async def test_malformed_remote_manifest_is_rejected(s3: S3Server, make_tier: TierFactory, tmp_path: Path) -> None:
@@ -287,6 +291,27 @@ async def test_evicted_or_changed_files_are_dropped(s3: S3Server, make_tier: Tie
     assert list(journal.iterdir()) == []
 
 
+async def test_file_changed_during_upload_is_not_committed(s3: S3Server, make_tier: TierFactory, tmp_path: Path,
+                                                            logs: pytest.LogCaptureFixture) -> None:
+    """A file rewritten while it is read for upload (same size) never gets a remote manifest."""
+    s3.stop()
+    s3.bwlimit = "8M"  # 24 MB take ~3 s
+    s3.start()
+    tier = make_tier(s3)
+    path, manifest = write_entry(tmp_path / "local", "moving", 24 * MB, ["b1"])
+    tier.schedule_upload("moving", path, manifest)
+    await asyncio.sleep(0.5)
+    with open(path, "r+b") as f:
+        f.write(os.urandom(MB))
+    await until(lambda: tier.stats.uploads_pending == 0, 15, "the upload to end")
+    assert (tier.stats.uploads_done, tier.stats.uploads_failed) == (0, 0)
+    assert [r.getMessage() for r in logs.records if "dropped" in r.getMessage()] == [
+        "remote: upload of entry moving dropped: moving.bin changed while it was uploaded"]
+    assert not s3.object_path("team/cache/ns1/moving.json").exists()
+    assert not s3.object_path("team/cache/ns1/moving.bin").exists()  # completed, then removed
+    assert list(tier.journal_dir.iterdir()) == []
+
+
 # ---- reachability and stopping ----------------------------------------------------------------------------------
 
 
@@ -310,6 +335,50 @@ async def test_unreachable_at_start(make_tier: TierFactory, tmp_path: Path, logs
     assert 0.9 < elapsed < 1.5
     assert warnings(logs) == [f"remote store {URL} unreachable (no answer within 1 s); "
                               "continuing with the local store only"]
+
+
+class StallingServer:
+    """Answers every request with the head of a big object and a few bytes, then sends nothing more."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 3145728\r\nETag: \"x\"\r\n"
+                         b"Last-Modified: Tue, 01 Dec 2026 08:00:00 GMT\r\n\r\n" + b"\0" * 1000)
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.conns:
+            conn.close()
+
+
+async def test_stalled_download_gives_up_after_the_request_timeout(make_tier: TierFactory, tmp_path: Path,
+                                                                   logs: pytest.LogCaptureFixture) -> None:
+    stalling = StallingServer()
+    try:
+        tier = make_tier(S3Server(tmp_path / "stall", port=stalling.port), request_timeout_s=1.0)
+        match = RemoteMatch("e1", {"bytes": 3 * MB, "sha256": "0" * 64, "blocks": ["b1"], "block_tokens": 16}, 1)
+        started = time.monotonic()
+        assert await asyncio.wait_for(tier.fetch(match, tmp_path / "dest"), 10) is None
+        assert time.monotonic() - started < 2.5
+    finally:
+        stalling.close()
+    assert tier.stats.fetches_failed == 1 and tier.stats.rejected == 0
+    assert list((tmp_path / "dest").iterdir()) == []
+    assert warnings(logs) == ["remote: entry e1 fetch failed (no answer within 1 s)"]
 
 
 async def test_probe_reachable(s3: S3Server, make_tier: TierFactory) -> None:

@@ -390,9 +390,14 @@ class RemoteTier:
             while chunk := await asyncio.to_thread(_read_hashed, f, hasher):
                 await writer.write(chunk)
                 sent += len(chunk)
+        changed = _Dropped(f"{job.bin_path.name} changed while it was uploaded")
         if _stat_or_drop(job) != before or sent != before[0]:
-            raise _Dropped(f"{job.bin_path.name} changed while it was uploaded")  # the writer is never closed
+            raise changed  # the writer is never closed: no object
         await writer.close()
+        if _stat_or_drop(job) != before:  # the object is there, but it is not the local file any more
+            with contextlib.suppress(Exception):
+                await obstore.delete_async(self._store, self._key(job.entry_id, BIN_SUFFIX))
+            raise changed
         remote_manifest = {**job.manifest, "sha256": hasher.hexdigest(), "bytes": sent}
         await obstore.put_async(self._store, self._key(job.entry_id, MANIFEST_SUFFIX),
                                 json.dumps(remote_manifest, indent=1).encode())

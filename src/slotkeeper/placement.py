@@ -112,12 +112,12 @@ def with_id_slot(body: bytes, slot_id: int) -> bytes:
     Last, because llama-server's JSON parser keeps the last of duplicate keys: an `"id_slot": -1` the client
     sent earlier in the object is overridden.
     """
-    end = body.rstrip()
-    if not end.endswith(b"}"):
+    close = body.rstrip().rfind(b"}")
+    if close < 0:
         return body
-    inner = end[:-1].rstrip()
-    separator = b"" if inner.endswith(b"{") else b","
-    return b'%s%s"id_slot":%d}%s' % (inner, separator, slot_id, body[len(end):])
+    last = len(body[:close].rstrip())  # just after the last member (or the opening brace)
+    separator = b"" if body[last - 1 : last] == b"{" else b","
+    return b'%s%s"id_slot":%d%s' % (body[:last], separator, slot_id, body[last:])
 
 
 def fast_key(path: str, data: dict[str, Any]) -> tuple[FastKey, dict[str, Any] | None]:

@@ -45,13 +45,10 @@ def read_header(path: Path) -> StateHeader:
         magic, version, count = HEADER.unpack(head)
         if magic != SEQ_MAGIC:
             raise StateFileError(f"not a llama.cpp sequence state file (magic {magic:08x})")
-        words = array("i")
-        try:
-            words.fromfile(f, count)
-        except EOFError:
-            raise StateFileError(f"truncated: {count} token words announced") from None
-    if words.itemsize != 4:  # pragma: no cover - array('i') is 32-bit on every platform llama.cpp runs on
-        raise StateFileError("unexpected int size")
+        raw = f.read(count * 4)
+    if len(raw) != count * 4:
+        raise StateFileError(f"truncated: {count} token words announced, {len(raw) // 4} there")
+    words = array("i", raw)
     if not count or words[0] != TOKEN_NULL:
         return StateHeader(version, "plain", words)
     return _unpack(version, words)

@@ -1,0 +1,177 @@
+"""Placement's policy and the pieces under it, in process: prefix keys, slot-file headers, slot decisions.
+
+The claims on traffic (chats warm after a swap) run against the real llama-server in test_conversations.py;
+these pin down the rules so that a change to one shows up here first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+from array import array
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slotkeeper.placement import FastKey, Placement, fast_key, with_id_slot
+from slotkeeper.prefix import BLOCK_TOKENS, block_keys, common_keys
+from slotkeeper.statefile import SEQ_MAGIC, StateFileError, read_header
+from slotkeeper.store import ConversationStore, Entry
+
+# ---- prefix keys ------------------------------------------------------------------------------------------
+
+
+def lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=400), st.lists(st.integers(0, 3), max_size=400))
+def test_shared_keys_are_the_common_prefix_in_whole_blocks(a, b):
+    """Two token lists share exactly as many keys as their common prefix has whole blocks."""
+    assert common_keys(block_keys(a), block_keys(b)) == min(lcp(a, b), len(a), len(b)) // BLOCK_TOKENS
+
+
+def test_a_key_covers_everything_before_it():
+    a = list(range(300))
+    b = a.copy()
+    b[10] = 9999  # a difference in block 0 changes every key after it
+    assert block_keys(a)[0] != block_keys(b)[0]
+    assert all(x != y for x, y in zip(block_keys(a), block_keys(b)))
+
+
+# ---- slot-file headers ----------------------------------------------------------------------------------
+
+
+def slot_file(tmp_path: Path, words: list[int], version: int = 4, magic: int = SEQ_MAGIC) -> Path:
+    path = tmp_path / "x.bin"
+    path.write_bytes(struct.pack("<III", magic, version, len(words)) + array("i", words).tobytes() + b"state")
+    return path
+
+
+def test_plain_and_packed_token_lists_are_read(tmp_path):
+    plain = read_header(slot_file(tmp_path, [5, 6, 7]))
+    assert (plain.layout, list(plain.tokens), plain.version) == ("plain", [5, 6, 7], 4)
+    packed = read_header(slot_file(tmp_path, [-1, 1, 3, 5, 6, 7, 0], version=5))
+    assert (packed.layout, list(packed.tokens), packed.version) == ("packed-1", [5, 6, 7], 5)
+
+
+@pytest.mark.parametrize("words, magic", [([-1, 1, 9, 5], SEQ_MAGIC), ([1, 2], 0x12345678)])
+def test_a_file_that_is_no_slot_file_is_refused(tmp_path, words, magic):
+    with pytest.raises(StateFileError):
+        read_header(slot_file(tmp_path, words, magic=magic))
+    path = slot_file(tmp_path, [1, 2, 3])
+    path.write_bytes(path.read_bytes()[:14])
+    with pytest.raises(StateFileError):
+        read_header(path)
+
+
+# ---- the body change ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body", [b"{}", b' { "a" : 1 }\n', b'{"a":[1,{"b":2}],"id_slot":-1}', b'{"x":"}"}  '])
+def test_id_slot_is_the_last_member_and_nothing_else_changes(body):
+    out = with_id_slot(body, 3)
+    assert json.loads(out) == {**json.loads(body), "id_slot": 3}
+    removed = out.replace(b',"id_slot":3', b"").replace(b'"id_slot":3', b"")
+    assert removed == body
+
+
+# ---- recognising a chat without tokens ------------------------------------------------------------------
+
+
+def chat(*contents: str, **extra) -> dict:
+    roles = ["system"] + ["user", "assistant"] * len(contents)
+    return {"messages": [{"role": role, "content": c} for role, c in zip(roles, contents)], **extra}
+
+
+def test_the_next_turn_of_a_chat_continues_its_fast_key():
+    turn1, _ = fast_key("/v1/chat/completions", chat("sys", "hello"))
+    turn2, _ = fast_key("/v1/chat/completions", chat("sys", "hello", "hi!", "more", temperature=0.3))
+    other, _ = fast_key("/v1/chat/completions", chat("sys", "goodbye"))
+    tools, _ = fast_key("/v1/chat/completions", chat("sys", "hello", "hi!", "more", tools=[{"x": 1}]))
+    assert turn1.continued_by(turn2)
+    assert not turn1.continued_by(other) and not other.continued_by(turn2)
+    assert not turn1.continued_by(tools), "a setting that changes the prompt makes it another prompt"
+    assert not FastKey().continued_by(turn2)
+
+
+def test_prompt_form_continues_only_on_whole_items():
+    a, _ = fast_key("/completion", {"prompt": [1, 2, 3]})
+    assert a.continued_by(fast_key("/completion", {"prompt": [1, 2, 3, 4]})[0])
+    assert not a.continued_by(fast_key("/completion", {"prompt": [1, 2, 34]})[0])
+    text, _ = fast_key("/completion", {"prompt": "abc"})
+    assert text.continued_by(fast_key("/completion", {"prompt": "abcdef"})[0])
+
+
+# ---- decisions ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def placement(tmp_path) -> Placement:
+    store = ConversationStore(tmp_path, None, {"model": "m"})
+    store.open()
+    return Placement(store, None, 3, min_tokens=128)  # type: ignore[arg-type]
+
+
+def keys_of(n_tokens: int, seed: int) -> list[str]:
+    return block_keys([seed * 100_000 + i for i in range(n_tokens)])
+
+
+def held(placement: Placement, slot: int, keys: list[str], *, dirty: bool = True, last_used: float = 1.0) -> None:
+    s = placement.slots[slot]
+    s.keys, s.tokens, s.dirty, s.last_used = keys, len(keys) * BLOCK_TOKENS, dirty, last_used
+
+
+def test_a_chat_in_its_slot_goes_there_without_a_write_back(placement):
+    chat_a = keys_of(640, 1)
+    held(placement, 1, chat_a[:8])
+    plan = placement._decide(chat_a, 640, None, False)
+    assert (plan.slot.id, plan.outcome, plan.write_back) == (1, "resident", False)
+
+
+def test_a_new_chat_takes_an_empty_slot_first_then_the_least_recently_used(placement):
+    for i in range(3):
+        held(placement, i, keys_of(640, i), last_used=[3.0, 1.0, 2.0][i])
+    placement.slots[2].keys, placement.slots[2].dirty, placement.slots[2].tokens = [], False, 0
+    plan = placement._decide(keys_of(640, 9), 640, None, False)
+    assert (plan.slot.id, plan.outcome) == (2, "new")
+    placement._release(plan.slot)
+    held(placement, 2, keys_of(640, 2), last_used=2.0)
+    assert placement._decide(keys_of(640, 8), 640, None, False).slot.id == 1  # LRU
+
+
+def test_a_chat_in_the_store_only_is_restored_into_a_victim(placement):
+    chat_a = keys_of(640, 1)
+    entry = Entry("aaaa", 640, 1, chat_a, 0, 0, {"model": "m"}, 4, "packed-1")
+    placement.store._index(entry)
+    for i in range(3):
+        held(placement, i, keys_of(640, 10 + i), last_used=float(i))
+    plan = placement._decide(chat_a + keys_of(64, 5), 704, None, False)
+    assert (plan.slot.id, plan.restore, plan.write_back, plan.outcome) == (0, entry, True, "restored")
+
+
+def test_concurrent_decisions_never_share_a_slot_and_wait_when_all_are_busy(placement):
+    plans = [placement._decide(keys_of(640, i), 640, None, False) for i in range(3)]
+    assert sorted(p.slot.id for p in plans) == [0, 1, 2]
+    assert placement._decide(keys_of(640, 7), 640, None, False) is None  # waits
+    assert placement._decide(keys_of(640, 7), 640, 1, False) is None  # the client's slot is busy: waits too
+
+
+async def test_a_waiting_request_gets_the_slot_once_it_is_freed(tmp_path):
+    store = ConversationStore(tmp_path, None, {"model": "m"})
+    store.open()
+    p = Placement(store, None, 1, min_tokens=128)  # type: ignore[arg-type]
+    busy = p._decide(keys_of(640, 1), 640, None, False)
+    asyncio.get_running_loop().call_later(0.05, p._release, busy.slot)
+    waited = 0
+    while (plan := p._decide(keys_of(640, 2), 640, None, False)) is None:
+        waited += 1
+        await asyncio.wait_for(p._wait_freed(), 5)
+    assert (plan.slot.id, waited) == (0, 1)

@@ -1,10 +1,17 @@
-"""Issue 6: `slotkeeper ls` and `slotkeeper prune` on real save directories built in tmp_path."""
+"""`slotkeeper ls` and `slotkeeper prune` on save directories of the conversation store.
+
+The directories are built with the store's own mechanism (ConversationStore._commit renames a slot file from
+snapshots/ into entries/ and writes its manifest with Entry.manifest() and write_json_atomic), and one test
+runs a real slotkeeper around the stub llama-server and lists and prunes what it left.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -16,11 +23,15 @@ import pytest
 from slotkeeper import catalog
 from slotkeeper.catalog import ls_main, parse_duration, parse_size, plan_prune, prune_main, scan_dir
 from slotkeeper.fingerprint import build_fingerprint, model_identity
+from slotkeeper.layout import lock_store, prepare_layout
 from slotkeeper.log import fmt_bytes
-from slotkeeper.slots import SaveOutcome, SlotStore
+from slotkeeper.store import TRANSIENT_PREFIX, ConversationStore, Entry, read_json, write_json_atomic
+from slotkeeper.testing.stub import encode_slot_file
 
 NOW = 1_750_000_000.0
 MIN, HOUR, DAY = 60, 3600, 86400
+MODEL = "/models/Qwen2.5-7B-Instruct-Q4_K_M.gguf"
+FP = {"model": MODEL, "total_slots": 1, "n_ctx_slot": 4096}
 
 
 @pytest.fixture(autouse=True)
@@ -39,22 +50,51 @@ def write_model(path: Path, content: bytes = b"GGUF model A" * 1000) -> Path:
     return path
 
 
-def write_pair(
-    directory: Path, slot: int, *, tokens: int = 1000, nbytes: int = 4096, age: float = 0.0,
-    fingerprint: dict[str, Any] | None = None, bin_size: int | None = None, manifest: bool = True,
-) -> None:
-    """A pair as SlotStore._commit leaves it: `<slot>.bin` of `nbytes` bytes, then `<slot>.json` with the same keys."""
+def write_entry(
+    directory: Path, *, tokens: int = 100, bytes_per_token: int = 64, age: float = 0.0, used_age: float | None = None,
+    fingerprint: dict[str, Any] | None = None, version: int = 4, entry_id: str | None = None,
+) -> Entry:
+    """An entry as a save leaves it: the slot file lands in snapshots/ under a transient name and
+    ConversationStore._commit (the store's own code) renames it into entries/ and writes its manifest."""
     directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / f"{slot}.bin", "wb") as f:
-        f.truncate(nbytes if bin_size is None else bin_size)
-    saved_at = NOW - age
-    os.utime(directory / f"{slot}.bin", (saved_at, saved_at))
+    prepare_layout(directory)
+    fp = dict(FP if fingerprint is None else fingerprint)
+    store = ConversationStore(directory, None, fp, fsync=False)
+    transient = directory / "snapshots" / f"{TRANSIENT_PREFIX}{secrets.token_hex(16)}.bin"
+    transient.write_bytes(encode_slot_file(list(range(1, tokens + 1)), "m.gguf", bytes_per_token, version=version))
+    entry = Entry(
+        id=entry_id or secrets.token_hex(8), tokens=0, nbytes=transient.stat().st_size, keys=[],
+        saved_at=NOW - age, last_used=NOW - (age if used_age is None else used_age), fingerprint=fp,
+        seq_version=0, layout="", save_ms=12.5,
+    )
+    store._commit(transient, entry)
+    return entry
+
+
+def entry_files(directory: Path, entry: Entry) -> tuple[Path, Path]:
+    return directory / "entries" / f"{entry.id}.bin", directory / "entries" / f"{entry.id}.json"
+
+
+def edit_manifest(directory: Path, entry: Entry, **changes: Any) -> None:
+    path = entry_files(directory, entry)[1]
+    data = read_json(path)
+    assert data is not None
+    data.update(changes)
+    write_json_atomic(path, data, fsync=False)
+
+
+def write_slot_file(directory: Path, slot: int, *, tokens: int = 50, age: float = 0.0, manifest: bool = True,
+                    fingerprint: dict[str, Any] | None = None) -> None:
+    """A pair of the slot-file layout, as SlotStore wrote it: `<slot>.bin`, then its version-1 `<slot>.json`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    data = encode_slot_file(list(range(tokens)), "m.gguf", 64)
+    (directory / f"{slot}.bin").write_bytes(data)
+    os.utime(directory / f"{slot}.bin", (NOW - age, NOW - age))
     if manifest:
-        data = {
-            "version": 1, "slot": slot, "tokens": tokens, "bytes": nbytes, "saved_at": saved_at, "save_ms": 12.5,
-            "fingerprint": fingerprint if fingerprint is not None else {"model": "/models/m.gguf"},
-        }
-        (directory / f"{slot}.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
+        (directory / f"{slot}.json").write_text(json.dumps({
+            "version": 1, "slot": slot, "tokens": tokens, "bytes": len(data), "saved_at": NOW - age, "save_ms": 3.0,
+            "fingerprint": FP if fingerprint is None else fingerprint,
+        }, indent=1))
 
 
 def run(main, capsys, *argv: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
@@ -64,160 +104,260 @@ def run(main, capsys, *argv: str, env: dict[str, str] | None = None) -> tuple[in
 
 
 def table_rows(out: str) -> dict[str, list[str]]:
-    """Rows of the ls table keyed by slot id, split on runs of two or more spaces."""
+    """Rows of the ls tables keyed by their first cell (a short entry id, or `<n>.bin`), split on runs of two or
+    more spaces."""
     rows = {}
     for line in out.splitlines():
         cells = re.split(r"\s{2,}", line.strip())
-        if cells and cells[0].isdigit() and len(cells) >= 6:
+        if len(cells) >= 6 and re.fullmatch(r"[0-9a-f]{4,16}|[0-9]+\.bin", cells[0]):
             rows[cells[0]] = cells
     return rows
 
 
+def names(directory: Path) -> set[str]:
+    return {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()}
+
+
 @pytest.fixture
-def mixed_dir(tmp_path: Path) -> Path:
-    """Every kind of file a save directory can hold, plus files that are not slotkeeper's."""
+def mixed_dir(tmp_path: Path) -> dict[str, Any]:
+    """Every kind of thing a save directory can hold, plus files that are not slotkeeper's."""
     d = tmp_path / "cache"
-    model = "/models/Qwen2.5-7B-Instruct-Q4_K_M.gguf"
-    write_pair(d, 0, tokens=6222, nbytes=12_800_000, age=3 * MIN + 5, fingerprint={"model": model})
-    write_pair(d, 1, tokens=12_001, nbytes=2_000_000, age=2 * HOUR + 100, fingerprint={"model": model}, bin_size=1_999_000)
-    write_pair(d, 2, nbytes=1_000_000, age=5 * DAY + 7, manifest=False)
-    write_pair(d, 10, tokens=50, nbytes=3000, age=40, fingerprint={"model": model})
-    (d / "10.bin").unlink()  # manifest without its file
-    write_pair(d, 3, nbytes=5000, age=10)
-    (d / "3.json").write_text("{not json", encoding="utf-8")
-    (d / "0.bin.partial").write_bytes(b"x" * 3000)
+    qwen = {**FP, "model": MODEL}
+    e = {
+        "newest": write_entry(d, tokens=6222, bytes_per_token=2000, age=HOUR, used_age=3 * MIN + 5, fingerprint=qwen,
+                              entry_id="aaaa0000" + "11" * 4),
+        "older": write_entry(d, tokens=300, age=2 * HOUR + 100, fingerprint=qwen, entry_id="aaaa1111" + "22" * 4),
+        "other_config": write_entry(d, tokens=500, age=3 * DAY, fingerprint={**qwen, "n_ctx_slot": 8192},
+                                    entry_id="bbbb" + "33" * 6),
+        "other_format": write_entry(d, tokens=100, age=4 * DAY, fingerprint=qwen, version=3, entry_id="cccc" + "44" * 6),
+        "size_mismatch": write_entry(d, tokens=12_001, age=5 * HOUR, fingerprint=qwen, entry_id="dddd" + "55" * 6),
+        "no_bin": write_entry(d, tokens=50, age=40, fingerprint=qwen, entry_id="eeee" + "66" * 6),
+        "bad_manifest": write_entry(d, tokens=70, age=10, fingerprint=qwen, entry_id="ffff" + "77" * 6),
+    }
+    with open(entry_files(d, e["size_mismatch"])[0], "ab") as f:
+        f.write(b"extra")
+    entry_files(d, e["no_bin"])[0].unlink()
+    entry_files(d, e["bad_manifest"])[1].write_text("{not json", encoding="utf-8")
+    for path in entry_files(d, e["bad_manifest"]):
+        os.utime(path, (NOW - 10, NOW - 10))  # without a readable manifest, the last use is the files' mtime
+    interrupted = d / "entries" / ("9999" + "88" * 6 + ".bin")  # saved, never committed
+    interrupted.write_bytes(encode_slot_file(list(range(20)), "m.gguf"))
+    os.utime(interrupted, (NOW - 5 * DAY - 7, NOW - 5 * DAY - 7))
+    (d / "entries" / ("aaaa0000" + "11" * 4 + ".json.partial")).write_bytes(b"x" * 300)  # a manifest being written
     (d / "quarantine").mkdir()
-    (d / "quarantine" / "20250101-120000-4.bin").write_bytes(b"x" * 700)
-    (d / "quarantine" / "20250101-120000-4.json").write_text("{}")
-    for name in ("20250101-120000-4.bin", "20250101-120000-4.json"):
-        os.utime(d / "quarantine" / name, (NOW - 3 * DAY, NOW - 3 * DAY))
-    for name in ("notes.txt", "007.bin", "1.bin.bak", "foo.json", "model.gguf"):
+    quarantined = Entry(id="4444" + "99" * 6, tokens=77, nbytes=700, keys=[], saved_at=NOW - 3 * DAY,
+                        last_used=NOW - 3 * DAY, fingerprint=qwen, seq_version=4, layout="packed-1")
+    (d / "quarantine" / f"20250101-120000-{quarantined.id}.bin").write_bytes(b"x" * 700)
+    write_json_atomic(d / "quarantine" / f"20250101-120000-{quarantined.id}.json", quarantined.manifest(), fsync=False)
+    write_slot_file(d, 0, tokens=40, age=2 * DAY)  # the slot-file layout, not yet taken over
+    (d / "snapshots" / "my-own-save.bin").write_bytes(encode_slot_file([1, 2, 3], "m.gguf"))  # a client's
+    (d / "snapshots" / f"{TRANSIENT_PREFIX}{'0' * 32}.bin").write_bytes(b"t")  # slotkeeper's, left by a kill
+    for name in FOREIGN:
         (d / name).write_bytes(b"not slotkeeper's")
-    return d
+    return {"dir": d, **e}
 
 
 FOREIGN = ("notes.txt", "007.bin", "1.bin.bak", "foo.json", "model.gguf")
 
 
+def short(entry: Entry) -> str:
+    return entry.id[:4]
+
+
 # ---- ls ---------------------------------------------------------------------------------------------------------
 
 
-def test_ls_table_shows_each_pair_with_its_status(capsys, mixed_dir):
-    code, out, err = run(ls_main, capsys, str(mixed_dir))
+def test_ls_table_shows_each_entry_with_its_status(capsys, mixed_dir):
+    d = mixed_dir["dir"]
+    code, out, err = run(ls_main, capsys, str(d))
     assert code == 0 and err == ""
     rows = table_rows(out)
-    assert set(rows) == {"0", "1", "2", "3", "10"}  # 007.bin, foo.json, notes.txt are not slotkeeper's
-    assert rows["0"][:4] == ["0", "6,222", "12.8 MB", "3 min"] and rows["0"][-1] == "ok"
-    assert rows["0"][4] == "Qwen2.5-7B-Instruct-Q4_K_M.gguf"
-    assert rows["1"][:4] == ["1", "12,001", fmt_bytes(1_999_000), "2 h"] and rows["1"][-1] == "size mismatch"
-    assert rows["2"] == ["2", "-", "1.0 MB", "5 d", "-", "no manifest"]
-    assert rows["3"][-1] == "bad manifest"
-    assert rows["10"][-1] == "no .bin"
-    assert "  5 caches, " in out and "; 1 partial (3.0 KB); quarantine: 2 files (702 B)" in out
+    # the two aaaa entries need 5 digits to be told apart; 007.bin, foo.json, notes.txt are not slotkeeper's
+    assert set(rows) == {"aaaa0", "aaaa1", "bbbb", "cccc", "dddd", "eeee", "ffff", "9999", "4444", "0.bin"}
+    newest_bin = entry_files(d, mixed_dir["newest"])[0]
+    assert rows["aaaa0"][:4] == ["aaaa0", "6,222", fmt_bytes(newest_bin.stat().st_size), "3 min ago"]
+    model = rows["aaaa0"][4]  # shortened, so that the long status texts fit in 100 columns
+    assert model.startswith("Qwen2.5-7B-I") and model.endswith("-Q4_K_M") and "…" in model
+    assert rows["aaaa0"][-1] == "usable"
+    assert rows["aaaa1"][-1] == "usable" and rows["aaaa1"][3] == "2 h ago"
+    assert rows["bbbb"][-1] == "other configuration (n_ctx_slot)"
+    assert rows["cccc"][-1] == "other state format (v3)"
+    assert rows["dddd"][1] == "12,001" and rows["dddd"][-1] == "size mismatch (quarantined at start)"
+    assert rows["eeee"][-1] == "no .bin (manifest dropped at start)"
+    assert rows["ffff"][1:2] == ["-"] and rows["ffff"][-1] == "bad manifest (never used)"
+    assert rows["9999"] == ["9999", "-", fmt_bytes((d / "entries" / ("9999" + "88" * 6 + ".bin")).stat().st_size),
+                            "5 d ago", "-", "interrupted save (removed at start)"]
+    assert rows["4444"][1] == "77" and rows["4444"][-1] == "quarantined"
+    assert rows["0.bin"][1] == "40" and rows["0.bin"][3] == "2 d ago"
+    assert rows["0.bin"][-1] == "slot file (taken over at next start)"
+    # the most recently used first, then quarantine, then slot files
+    order = [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0] in rows]
+    assert order == ["ffff", "eeee", "aaaa0", "aaaa1", "dddd", "bbbb", "cccc", "9999", "4444", "0.bin"]
+    summary = " ".join(out.split())
+    assert "8 entries, " in summary and "(2 usable)" in summary
+    assert "1 slot file to take over, " in summary and "quarantine: 1 entry, " in summary
+    client = fmt_bytes((d / "snapshots" / "my-own-save.bin").stat().st_size)
+    assert f"snapshots/: 1 client file, {client}" in summary  # the transient leftover is not a client's
+    assert "1 partial (finished or removed at next start)" in summary
+    assert "in use" not in summary
     assert all(len(line) <= 100 for line in out.splitlines())
 
 
+def test_ls_status_is_what_the_store_makes_of_each_entry(capsys, mixed_dir):
+    """The statuses ls predicts are what ConversationStore.open (the next start) then does."""
+    d = mixed_dir["dir"]
+    _, out, _ = run(ls_main, capsys, str(d), "--json")
+    records = [r for r in json.loads(out) if r["kind"] != "directory"]
+    by_status: dict[str, set[str]] = {}
+    for r in records:
+        by_status.setdefault(r["status"], set()).add(r["id"])
+    store = ConversationStore(d, None, dict(FP), fsync=False)
+    store.open()
+    store.current_format = (4, "packed-1")  # what the stub writes
+    store.check_formats()
+    assert by_status["usable"] < set(store.entries)  # and the slot file, taken over under a new id:
+    assert len(store.entries) == len(by_status["usable"]) + len(by_status["slot_file"]) == 3
+    assert [i for i, why in store.skipped.items() if "another configuration" in why] == list(by_status["other_configuration"])
+    assert [i for i, why in store.skipped.items() if why.startswith("format v3")] == list(by_status["other_format"])
+    quarantined = {p.name.split("-", 2)[2].removesuffix(".bin") for p in (d / "quarantine").glob("*.bin")}
+    assert quarantined == by_status["quarantined"] | by_status["size_mismatch"]
+    gone = by_status["interrupted_save"] | by_status["no_bin"]
+    assert not any((d / "entries" / f"{i}{suffix}").exists() for i in gone for suffix in (".bin", ".json"))
+    (bad,) = by_status["bad_manifest"]
+    assert not (d / "entries" / f"{bad}.bin").exists()  # never used: its file went with the uncommitted ones
+    # the slot file became one more usable entry of the same tokens
+    _, out, _ = run(ls_main, capsys, str(d), "--json")
+    after = {r["id"]: r for r in json.loads(out) if r["kind"] == "entry" and r["status"] == "usable"}
+    assert len(after) == len(by_status["usable"]) + 1
+    assert sorted(r["tokens"] for r in after.values()) == sorted([6222, 300, 40])
+    assert not (d / "0.bin").exists()
+
+
 def test_ls_columns_are_aligned(capsys, mixed_dir):
-    _, out, _ = run(ls_main, capsys, str(mixed_dir))
-    lines = [line for line in out.splitlines() if line.startswith("  ") and "  " in line.strip()]
-    header = next(line for line in lines if line.strip().startswith("slot"))
-    body = [line for line in lines if line is not header and line.strip()[0].isdigit() and "caches" not in line]
-    assert len(body) == 5
+    _, out, _ = run(ls_main, capsys, str(mixed_dir["dir"]))
+    lines = [line for line in out.splitlines() if line.startswith("  ") and not line.startswith("   ")]
+    header = next(line for line in lines if line.strip().startswith("entry"))
+    body = [line for line in lines if line.split()[0] in table_rows(out)]
+    assert len(body) == 10
     # right-aligned numbers end where their header ends; the model column starts where its header starts
-    for column in ("tokens", "size", "age"):
+    for column in ("tokens", "size", "last used"):
         end = header.index(column) + len(column)
         assert all(line[end - 1] != " " and line[end] == " " for line in body), column
-    start = header.index("model")
-    assert all(line[start - 1] == " " and line[start] != " " for line in body)
+    for column in ("model", "status"):
+        start = header.index(column)
+        assert all(line[start - 1] == " " and line[start] != " " for line in body), column
 
 
 def test_ls_shortens_long_model_names_to_fit_100_columns(capsys, tmp_path):
     model = write_model(tmp_path / ("Meta-Llama-3.1-70B-Instruct-abliterated-" + "x" * 40 + "-Q4_K_M.gguf"))
-    write_pair(tmp_path / "a", 0, tokens=123_456, nbytes=12_000_000_000, fingerprint=fingerprint_for(str(model), [], 1, 4096))
-    write_pair(tmp_path / "b", 7, fingerprint={"model": "/m/short.gguf"})
+    big = write_entry(tmp_path / "a", tokens=123_456, fingerprint=fingerprint_for(str(model), [], 1, 4096))
+    other = write_entry(tmp_path / "b", fingerprint={"model": "/m/short.gguf"})
     _, out, _ = run(ls_main, capsys, str(tmp_path / "a"), str(tmp_path / "b"), "--", "-m", str(model), "-np", "2")
     lines = out.splitlines()
     assert all(len(line) <= 100 for line in lines[2:]), out  # (the `match:` line names the model in full)
     rows = table_rows(out)
-    assert rows["0"][4].startswith("Meta-Llama") and rows["0"][4].endswith("-Q4_K_M") and "…" in rows["0"][4]
-    assert rows["0"][-1] == "no: total_slots 1 -> 2 (-np)" and rows["7"][-1] == "no: model differs"
+    cell = rows[short(big)][4]
+    assert cell.startswith("Meta-Llama") and cell.endswith("-Q4_K_M") and "…" in cell
+    assert rows[short(big)][-1] == "no: total_slots 1 -> 2 (-np)" and rows[short(other)][-1] == "no: model differs"
     # both directories' tables share their column positions
-    headers = [line for line in lines if line.strip().startswith("slot ")]
+    headers = [line for line in lines if line.strip().startswith("entry ")]
     assert len(headers) == 2 and headers[0] == headers[1]
 
 
-def test_ls_json_lists_every_file_with_its_fields(capsys, mixed_dir):
-    code, out, _ = run(ls_main, capsys, str(mixed_dir), "--json")
+def test_ls_json_lists_every_row_with_its_fields(capsys, mixed_dir):
+    d = mixed_dir["dir"]
+    code, out, _ = run(ls_main, capsys, str(d), "--json")
     assert code == 0
     records = json.loads(out)
-    caches = {r["slot"]: r for r in records if r["kind"] == "cache"}
-    assert sorted(caches) == [0, 1, 2, 3, 10]
-    zero = caches[0]
-    assert zero["tokens"] == 6222 and zero["bytes"] == 12_800_000 and zero["bin_size"] == 12_800_000
-    assert zero["status"] == "ok" and zero["model_name"] == "Qwen2.5-7B-Instruct-Q4_K_M.gguf"
-    assert zero["age_s"] == 3 * MIN + 5 and zero["save_ms"] == 12.5
-    assert zero["bin"] == str(mixed_dir / "0.bin") and zero["manifest"] == str(mixed_dir / "0.json")
-    assert "match" not in zero  # no llama-server arguments given
-    assert caches[1]["status"] == "size mismatch" and caches[1]["bin_size"] == 1_999_000
-    assert caches[2]["status"] == "no manifest" and caches[2]["manifest"] is None and caches[2]["tokens"] is None
-    assert caches[10]["bin"] is None
-    assert [r["name"] for r in records if r["kind"] == "partial"] == ["0.bin.partial"]
-    assert sorted(r["name"] for r in records if r["kind"] == "quarantine") == [
-        "20250101-120000-4.bin", "20250101-120000-4.json"]
+    (directory,) = [r for r in records if r["kind"] == "directory"]
+    assert directory["dir"] == str(d) and directory["entries"] == 8 and directory["usable"] == 2
+    assert directory["reference"] == mixed_dir["newest"].id  # the most recently used: the last run's configuration
+    assert directory["quarantined"] == 1 and directory["slot_files"] == 1 and directory["partials"] == 1
+    assert directory["client_files"] == 1 and directory["in_use"] is False
+    assert directory["bytes"] == sum(p.stat().st_size for p in (d / "entries").iterdir() if not p.name.endswith(".partial"))
+    rows = {r["id"]: r for r in records if r["kind"] != "directory"}
+    newest = rows[mixed_dir["newest"].id]
+    bin_path, manifest_path = entry_files(d, mixed_dir["newest"])
+    assert newest["kind"] == "entry" and newest["short"] == "aaaa0"
+    assert newest["tokens"] == 6222 and newest["bytes"] == newest["bin_size"] == bin_path.stat().st_size
+    assert newest["status"] == "usable" and newest["model_name"] == "Qwen2.5-7B-Instruct-Q4_K_M.gguf"
+    assert newest["age_s"] == 3 * MIN + 5 and newest["saved_at"] == NOW - HOUR and newest["save_ms"] == 12.5
+    assert newest["format"] == {"seq_version": 4, "layout": "packed-1"}
+    assert newest["bin"] == str(bin_path) and newest["manifest"] == str(manifest_path)
+    assert "match" not in newest  # no llama-server arguments given
+    other = rows[mixed_dir["other_config"].id]
+    assert other["status"] == "other_configuration"
+    assert other["reason"] == "saved for another configuration: n_ctx_slot: 8192 -> 4096"
+    mismatch = rows[mixed_dir["size_mismatch"].id]
+    assert mismatch["status"] == "size_mismatch" and mismatch["bin_size"] == mismatch["bytes"] + 5
+    interrupted = rows["9999" + "88" * 6]
+    assert interrupted["status"] == "interrupted_save" and interrupted["manifest"] is None and interrupted["tokens"] is None
+    assert rows[mixed_dir["no_bin"].id]["bin"] is None
+    quarantined = rows["4444" + "99" * 6]
+    assert quarantined["kind"] == "quarantined" and quarantined["tokens"] == 77
+    assert quarantined["bin"] == str(d / "quarantine" / f"20250101-120000-{'4444' + '99' * 6}.bin")
+    slot = rows["0"]
+    assert slot["kind"] == "slot_file" and slot["status"] == "slot_file" and slot["tokens"] == 40
+    assert slot["fingerprint"] == FP and slot["bin"] == str(d / "0.bin")
 
 
 def test_ls_without_dirs_lists_the_default_cache_dirs(capsys, tmp_path):
     root = tmp_path / "xdg" / "slotkeeper"
-    write_pair(root / "qwen.gguf-1a2b3c4d", 0)
-    write_pair(root / "bench", 0)  # demo/bench are listed when they hold caches
+    write_entry(root / "qwen.gguf-1a2b3c4d")
+    write_entry(root / "bench")  # demo/bench are listed when they hold entries
     (root / "demo").mkdir()
     (root / "demo" / "model-e.gguf").write_bytes(b"m")  # a model only: skipped
     (root / "empty").mkdir()
     (root / "only-quarantine" / "quarantine").mkdir(parents=True)  # found, so that prune --quarantine reaches it
-    (root / "only-quarantine" / "quarantine" / "20250101-000000-0.bin").write_bytes(b"x")
+    (root / "only-quarantine" / "quarantine" / "20250101-000000-0123456789abcdef.bin").write_bytes(b"x")
+    write_slot_file(root / "old-layout", 0)  # found, so that its slot files are not invisible
     (root / "other").mkdir()
     (root / "other" / "config.json").write_text("{}")  # not a slotkeeper name: skipped
+    expected = ["bench", "old-layout", "only-quarantine", "qwen.gguf-1a2b3c4d"]
     code, out, _ = run(ls_main, capsys, "--json", env={"XDG_CACHE_HOME": str(tmp_path / "xdg")})
     assert code == 0
-    assert sorted({Path(r["dir"]).name for r in json.loads(out)}) == ["bench", "only-quarantine", "qwen.gguf-1a2b3c4d"]
+    assert sorted({Path(r["dir"]).name for r in json.loads(out)}) == expected
     code, out, _ = run(ls_main, capsys, env={"XDG_CACHE_HOME": str(tmp_path / "xdg")})
-    assert "total: 2 caches" in out and "in 3 directories" in out
-    assert "only-quarantine\n  (no cache files)\n  0 caches, 0 B; 0 partials; quarantine: 1 file (1 B)" in out
+    assert "total: 2 entries" in out and "in 4 directories" in out
+    assert "only-quarantine\n  entry " in out and table_rows(out)["0123"][-1] == "quarantined"
+    assert "\n  0 entries, 0 B; quarantine: 1 entry, 1 B; snapshots/: 0 client files\n" in out
     code, out, _ = run(ls_main, capsys, env={"XDG_CACHE_HOME": str(tmp_path / "nothing")})
-    assert code == 0 and out.startswith("no slotkeeper caches under")
+    assert code == 0 and out.startswith("no slotkeeper save directories under")
     # naming the cache root lists the directories below it, as with no DIR
     code, out, _ = run(ls_main, capsys, str(root), "--json", env={"XDG_CACHE_HOME": str(tmp_path / "nothing")})
-    assert sorted({Path(r["dir"]).name for r in json.loads(out)}) == ["bench", "only-quarantine", "qwen.gguf-1a2b3c4d"]
+    assert sorted({Path(r["dir"]).name for r in json.loads(out)}) == expected
     code, out, _ = run(ls_main, capsys, str(root / "empty"))
-    assert out.splitlines()[1:] == ["  (no cache files)", "  0 caches, 0 B; 0 partials; quarantine: 0 files"]
+    assert out.splitlines()[1:] == ["  (no entries)", "  0 entries, 0 B; quarantine: 0 entries; snapshots/: 0 client files"]
 
 
-def test_ls_reads_what_slotstore_commit_writes(capsys, tmp_path):
-    """The format ls reads is the one the daemon writes (SlotStore._commit itself, not a copy of it)."""
+def test_ls_reads_what_the_store_writes(capsys, tmp_path):
+    """The format ls reads is the one the daemon writes (the store's _commit and _take_over_slot_files)."""
     d = tmp_path / "cache"
-    d.mkdir()
-    fp = fingerprint_for(str(write_model(tmp_path / "a.gguf")), ["-ctk", "q8_0"], 2, 512)
-    partial = d / "1.bin.partial"
-    partial.write_bytes(b"k" * 777)
-    store = SlotStore(d, client=None, fingerprint=fp, fsync=False)  # type: ignore[arg-type]
-    store._commit(1, partial, SaveOutcome(1, True, tokens=321, nbytes=777, save_ms=3.0))
-    (entry,) = scan_dir(d).entries
-    assert (entry.slot, entry.status, entry.tokens, entry.model) == (1, "ok", 321, str((tmp_path / "a.gguf").resolve()))
-    code, out, _ = run(ls_main, capsys, str(d), "--", "-m", str(tmp_path / "a.gguf"), "-ctk", "q8_0", "-np", "2")
-    assert table_rows(out)["1"][-1] == "yes"
+    model = write_model(tmp_path / "a.gguf")
+    fp = fingerprint_for(str(model), ["-ctk", "q8_0"], 2, 512)
+    entry = write_entry(d, tokens=321, fingerprint=fp)
+    write_slot_file(d, 3, tokens=64, fingerprint=fp)
+    (row, slot_row) = scan_dir(d).rows
+    assert (row.id, row.status, row.tokens, row.model) == (entry.id, "usable", 321, str(model.resolve()))
+    assert (slot_row.name, slot_row.status, slot_row.tokens) == ("3", "slot_file", 64)
+    ConversationStore(d, None, fp, fsync=False).open()  # takes the slot file over
+    code, out, _ = run(ls_main, capsys, str(d), "--", "-m", str(model), "-ctk", "q8_0", "-np", "2")
+    rows = table_rows(out)
+    assert len(rows) == 2 and [r[-1] for r in rows.values()] == ["yes", "yes"]
+    assert sorted(r[1] for r in rows.values()) == ["321", "64"]
 
 
 # ---- ls: matching llama-server arguments ------------------------------------------------------------------------
 
 
 @pytest.fixture
-def matched(tmp_path: Path) -> tuple[Path, Path, Path]:
-    """A cache saved for model A with -ctk q8_0 -np 2 -c 1024 (512 per slot), and a model B of the same size."""
+def matched(tmp_path: Path) -> tuple[Path, Path, Path, Entry]:
+    """An entry saved for model A with -ctk q8_0 -np 2 -c 1024 (512 per slot), and a model B of the same size."""
     model_a = write_model(tmp_path / "a.gguf")
     model_b = write_model(tmp_path / "b.gguf", b"GGUF model B" * 1000)
     d = tmp_path / "cache"
-    write_pair(d, 0, fingerprint=fingerprint_for(str(model_a), ["-ctk", "q8_0", "-np", "2"], 2, 512))
-    return d, model_a, model_b
+    entry = write_entry(d, fingerprint=fingerprint_for(str(model_a), ["-ctk", "q8_0", "-np", "2"], 2, 512))
+    return d, model_a, model_b, entry
 
 
 @pytest.mark.parametrize(
@@ -238,11 +378,11 @@ def matched(tmp_path: Path) -> tuple[Path, Path, Path]:
     ],
 )
 def test_ls_match_column(capsys, matched, args, expected):
-    d, model_a, model_b = matched
+    d, model_a, model_b, entry = matched
     args = [a.format(a=model_a, b=model_b) for a in args]
     code, out, _ = run(ls_main, capsys, str(d), "--", *args)
     assert code == 0
-    assert table_rows(out)["0"][-1] == expected
+    assert table_rows(out)[short(entry)][-1] == expected
     assert out.startswith("match: ")
 
 
@@ -259,171 +399,314 @@ def test_ls_match_column(capsys, matched, args, expected):
 )
 def test_ls_match_context_with_a_unified_cache(capsys, tmp_path, args, expected):
     model = write_model(tmp_path / "a.gguf")
-    write_pair(tmp_path / "cache", 0, fingerprint=fingerprint_for(str(model), ["-kvu", "-np", "2"], 2, 512))
+    entry = write_entry(tmp_path / "cache", fingerprint=fingerprint_for(str(model), ["-kvu", "-np", "2"], 2, 512))
     _, out, _ = run(ls_main, capsys, str(tmp_path / "cache"), "--", "-m", str(model), *args)
-    assert table_rows(out)["0"][-1] == expected
+    assert table_rows(out)[short(entry)][-1] == expected
 
 
 def test_ls_match_skips_the_context_when_the_slot_count_is_unknown(capsys, tmp_path):
     """-no-kvu without -np: the context is split over llama-server's automatic slot count, unknown offline."""
     model = write_model(tmp_path / "a.gguf")
-    write_pair(tmp_path / "cache", 0, fingerprint=fingerprint_for(str(model), ["-no-kvu"], 4, 1024))
+    entry = write_entry(tmp_path / "cache", fingerprint=fingerprint_for(str(model), ["-no-kvu"], 4, 1024))
     _, out, _ = run(ls_main, capsys, str(tmp_path / "cache"), "--", "-m", str(model), "-no-kvu", "-c", "16384")
-    assert table_rows(out)["0"][-1] == "yes"
+    assert table_rows(out)[short(entry)][-1] == "yes"
     assert "n_ctx_slot not checked (-np unknown)" in " ".join(out.split())
 
 
 def test_ls_match_notices_a_changed_model_file(capsys, matched):
-    d, model_a, _ = matched
+    d, model_a, _, entry = matched
     write_model(model_a, b"GGUF model C" * 1000)  # same path and size, other weights
     _, out, _ = run(ls_main, capsys, str(d), "--", "-m", str(model_a), "-ctk", "q8_0")
-    assert table_rows(out)["0"][-1] == "no: model file changed"
+    assert table_rows(out)[short(entry)][-1] == "no: model file changed"
     _, out, _ = run(ls_main, capsys, str(d), "--json", "--", "-m", str(model_a), "-ctk", "q8_0", "-np", "3")
-    (record,) = json.loads(out)
+    (record,) = [r for r in json.loads(out) if r["kind"] == "entry"]
     assert record["match"] is False
     assert record["differences"] == ["model file changed", "total_slots 2 -> 3 (-np)"]
 
 
-def test_ls_match_notices_a_moved_model_file(capsys, matched, tmp_path):
-    d, model_a, _ = matched
+def test_ls_match_follows_a_moved_model_file_as_the_store_does(capsys, matched, tmp_path):
+    """The same bytes under another path are the same model (store.shareable): the daemon restores the entry,
+    and ls says so."""
+    d, model_a, _, entry = matched
     moved = tmp_path / "elsewhere" / "a.gguf"
     moved.parent.mkdir()
-    moved.write_bytes(model_a.read_bytes())  # same bytes, other path: the daemon would not restore it either
+    moved.write_bytes(model_a.read_bytes())
+    model_a.unlink()
     _, out, _ = run(ls_main, capsys, str(d), "--", "-m", str(moved), "-ctk", "q8_0")
-    assert table_rows(out)["0"][-1] == f"no: model path {model_a.resolve()}"
+    assert table_rows(out)[short(entry)][-1] == "yes"
+    store = ConversationStore(d, None, fingerprint_for(str(moved), ["-ctk", "q8_0", "-np", "2"], 2, 512), fsync=False)
+    store.open()
+    assert list(store.entries) == [entry.id]
 
 
-def test_ls_match_reports_unusable_files_as_no_match(capsys, matched):
-    d, model_a, _ = matched
-    write_pair(d, 1, manifest=False)
+def test_ls_match_reports_unusable_rows_as_no_match(capsys, matched):
+    d, model_a, _, entry = matched
+    interrupted = d / "entries" / "0123456789abcdef.bin"
+    interrupted.write_bytes(encode_slot_file([1, 2], "m.gguf"))
     _, out, _ = run(ls_main, capsys, str(d), "--json", "--", "-m", str(model_a), "-ctk", "q8_0")
-    records = {r["slot"]: r for r in json.loads(out)}
-    assert records[0]["match"] is True and records[0]["differences"] == []
-    assert records[1]["match"] is False and records[1]["differences"] == ["no manifest"]
+    records = {r["id"]: r for r in json.loads(out) if r["kind"] == "entry"}
+    assert records[entry.id]["match"] is True and records[entry.id]["differences"] == []
+    assert records["0123456789abcdef"]["match"] is False
+    assert records["0123456789abcdef"]["differences"] == ["interrupted save (removed at start)"]
+    _, out, _ = run(ls_main, capsys, str(d), "--", "-m", str(model_a), "-ctk", "q8_0")
+    assert table_rows(out)["0123"][-1] == "-"
+
+
+# ---- the lock ---------------------------------------------------------------------------------------------------
+
+
+def test_ls_and_prune_respect_a_held_lock(capsys, tmp_path):
+    """A directory whose .lock a slotkeeper holds is listed as in use and not pruned without --force."""
+    d = tmp_path / "cache"
+    old = write_entry(d, age=30 * DAY)
+    fd = lock_store(d)  # what a running slotkeeper holds (another open file: flock conflicts within a process too)
+    try:
+        _, out, _ = run(ls_main, capsys, str(d))
+        assert f"in use by slotkeeper pid {os.getpid()}" in " ".join(out.split())
+        _, out, _ = run(ls_main, capsys, str(d), "--json")
+        assert json.loads(out)[0]["in_use"] is True and json.loads(out)[0]["lock_pid"] == os.getpid()
+        for dry in ([], ["--dry-run"]):
+            code, out, err = run(prune_main, capsys, str(d), "--older-than", "1d", *dry)
+            assert code == 1 and out == "nothing to remove\n"
+            assert err == (f"slotkeeper prune: skipped {d}: in use by slotkeeper pid {os.getpid()} "
+                           "(--force prunes it anyway)\n")
+            assert all(p.exists() for p in entry_files(d, old))
+        code, out, err = run(prune_main, capsys, str(d), "--older-than", "1d", "--force")
+        assert code == 0 and err == ""
+        assert out.splitlines()[0] == f"pruning {d} although it is in use by slotkeeper pid {os.getpid()} (--force)"
+        assert not any(p.exists() for p in entry_files(d, old))
+    finally:
+        os.close(fd)
+    write_entry(d, age=30 * DAY)
+    _, out, _ = run(ls_main, capsys, str(d))
+    assert "in use" not in out  # the kernel dropped the lock with its descriptor; the .lock file itself stays
+    code, out, _ = run(prune_main, capsys, str(d), "--older-than", "1d")
+    assert code == 0 and names(d / "entries") == set()
+
+
+def test_prune_holds_the_lock_while_it_removes(capsys, tmp_path, monkeypatch):
+    """No slotkeeper can start on a directory while prune removes from it."""
+    d = tmp_path / "cache"
+    write_entry(d, age=30 * DAY)
+    (d / ".lock").write_text("12345\n")
+    seen: list[str] = []
+    real = catalog.remove_pair
+
+    def remove_pair_then_try_to_start(folder: Path, name: str) -> None:
+        try:
+            os.close(lock_store(d))
+            seen.append("started")
+        except catalog.StoreLockedError as exc:
+            seen.append(f"refused: pid {exc}")
+        real(folder, name)
+
+    monkeypatch.setattr(catalog, "remove_pair", remove_pair_then_try_to_start)
+    code, _, _ = run(prune_main, capsys, str(d), "--older-than", "1d")
+    assert code == 0 and seen == [f"refused: pid {os.getpid()}"]
+    os.close(lock_store(d))  # released afterwards
 
 
 # ---- prune ------------------------------------------------------------------------------------------------------
 
 
-def names(directory: Path) -> set[str]:
-    return {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()}
-
-
-def test_prune_older_than_removes_whole_pairs(capsys, tmp_path):
+def test_prune_older_than_removes_whole_entries(capsys, tmp_path):
     d = tmp_path / "cache"
-    write_pair(d, 0, age=10 * DAY, tokens=6222, nbytes=5000)
-    write_pair(d, 1, age=2 * DAY)
-    write_pair(d, 2, age=9 * DAY, manifest=False)
+    old = write_entry(d, age=20 * DAY, used_age=10 * DAY, tokens=6222)
+    recent = write_entry(d, age=20 * DAY, used_age=2 * DAY)  # saved long ago, used lately: kept
+    interrupted = d / "entries" / "0123456789abcdef.bin"
+    interrupted.write_bytes(encode_slot_file([1], "m.gguf"))
+    os.utime(interrupted, (NOW - 9 * DAY, NOW - 9 * DAY))
+    write_slot_file(d, 0, age=8 * DAY)
     code, out, err = run(prune_main, capsys, str(d), "--older-than", "7d")
     assert code == 0 and err == ""
-    assert names(d) == {"1.bin", "1.json"}
+    assert names(d) == {f"entries/{recent.id}.bin", f"entries/{recent.id}.json"}
     lines = out.splitlines()
-    assert len(lines) == 3
-    assert lines[0].startswith(f"removed {d}/0.json + 0.bin (6,222 tokens, ") and lines[0].endswith("10 d old): older than 7 d")
-    assert lines[1].startswith(f"removed {d}/2.bin (")
-    assert lines[2].startswith("removed 2 cache pairs: ")
+    assert len(lines) == 4
+    assert lines[0].startswith(f"removed entry 0123 in {d} (")
+    assert lines[1].startswith(f"removed entry {short(old)} in {d} (6,222 tokens, ")
+    assert lines[1].endswith("last used 10 d ago): unused for over 7 d")
+    assert lines[2].startswith(f"removed slot file {d}/0.bin (50 tokens, ")
+    assert lines[3].startswith("removed 2 entries and 1 slot file: ")
 
 
-def test_prune_max_total_removes_the_oldest_first_across_dirs(capsys, tmp_path):
+def test_prune_max_total_removes_the_least_recently_used_first_across_dirs(capsys, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    write_pair(a, 0, nbytes=1_000_000, age=5 * HOUR)
-    write_pair(a, 1, nbytes=1_000_000, age=1 * HOUR)
-    write_pair(b, 0, nbytes=1_000_000, age=3 * HOUR)
-    write_pair(b, 1, nbytes=1_000_000, age=2 * HOUR)
+    a0 = write_entry(a, bytes_per_token=10_000, age=DAY, used_age=5 * HOUR)
+    a1 = write_entry(a, bytes_per_token=10_000, age=5 * DAY, used_age=1 * HOUR)  # oldest save, used last
+    b0 = write_entry(b, bytes_per_token=10_000, age=DAY, used_age=3 * HOUR)
+    b1 = write_entry(b, bytes_per_token=10_000, age=DAY, used_age=2 * HOUR)
+    one = sum(p.stat().st_size for p in entry_files(a, a0))
+    assert 1_000_000 < one < 1_100_000
     code, out, _ = run(prune_main, capsys, str(a), str(b), "--max-total", "2.5MB")
     assert code == 0
-    assert names(a) == {"1.bin", "1.json"} and names(b) == {"1.bin", "1.json"}  # 5 h and 3 h old went
-    assert out.splitlines()[-1].startswith("removed 2 cache pairs")
+    assert not any(p.exists() for e, d in ((a0, a), (b0, b)) for p in entry_files(d, e))  # 5 h and 3 h unused
+    assert all(p.exists() for e, d in ((a1, a), (b1, b)) for p in entry_files(d, e))
+    assert out.splitlines()[-1].startswith("removed 2 entries")
     code, out, _ = run(prune_main, capsys, str(a), str(b), "--max-total", "20GB")
-    assert out.strip() == "nothing to remove" and names(a) == {"1.bin", "1.json"}
+    assert out.strip() == "nothing to remove" and len(names(a / "entries")) == 2
 
 
 def test_prune_max_total_keeps_a_directory_exactly_at_the_limit(capsys, tmp_path):
-    write_pair(tmp_path, 0, nbytes=1000, age=2 * HOUR)
-    write_pair(tmp_path, 1, nbytes=1000, age=1 * HOUR)
-    total = sum(p.stat().st_size for p in tmp_path.iterdir())  # both .bin and both .json count
+    write_entry(tmp_path, age=2 * HOUR)
+    newer = write_entry(tmp_path, age=1 * HOUR)
+    total = sum(p.stat().st_size for p in (tmp_path / "entries").iterdir())  # both .bin and both .json count
     code, out, _ = run(prune_main, capsys, str(tmp_path), "--max-total", str(total))
-    assert out.strip() == "nothing to remove" and len(names(tmp_path)) == 4
+    assert out.strip() == "nothing to remove" and len(names(tmp_path / "entries")) == 4
     code, out, _ = run(prune_main, capsys, str(tmp_path), "--max-total", str(total - 1))
-    assert names(tmp_path) == {"1.bin", "1.json"}
+    assert names(tmp_path / "entries") == {f"{newer.id}.bin", f"{newer.id}.json"}
 
 
 def test_prune_quarantine_only_touches_quarantine(capsys, mixed_dir):
-    before = names(mixed_dir)
-    code, out, _ = run(prune_main, capsys, str(mixed_dir), "--quarantine")
+    d = mixed_dir["dir"]
+    before = names(d)
+    code, out, _ = run(prune_main, capsys, str(d), "--quarantine")
     assert code == 0
-    assert names(mixed_dir) == before - {"quarantine/20250101-120000-4.bin", "quarantine/20250101-120000-4.json"}
-    assert (mixed_dir / "quarantine").is_dir()
-    assert out.splitlines()[0] == (f"removed {mixed_dir}/quarantine/20250101-120000-4.json + 20250101-120000-4.bin "
-                                   "(702 B, 3 d old): quarantined")
-    assert out.splitlines()[-1] == "removed 0 cache pairs and 1 quarantined pair: 702 B"
+    qid = "4444" + "99" * 6
+    assert names(d) == before - {f"quarantine/20250101-120000-{qid}.bin", f"quarantine/20250101-120000-{qid}.json"}
+    assert (d / "quarantine").is_dir()
+    assert re.fullmatch(rf"removed quarantined entry 4444 in {re.escape(str(d))} \(77 tokens, [\d.]+ KB, "
+                        r"last used 3 d ago\): quarantined", out.splitlines()[0]), out
+    assert re.fullmatch(r"removed 0 entries and 1 quarantined entry: [\d.]+ KB", out.splitlines()[-1])
 
 
 def test_prune_missing_models(capsys, tmp_path):
     present = write_model(tmp_path / "present.gguf")
     gone = write_model(tmp_path / "gone.gguf")
     d = tmp_path / "cache"
-    write_pair(d, 0, fingerprint=fingerprint_for(str(present), [], 1, 512))
-    write_pair(d, 1, fingerprint=fingerprint_for(str(gone), [], 1, 512))
-    write_pair(d, 2, fingerprint=fingerprint_for("stub-model.gguf", [], 1, 512))  # never was a file: unknown
-    write_pair(d, 3, manifest=False)
+    keep = write_entry(d, fingerprint=fingerprint_for(str(present), [], 1, 512))
+    lost = write_entry(d, fingerprint=fingerprint_for(str(gone), [], 1, 512))
+    unknown = write_entry(d, fingerprint=fingerprint_for("stub-model.gguf", [], 1, 512))  # never was a file
+    write_slot_file(d, 4, fingerprint=fingerprint_for(str(gone), [], 1, 512))
     gone.unlink()
     code, out, _ = run(prune_main, capsys, str(d), "--missing-models")
     assert code == 0
-    assert names(d) == {"0.bin", "0.json", "2.bin", "2.json", "3.bin"}
-    assert f"model gone: {gone}" in out.splitlines()[0]
+    assert names(d) == {*(f"entries/{e.id}{s}" for e in (keep, unknown) for s in (".bin", ".json"))}
+    assert not any(p.exists() for p in entry_files(d, lost))
+    assert f"model gone: {gone}" in out.splitlines()[0] and f"model gone: {gone}" in out.splitlines()[1]
+
+
+def test_prune_other_configs(capsys, tmp_path):
+    """Without arguments: what ls shows as another configuration than the last run's; with llama-server
+    arguments after --: what does not match them."""
+    model = write_model(tmp_path / "a.gguf")
+    d = tmp_path / "cache"
+    last_run = write_entry(d, used_age=MIN, fingerprint=fingerprint_for(str(model), [], 2, 512))
+    q8 = write_entry(d, used_age=HOUR, fingerprint=fingerprint_for(str(model), ["-ctk", "q8_0"], 2, 512))
+    old_format = write_entry(d, used_age=DAY, version=3, fingerprint=fingerprint_for(str(model), [], 2, 512))
+    code, out, _ = run(prune_main, capsys, str(d), "--other-configs", "--dry-run")
+    assert code == 0 and len(out.splitlines()) == 2
+    assert out.splitlines()[0].startswith(f"would remove entry {short(q8)} ")
+    assert out.splitlines()[0].endswith("saved for another configuration: cache_type_k: 'q8_0' -> None")
+    code, out, _ = run(prune_main, capsys, str(d), "--other-configs", "--", "-m", str(model), "-ctk", "q8_0")
+    assert code == 0
+    assert {p.name for p in (d / "entries").iterdir()} == {f"{q8.id}.bin", f"{q8.id}.json"}
+    assert "not for these llama-server arguments: cache_type_k default -> q8_0" in out
+    assert {short(last_run), short(old_format)} == {line.split()[2] for line in out.splitlines()[:-1]}
 
 
 @pytest.mark.parametrize(
     "criteria",
-    [["--older-than", "1s"], ["--max-total", "0"], ["--quarantine"], ["--missing-models"],
-     ["--older-than", "0s", "--max-total", "0", "--quarantine", "--missing-models"]],
+    [["--older-than", "1s"], ["--max-total", "0"], ["--quarantine"], ["--missing-models"], ["--other-configs"],
+     ["--older-than", "0s", "--max-total", "0", "--quarantine", "--missing-models", "--other-configs"]],
 )
 def test_prune_dry_run_removes_nothing(capsys, mixed_dir, criteria):
-    before = names(mixed_dir)
-    code, out, _ = run(prune_main, capsys, str(mixed_dir), *criteria, "--dry-run")
-    assert code == 0 and names(mixed_dir) == before
+    d = mixed_dir["dir"]
+    before = names(d)
+    code, out, _ = run(prune_main, capsys, str(d), *criteria, "--dry-run")
+    assert code == 0 and names(d) == before
     assert out.splitlines()[-1].endswith("(dry run)") or out.strip() == "nothing to remove"
     assert all(line.startswith("would remove") for line in out.splitlines() if line != "nothing to remove")
+    assert len(out.splitlines()) > 1 or criteria == ["--missing-models"]  # (no model file is missing there)
 
 
 def test_prune_everything_leaves_foreign_files_alone(capsys, mixed_dir):
-    (mixed_dir / "quarantine" / "keep").mkdir()
-    (mixed_dir / "quarantine" / "keep" / "x.bin").write_bytes(b"x")
-    code, out, _ = run(prune_main, capsys, str(mixed_dir), "--older-than", "0s", "--max-total", "0",
-                       "--quarantine", "--missing-models")
+    d = mixed_dir["dir"]
+    (d / "quarantine" / "keep").mkdir()
+    (d / "quarantine" / "keep" / "x.bin").write_bytes(b"x")
+    (d / "entries" / "notes.txt").write_bytes(b"x")
+    snapshots = names(d / "snapshots")
+    code, out, _ = run(prune_main, capsys, str(d), "--older-than", "0s", "--max-total", "0",
+                       "--quarantine", "--missing-models", "--other-configs")
     assert code == 0
-    # every pair and quarantined file went; what is not slotkeeper's (and the in-flight partial) stayed
-    assert names(mixed_dir) == {*FOREIGN, "0.bin.partial", "quarantine/keep/x.bin"}
-    assert out.splitlines()[-1].startswith("removed 5 cache pairs and 1 quarantined pair: ")
+    # every entry, slot file and quarantined pair went; clients' files, what is not slotkeeper's, the lock and
+    # the partial manifest (the next start finishes or removes it) stayed
+    assert names(d) == {*FOREIGN, "quarantine/keep/x.bin", "entries/notes.txt",
+                        "entries/aaaa0000" + "11" * 4 + ".json.partial", *(f"snapshots/{n}" for n in snapshots)}
+    assert out.splitlines()[-1].startswith("removed 8 entries, 1 slot file and 1 quarantined entry: ")
 
 
 def test_prune_deletes_the_manifest_before_the_bin(capsys, tmp_path, monkeypatch):
     d = tmp_path / "cache"
-    write_pair(d, 0, age=DAY)
+    entry = write_entry(d, age=DAY)
+    bin_path, manifest_path = entry_files(d, entry)
     order: list[str] = []
     real_unlink = Path.unlink
 
     def recording_unlink(self: Path, missing_ok: bool = False) -> None:
         order.append(self.name)
-        if self.name == "0.bin":
-            raise PermissionError(13, "Permission denied")  # interrupted after the manifest went
+        if self == bin_path:
+            raise PermissionError(13, "Permission denied", str(self))  # interrupted after the manifest went
         real_unlink(self, missing_ok=missing_ok)
 
     monkeypatch.setattr(Path, "unlink", recording_unlink)
     code, out, err = run(prune_main, capsys, str(d), "--older-than", "1h")
-    assert order == ["0.json", "0.bin"]
-    assert names(d) == {"0.bin"}  # a .bin without a manifest is never restored without an opt-in
-    assert code == 1 and err.count("\n") == 1 and "Permission denied" in err
+    assert order == [manifest_path.name, bin_path.name]
+    assert names(d / "entries") == {bin_path.name}  # an entry file without a manifest is removed at the next start
+    assert code == 1 and err.count("\n") == 1 and f"{bin_path.name}: Permission denied" in err
 
 
-def test_prune_keeps_a_pair_rewritten_after_it_was_listed(tmp_path):
+def test_prune_keeps_an_entry_used_after_it_was_listed(tmp_path):
+    """Under --force a running slotkeeper may restore an entry (its manifest is rewritten with the new last use)
+    between the listing and the removal: prune keeps it."""
     d = tmp_path / "cache"
-    write_pair(d, 0, age=DAY, nbytes=100)
+    entry = write_entry(d, age=DAY)
     (removal,) = plan_prune([scan_dir(d)], NOW, older_than=HOUR)
-    write_pair(d, 0, age=0, nbytes=200)  # a running slotkeeper saved slot 0 again
+    time.sleep(0.01)
+    edit_manifest(d, entry, last_used=NOW)  # what ConversationStore.touch writes
     assert "changed since it was listed" in (catalog.remove_files(removal) or "")
-    assert names(d) == {"0.bin", "0.json"}
+    assert all(p.exists() for p in entry_files(d, entry))
+
+
+# ---- against a real slotkeeper ----------------------------------------------------------------------------------
+
+
+def test_ls_and_prune_what_a_real_slotkeeper_saved(capsys, stub_slotkeeper):
+    """Two chats on the stub llama-server, saved at stop: listed as usable entries; prune refuses while
+    slotkeeper runs and keeps the one used last, which the next run restores."""
+    prompts = [f"conversation {i}: " + "Every token of this conversation is kept. " * 8 for i in range(2)]
+    assert all(len(p) > 256 for p in prompts)  # over --min-save-tokens (the stub's tokens are bytes)
+    sk = stub_slotkeeper("-np", "2")
+    save_dir = sk.extra["save_dir"]
+    for slot, prompt in enumerate(prompts):
+        assert sk.call("POST", "/completion", {"prompt": prompt, "n_predict": 4, "id_slot": slot}).status == 200
+    env = {"XDG_CACHE_HOME": "/nonexistent-xdg"}
+    code, out, err = run(prune_main, capsys, str(save_dir), "--max-total", "0", env=env)
+    assert code == 1 and f"skipped {save_dir}: in use by slotkeeper pid {sk.pid}" in err
+    _, out, _ = run(ls_main, capsys, str(save_dir), env=env)
+    assert f"in use by slotkeeper pid {sk.pid}" in " ".join(out.split())
+    sk.killpg(signal.SIGTERM)
+    assert sk.wait() == 0, sk.logs()
+
+    code, out, _ = run(ls_main, capsys, str(save_dir), "--json", "--", "-np", "2", "-c", "4096", env=env)
+    assert code == 0
+    directory, *rows = json.loads(out)
+    assert directory["entries"] == directory["usable"] == 2 and directory["in_use"] is False
+    manifests = {p.stem: read_json(p) for p in (save_dir / "entries").glob("*.json")}
+    assert {r["id"] for r in rows} == set(manifests) and len(manifests) == 2
+    for row in rows:
+        assert row["status"] == "usable" and row["model_name"] == "stub-model.gguf" and row["match"] is True
+        assert row["tokens"] == manifests[row["id"]]["tokens"] > 256
+        assert row["bin_size"] == (save_dir / "entries" / f"{row['id']}.bin").stat().st_size
+    _, out, _ = run(ls_main, capsys, str(save_dir), "--", "-np", "3", env=env)
+    assert [r[-1] for r in table_rows(out).values()] == ["no: total_slots 2 -> 3 (-np)"] * 2
+
+    last = max(rows, key=lambda r: r["last_used"])
+    first = min(rows, key=lambda r: r["last_used"])
+    code, out, _ = run(prune_main, capsys, str(save_dir), "--max-total", str(last["disk_bytes"]), env=env)
+    assert code == 0 and out.splitlines()[0].startswith(f"removed entry {first['short']} ")
+    assert {p.stem for p in (save_dir / "entries").glob("*.json")} == {last["id"]}
+    sk2 = stub_slotkeeper("-np", "2")
+    assert f"chat {last['id'][:4]} restored into slot" in sk2.logs(), sk2.logs()
 
 
 # ---- bad input --------------------------------------------------------------------------------------------------
@@ -445,16 +728,18 @@ def test_prune_keeps_a_pair_rewritten_after_it_was_listed(tmp_path):
         (prune_main, ["{tmp}"], "nothing to prune"),
         (prune_main, ["{tmp}/missing", "--quarantine"], "no such directory"),
         (prune_main, ["{tmp}", "--older-than"], "expected one argument"),
+        (prune_main, ["{tmp}", "--older-than", "1d", "--", "-np", "2"], "only used with --other-configs"),
+        (prune_main, ["{tmp}", "--other-configs", "--", "-m", "{tmp}/no-model.gguf"], "model file not found"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, main, argv, message):
     (tmp_path / "file").write_text("x")
-    write_pair(tmp_path, 0, age=30 * DAY)
+    entry = write_entry(tmp_path, age=30 * DAY)
     code, out, err = run(main, capsys, *[a.format(tmp=tmp_path) for a in argv])
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and message in err and "Traceback" not in err
     assert err.startswith(("slotkeeper ls: error: ", "slotkeeper prune: error: "))
-    assert (tmp_path / "0.bin").exists() and (tmp_path / "0.json").exists()
+    assert all(p.exists() for p in entry_files(tmp_path, entry))
 
 
 # ---- formats ----------------------------------------------------------------------------------------------------
@@ -478,13 +763,19 @@ def test_format_age():
         "0 s", "0 s", "59 s", "1 min", "3 min", "1 h", "2 h", "23 h", "5 d"]
 
 
+def test_short_ids_tell_entries_apart(capsys, tmp_path):
+    ids = ["abcd" + "0" * 12, "abcd" + "1" * 12, "abcd1" + "2" * 11, "9876" + "5" * 12]
+    for entry_id in ids:
+        write_entry(tmp_path, entry_id=entry_id)
+    _, out, _ = run(ls_main, capsys, str(tmp_path))
+    assert set(table_rows(out)) == {"abcd0", "abcd11", "abcd12", "9876"}
+
+
 def test_ls_time_is_now_by_default(capsys, tmp_path):
-    write_pair(tmp_path, 0)
-    manifest = json.loads((tmp_path / "0.json").read_text())
-    manifest["saved_at"] = time.time() - 2 * HOUR
-    (tmp_path / "0.json").write_text(json.dumps(manifest))
+    entry = write_entry(tmp_path)
+    edit_manifest(tmp_path, entry, last_used=time.time() - 2 * HOUR)
     assert ls_main([str(tmp_path)]) == 0
-    assert table_rows(capsys.readouterr().out)["0"][3] == "2 h"
+    assert table_rows(capsys.readouterr().out)[short(entry)][3] == "2 h ago"
 
 
 # ---- as a process -----------------------------------------------------------------------------------------------
@@ -501,8 +792,8 @@ def test_as_a_process_bad_input_prints_one_line(tmp_path):
 
 def test_as_a_process_a_closed_pipe_is_not_an_error(tmp_path):
     """`slotkeeper ls --json | head`: the reader goes away early; no traceback, exit 0."""
-    for slot in range(400):
-        write_pair(tmp_path, slot, nbytes=1)
+    for _ in range(400):
+        write_entry(tmp_path, tokens=1)
     proc = subprocess.Popen([sys.executable, "-c", ENTRY.format("ls_main"), str(tmp_path), "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None and proc.stdout.read(10) == b'[\n {\n  "ki'

@@ -1,16 +1,22 @@
 """`slotkeeper ls` and `slotkeeper prune`: look at and clean up save directories without a running server.
 
-A save directory holds pairs: `<id>.bin` (llama-server's slot file) and `<id>.json` (slotkeeper's manifest,
-written last), `*.partial` files of an interrupted save, and `quarantine/` (bad pairs moved aside). These tools
-only ever read or delete those names; any other file in the directory is left alone.
+A save directory (layout.py) holds the conversation store: `entries/<id>.bin` (llama-server's slot file) and
+`entries/<id>.json` (its manifest, written last), `quarantine/` (entries llama-server refused, moved aside) and
+`snapshots/` (llama-server's --slot-save-path: clients' own save names; counted here, never touched). A directory
+of the slot-file layout (`<n>.bin` + `<n>.json` in the directory itself) is listed too: the next slotkeeper
+start takes those files over as entries.
 
-Nothing here talks to llama-server: what needs a running server (the slot count, the per-slot context) is read
-from the manifests, and compared with llama-server's arguments only where those arguments decide it.
+Nothing here talks to llama-server. An entry's status is what the next start would make of it
+(ConversationStore.open), judged against the configuration of the directory's most recently used entry, i.e.
+the last run's; with llama-server's arguments after `--`, a match column compares each entry with those
+arguments (as far as they decide it offline).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -23,16 +29,19 @@ from pathlib import Path
 from typing import Any
 
 from .cmdline import ConfigError, parse_llama_args
-from .fingerprint import KV_FLAGS, kv_flags, model_identity
+from .fingerprint import KV_FLAGS, first_difference, kv_flags, model_identity, shareable
+from .layout import ENTRIES_DIR, LOCK_NAME, QUARANTINE_DIR, SNAPSHOTS_DIR, StoreLockedError, lock_store
 from .log import fmt_bytes
-from .slots import QUARANTINE_DIR, read_manifest
+from .statefile import SEQ_MAGIC, StateFileError, read_header
+from .store import (
+    BIN_SUFFIX, MANIFEST_SUFFIX, MANIFEST_VERSION, PARTIAL_SUFFIX, TRANSIENT_PREFIX, Entry, compatible_format,
+    read_json, remove_pair,
+)
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 
-# Only canonical slot names (`0.bin`, `12.json`, never `007.bin`): those are the only ones slotkeeper writes.
-CACHE_NAME = re.compile(r"^(0|[1-9][0-9]*)\.(bin|json)(\.partial)?$")
 MODEL_KEYS = ("model", "model_size", "model_sha256")
 CTX_FLAGS = ("-c", "--ctx-size")
 ENV_CTX_SIZE = "LLAMA_ARG_CTX_SIZE"
@@ -40,8 +49,27 @@ UNIFIED_FLAGS = {"-kvu": True, "--kv-unified": True, "-no-kvu": False, "--no-kv-
 CTX_PAD = 256  # llama.cpp rounds a slot's context up to a multiple of this
 TABLE_WIDTH = 100  # the model column is shortened (not below MODEL_COLUMN_MIN) to keep lines within this
 MODEL_COLUMN_MIN = 20
-MATCH_COLUMN_BUDGET = 40  # a longer match text (a model path) overflows instead
-STATUS_OK = "ok"
+STATUS_COLUMN_BUDGET = 38  # longer texts in the last columns overflow instead of squeezing the model column
+MATCH_COLUMN_BUDGET = 40
+SHORT_ID_MIN = 4
+
+# What a row is, and its status codes (--json); the table shows `Row.detail`.
+KIND_ENTRY, KIND_QUARANTINED, KIND_SLOT_FILE = "entry", "quarantined", "slot_file"
+USABLE = "usable"
+OTHER_CONFIGURATION = "other_configuration"
+OTHER_FORMAT = "other_format"
+QUARANTINED = "quarantined"
+INTERRUPTED_SAVE = "interrupted_save"  # entries/<id>.bin without a manifest
+BAD_MANIFEST = "bad_manifest"
+SIZE_MISMATCH = "size_mismatch"
+NO_BIN = "no_bin"
+SLOT_FILE = "slot_file"  # <n>.bin + <n>.json of the slot-file layout: taken over at the next start
+SLOT_FILE_UNVERIFIED = "slot_file_unverified"  # <n>.bin without a manifest: taken over only with --restore-unverified
+SLOT_FILE_UNREADABLE = "slot_file_unreadable"
+SLOT_MANIFEST_ONLY = "slot_manifest_only"
+SLOT_FILE_SUFFIXES = ("bin", "json", "bin.partial", "json.partial")
+INTACT = (USABLE, OTHER_CONFIGURATION, OTHER_FORMAT)  # would be kept by the next start
+COMPARABLE = (*INTACT, SLOT_FILE)  # has a fingerprint the next start would use
 
 
 class CatalogError(Exception):
@@ -116,6 +144,10 @@ def format_row(row: Sequence[str], widths: Sequence[int], right: Container[int],
     return (indent + "  ".join(cells)).rstrip()
 
 
+def _count(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n:,} {word if n == 1 else plural or word + 's'}"
+
+
 # ---- reading a save directory ---------------------------------------------------------------------------------
 
 
@@ -131,38 +163,50 @@ class FileStat:
         st = path.stat()
         return cls(path, st.st_size, st.st_mtime, (st.st_ino, st.st_mtime_ns, st.st_size))
 
+    @classmethod
+    def maybe(cls, path: Path) -> FileStat | None:
+        try:
+            return cls.of(path) if path.is_file() and not path.is_symlink() else None
+        except OSError:
+            return None  # removed while we looked
+
 
 @dataclass
-class CacheEntry:
-    """One slot's files: `<id>.bin` and/or `<id>.json`."""
+class Row:
+    """One listed thing: an entry, a quarantined entry, or a slot file of the old layout; its two files are
+    `<folder>/<name>.json` and `<folder>/<name>.bin`."""
 
-    directory: Path
-    slot: int
-    bin: FileStat | None = None
-    manifest_file: FileStat | None = None
-    manifest: dict[str, Any] | None = None
+    kind: str
+    directory: Path  # the save directory
+    folder: Path  # entries/, quarantine/, or the save directory itself (slot files)
+    name: str  # the entry id, `<stamp>-<id>` in quarantine/, or the slot number
+    bin: FileStat | None
+    manifest_file: FileStat | None
+    entry: Entry | None  # what the manifest says (for a slot file: what taking it over would record)
+    status: str = ""
+    reason: str = ""  # the status in words, in full
+    note: str = ""  # the status column, when it says more than the status's usual text
+    short: str = ""
 
     @property
-    def status(self) -> str:
-        if self.bin is None:
-            return "no .bin"
-        if self.manifest_file is None:
-            return "no manifest"  # saved by llama-server directly: never restored without --restore-unverified
-        if self.manifest is None:
-            return "bad manifest"
-        if self.manifest.get("bytes") != self.bin.size:
-            return "size mismatch"
-        return STATUS_OK
+    def id(self) -> str:
+        return self.name.rsplit("-", 1)[-1] if self.kind == KIND_QUARANTINED else self.name
+
+    @property
+    def label_id(self) -> str:
+        return f"{self.name}{BIN_SUFFIX}" if self.kind == KIND_SLOT_FILE else self.short
+
+    @property
+    def files(self) -> list[FileStat]:
+        return [f for f in (self.manifest_file, self.bin) if f is not None]
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(f.size for f in self.files)
 
     @property
     def fingerprint(self) -> dict[str, Any]:
-        fp = (self.manifest or {}).get("fingerprint")
-        return fp if isinstance(fp, dict) else {}
-
-    @property
-    def tokens(self) -> int | None:
-        value = (self.manifest or {}).get("tokens")
-        return value if isinstance(value, int) else None
+        return self.entry.fingerprint if self.entry else {}
 
     @property
     def model(self) -> str | None:
@@ -170,86 +214,300 @@ class CacheEntry:
         return value if isinstance(value, str) and value else None
 
     @property
-    def saved_at(self) -> float:
-        """When the pair was written: the manifest's time, else the newest file's mtime."""
-        value = (self.manifest or {}).get("saved_at")
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        return max(f.mtime for f in self.files)
+    def tokens(self) -> int | None:
+        return self.entry.tokens if self.entry else None
 
     @property
-    def files(self) -> list[FileStat]:
-        """Deletion order: the manifest first, so an interrupted removal never leaves a restorable half-pair."""
-        return [f for f in (self.manifest_file, self.bin) if f is not None]
+    def last_used(self) -> float:
+        """The manifest's last use, else the newest file's mtime."""
+        if self.entry and self.entry.last_used:
+            return self.entry.last_used
+        return max((f.mtime for f in self.files), default=0.0)
 
     @property
-    def disk_bytes(self) -> int:
-        return sum(f.size for f in self.files)
+    def detail(self) -> str:
+        """The status column."""
+        return self.note or _STATUS_TEXT.get(self.status, self.status)
+
+
+_STATUS_TEXT = {
+    USABLE: "usable",
+    QUARANTINED: "quarantined",
+    INTERRUPTED_SAVE: "interrupted save (removed at start)",
+    BAD_MANIFEST: "bad manifest (never used)",
+    SIZE_MISMATCH: "size mismatch (quarantined at start)",
+    NO_BIN: "no .bin (manifest dropped at start)",
+    SLOT_FILE: "slot file (taken over at next start)",
+    SLOT_FILE_UNVERIFIED: "no manifest (--restore-unverified)",
+    SLOT_FILE_UNREADABLE: "unreadable slot file (left as it is)",
+    SLOT_MANIFEST_ONLY: "manifest without its .bin",
+}
+
+
+@dataclass
+class LockState:
+    """Whether a slotkeeper holds the directory's .lock (an flock: the kernel drops it when its holder exits)."""
+
+    exists: bool = False
+    held: bool = False
+    pid: int | None = None  # what the .lock says: the last process that took it
+
+    def describe(self) -> str:
+        if not self.held:
+            return ""
+        if self.pid is None:
+            return "in use by another slotkeeper"
+        if not _pid_alive(self.pid):
+            return f"locked by pid {self.pid}, which is not running here (another container or host?)"
+        return f"in use by slotkeeper pid {self.pid}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, not ours
+    return True
+
+
+def _lock_pid(text: str) -> int | None:
+    text = text.strip()
+    return int(text) if text.isdigit() else None
+
+
+def lock_state(root: Path) -> LockState:
+    """A non-blocking shared flock attempt on `.lock`, released at once (nothing is created or written)."""
+    try:
+        fd = os.open(root / LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return LockState()
+    try:
+        pid = _lock_pid(os.pread(fd, 32, 0).decode(errors="replace"))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return LockState(True, True, pid)
+        except OSError:
+            return LockState(True, False, pid)  # a file system without flock: cannot tell
+        return LockState(True, False, pid)
+    finally:
+        os.close(fd)
 
 
 @dataclass
 class SaveDir:
     path: Path
-    entries: list[CacheEntry] = field(default_factory=list)
-    partials: list[FileStat] = field(default_factory=list)
-    quarantine: list[FileStat] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)  # entries (most recently used first), quarantined, slot files
+    partials: list[FileStat] = field(default_factory=list)  # interrupted manifest writes: finished at next start
+    client_files: list[FileStat] = field(default_factory=list)  # clients' own slot files (snapshots/)
+    clients_in_root: int = 0  # of those, still in the directory itself: moved to snapshots/ at the next start
+    reference: Row | None = None  # the most recently used entry: the last run's configuration
+    lock: LockState = field(default_factory=LockState)
+
+    def of_kind(self, kind: str) -> list[Row]:
+        return [r for r in self.rows if r.kind == kind]
 
     @property
-    def cache_bytes(self) -> int:
-        return sum(e.disk_bytes for e in self.entries)
+    def entries(self) -> list[Row]:
+        return self.of_kind(KIND_ENTRY)
+
+    @property
+    def entry_bytes(self) -> int:
+        return sum(r.disk_bytes for r in self.entries)
 
 
-def is_cache_name(name: str) -> bool:
-    return CACHE_NAME.match(name) is not None
+def is_slot_name(stem: str) -> bool:
+    """The slot-file layout's names, as ConversationStore takes them over: `<digits>.bin` / `<digits>.json`."""
+    return stem.isascii() and stem.isdigit()
+
+
+def _has_state_magic(path: Path) -> bool:
+    """What the store's take-over moves to snapshots/ as a client's own slot file: llama.cpp's magic."""
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        return int.from_bytes(f.read(4), "little") == SEQ_MAGIC
+    return False
+
+
+def _list(path: Path) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise CatalogError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _pairs(folder: Path, names: Iterable[str]) -> dict[str, tuple[FileStat | None, FileStat | None]]:
+    """`<stem>.bin` / `<stem>.json` files of a folder, by stem: (bin, manifest)."""
+    found: dict[str, list[FileStat | None]] = {}
+    for name in names:
+        for slot, suffix in ((0, BIN_SUFFIX), (1, MANIFEST_SUFFIX)):
+            if name.endswith(suffix) and len(name) > len(suffix):
+                stat = FileStat.maybe(folder / name)
+                if stat is not None:
+                    found.setdefault(name.removesuffix(suffix), [None, None])[slot] = stat
+    return {stem: (pair[0], pair[1]) for stem, pair in found.items()}
+
+
+def _entry_from(manifest: FileStat | None) -> Entry | None:
+    data = read_json(manifest.path) if manifest else None
+    if data is None or data.get("version") != MANIFEST_VERSION:
+        return None
+    try:
+        return Entry.from_manifest(data)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _scan_entries(save_dir: SaveDir) -> None:
+    """entries/: judged as ConversationStore.open and _admit would."""
+    folder = save_dir.path / ENTRIES_DIR
+    names = _list(folder)
+    save_dir.partials += [s for n in names if n.endswith(PARTIAL_SUFFIX) and (s := FileStat.maybe(folder / n))]
+    for stem, (bin_stat, manifest_stat) in _pairs(folder, names).items():
+        row = Row(KIND_ENTRY, save_dir.path, folder, stem, bin_stat, manifest_stat, _entry_from(manifest_stat))
+        if manifest_stat is None:
+            row.status, row.reason = INTERRUPTED_SAVE, "a file without a manifest: an interrupted save, removed at the next start"
+        elif row.entry is None:
+            row.status, row.reason = BAD_MANIFEST, "a manifest slotkeeper cannot read: its entry is never used"
+        elif bin_stat is None:
+            row.status, row.reason = NO_BIN, "a manifest without its file: dropped at the next start"
+        elif bin_stat.size != row.entry.nbytes:
+            row.status = SIZE_MISMATCH
+            row.reason = f"size {bin_stat.size} differs from its manifest's {row.entry.nbytes}: quarantined at the next start"
+        else:
+            row.status = USABLE
+        save_dir.rows.append(row)
+
+
+def _judge_against_reference(save_dir: SaveDir) -> None:
+    """The most recently used intact entry stands for the last run's configuration and state format."""
+    intact = [r for r in save_dir.entries if r.status == USABLE and r.entry]
+    if not intact:
+        return
+    ref = max(intact, key=lambda r: (r.entry.last_used, r.entry.saved_at))  # type: ignore[union-attr]
+    save_dir.reference = ref
+    assert ref.entry is not None
+    for row in intact:
+        assert row.entry is not None
+        difference = first_difference(shareable(row.entry.fingerprint), shareable(ref.entry.fingerprint))
+        if difference:
+            row.status, row.reason = OTHER_CONFIGURATION, f"saved for another configuration: {difference}"
+            row.note = f"other configuration ({difference.split(':', 1)[0]})"
+        elif not compatible_format(row.entry, (ref.entry.seq_version, ref.entry.layout)):
+            row.status, row.note = OTHER_FORMAT, f"other state format (v{row.entry.seq_version})"
+            row.reason = (f"state format v{row.entry.seq_version} ({row.entry.layout}); the last run's is "
+                          f"v{ref.entry.seq_version} ({ref.entry.layout})")
+
+
+def _scan_quarantine(save_dir: SaveDir) -> None:
+    folder = save_dir.path / QUARANTINE_DIR
+    if not folder.is_dir() or folder.is_symlink():
+        return
+    quarantined = []
+    for stem, (bin_stat, manifest_stat) in _pairs(folder, _list(folder)).items():
+        row = Row(KIND_QUARANTINED, save_dir.path, folder, stem, bin_stat, manifest_stat, _entry_from(manifest_stat))
+        row.status, row.reason = QUARANTINED, "moved aside: llama-server refused it or its size was wrong"
+        quarantined.append(row)
+    save_dir.rows += sorted(quarantined, key=lambda r: r.name, reverse=True)  # newest first (by its stamp)
+
+
+def _scan_slot_files(save_dir: SaveDir, names: list[str]) -> None:
+    """The slot-file layout in the directory itself, judged as ConversationStore._take_over_slot_files would."""
+    root = save_dir.path
+    save_dir.partials += [s for n in names if n.endswith(PARTIAL_SUFFIX) and is_slot_name(n.split(".", 1)[0])
+                          and (s := FileStat.maybe(root / n))]
+    pairs = {stem: pair for stem, pair in _pairs(root, names).items() if is_slot_name(stem)}
+    for stem, (bin_stat, manifest_stat) in sorted(pairs.items(), key=lambda p: (int(p[0]), p[0])):
+        old = read_json(manifest_stat.path) if manifest_stat else None
+        header = None
+        if bin_stat is not None:
+            with contextlib.suppress(OSError, StateFileError):
+                header = read_header(bin_stat.path)
+        entry = None
+        if header is not None and bin_stat is not None:
+            saved_at = _number((old or {}).get("saved_at"), bin_stat.mtime)
+            fingerprint = (old or {}).get("fingerprint")
+            entry = Entry(
+                id=stem, tokens=header.n_tokens, nbytes=bin_stat.size, keys=[], saved_at=saved_at,
+                last_used=saved_at, fingerprint=fingerprint if isinstance(fingerprint, dict) else {},
+                seq_version=header.version, layout=header.layout, save_ms=(old or {}).get("save_ms"),
+            )
+        row = Row(KIND_SLOT_FILE, root, root, stem, bin_stat, manifest_stat, entry)
+        if bin_stat is None:
+            row.status, row.reason = SLOT_MANIFEST_ONLY, "a slot-file manifest without its .bin: left as it is"
+        elif old is None:
+            if header is None:
+                continue  # a file with a slot's name that is neither a slot file nor described: not ours
+            row.status = SLOT_FILE_UNVERIFIED
+            row.reason = "a slot file without a manifest: taken over only with --restore-unverified"
+        elif header is None:
+            row.status, row.reason = SLOT_FILE_UNREADABLE, "not a slot file slotkeeper can read: left as it is"
+        else:
+            row.status, row.reason = SLOT_FILE, "a slot file of the slot-file layout: taken over at the next start"
+        save_dir.rows.append(row)
+    for name in names:  # clients' own slot files, moved to snapshots/ at the next start
+        path = root / name
+        stem = name.removesuffix(BIN_SUFFIX)
+        if name == LOCK_NAME or name.endswith(MANIFEST_SUFFIX) or (name.endswith(BIN_SUFFIX) and is_slot_name(stem)):
+            continue
+        stat = FileStat.maybe(path)
+        if stat is not None and _has_state_magic(path):
+            save_dir.client_files.append(stat)
+            save_dir.clients_in_root += 1
+
+
+def _number(value: Any, default: float) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+
+def _short_ids(rows: list[Row]) -> None:
+    """The shortest prefix of at least 4 hex digits (as the daemon's log lines name entries) that tells the
+    directory's entries apart; 8 suffice in practice."""
+    ids = [r.id for r in rows if r.kind != KIND_SLOT_FILE]
+    for row in rows:
+        if row.kind == KIND_SLOT_FILE:
+            row.short = row.name
+            continue
+        n = SHORT_ID_MIN
+        while n < len(row.id) and sum(i.startswith(row.id[:n]) for i in ids if i != row.id) > 0:
+            n += 1  # beyond 8 digits only for a one-in-4-billion collision
+        row.short = row.id[:n]
 
 
 def scan_dir(path: Path) -> SaveDir:
-    """Everything slotkeeper owns in one save directory (nothing else is looked at)."""
+    """Everything slotkeeper owns in one save directory (nothing is changed, nothing else is looked at)."""
     result = SaveDir(path)
-    entries: dict[int, CacheEntry] = {}
     try:
         names = sorted(os.listdir(path))
     except OSError as exc:
         raise CatalogError(f"cannot read {path}: {exc.strerror or exc}") from None
-    for name in names:
-        match = CACHE_NAME.match(name)
-        file = path / name
-        if not match or not file.is_file():
-            continue
-        try:
-            stat = FileStat.of(file)
-        except OSError:
-            continue  # removed while we looked
-        if match.group(3):
-            result.partials.append(stat)
-            continue
-        slot = int(match.group(1))
-        entry = entries.setdefault(slot, CacheEntry(path, slot))
-        if match.group(2) == "bin":
-            entry.bin = stat
-        else:
-            entry.manifest_file = stat
-            entry.manifest = read_manifest(file)
-    result.entries = [entries[slot] for slot in sorted(entries)]
-    qdir = path / QUARANTINE_DIR
-    if qdir.is_dir() and not qdir.is_symlink():
-        for name in sorted(os.listdir(qdir)):
-            file = qdir / name
-            if file.is_file() and not file.is_symlink():
-                try:
-                    result.quarantine.append(FileStat.of(file))
-                except OSError:
-                    continue
+    _scan_entries(result)
+    _judge_against_reference(result)
+    result.rows.sort(key=lambda r: (-r.last_used, r.name))
+    _scan_quarantine(result)
+    _scan_slot_files(result, names)
+    snapshots = path / SNAPSHOTS_DIR
+    if snapshots.is_dir() and not snapshots.is_symlink():
+        for name in _list(snapshots):
+            if not name.startswith(TRANSIENT_PREFIX) and (stat := FileStat.maybe(snapshots / name)):
+                result.client_files.append(stat)
+    _short_ids(result.rows)
+    result.lock = lock_state(path)
     return result
 
 
 def holds_caches(path: Path) -> bool:
-    """Whether a directory holds anything slotkeeper wrote (pairs, partials or quarantined files)."""
+    """Whether a directory is a save directory: the store's layout or lock, slot files, or quarantined files."""
+    if (path / ENTRIES_DIR).is_dir() or (path / LOCK_NAME).is_file():
+        return True
     try:
         names = os.listdir(path)
     except OSError:
         return False
-    if any(is_cache_name(name) for name in names):
+    if any(is_slot_name(n.split(".", 1)[0]) and n.split(".", 1)[-1] in SLOT_FILE_SUFFIXES for n in names):
         return True
     qdir = path / QUARANTINE_DIR
     return qdir.is_dir() and any((qdir / n).is_file() for n in os.listdir(qdir))
@@ -261,7 +519,7 @@ def cache_root(env: Mapping[str, str]) -> Path:
 
 
 def save_dirs_under(root: Path) -> list[Path]:
-    """The directories just below `root` that hold slotkeeper files (`demo`/`bench` hold only a model: skipped)."""
+    """The directories just below `root` that are save directories (`demo`/`bench` holding only a model: skipped)."""
     try:
         children = sorted(root.iterdir())
     except OSError:
@@ -277,7 +535,7 @@ def find_save_dirs(env: Mapping[str, str]) -> list[Path]:
 def resolve_dirs(given: Sequence[str], env: Mapping[str, str]) -> list[Path]:
     """The directories named on the command line (each must exist), or every default one.
 
-    A named directory that holds no slotkeeper files itself but has save directories below it (the cache root,
+    A named directory that is no save directory itself but has save directories below it (the cache root,
     typically) stands for those.
     """
     if not given:
@@ -359,13 +617,14 @@ def _flag_value(value: Any) -> str:
 
 
 def _model_difference(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
-    """Short on purpose: the model column names the saved model, the `match:` line the one in the arguments."""
-    if all(saved.get(k) == current.get(k) for k in MODEL_KEYS):
+    """As the store compares models (shareable: by content when its hash is known, so a moved or copied model
+    file is the same model). Short on purpose: the model column names the saved model, the `match:` line the
+    one in the arguments."""
+    saved_model, current_model = shareable(dict(saved)), shareable(dict(current))
+    if all(saved_model.get(k) == current_model.get(k) for k in MODEL_KEYS):
         return None
     if saved.get("model") == current.get("model"):
         return "model file changed"  # same path, other size or content
-    if saved.get("model") and Path(str(saved["model"])).name == Path(str(current.get("model"))).name:
-        return f"model path {saved['model']}"
     return "model differs"
 
 
@@ -417,104 +676,140 @@ def expectation_from_args(argv: Sequence[str], env: Mapping[str, str]) -> Expect
     )
 
 
+def match_differences(row: Row, expectation: Expectation) -> list[str]:
+    """Why `row` would not be used under those arguments; empty when it would (or, for a slot file, would be
+    after the next start takes it over)."""
+    if row.status not in COMPARABLE:
+        return [row.detail]
+    return expectation.differences(row.fingerprint)
+
+
 # ---- ls -------------------------------------------------------------------------------------------------------
 
 
-def entry_record(entry: CacheEntry, now: float, expectation: Expectation | None) -> dict[str, Any]:
-    """Everything known about one pair, for --json."""
-    status = entry.status
+def row_record(row: Row, now: float, expectation: Expectation | None) -> dict[str, Any]:
+    """Everything known about one row, for --json."""
+    entry = row.entry
     record: dict[str, Any] = {
-        "kind": "cache",
-        "dir": str(entry.directory),
-        "slot": entry.slot,
-        "status": status,
-        "bin": str(entry.bin.path) if entry.bin else None,
-        "manifest": str(entry.manifest_file.path) if entry.manifest_file else None,
-        "tokens": entry.tokens,
-        "bytes": (entry.manifest or {}).get("bytes"),
-        "bin_size": entry.bin.size if entry.bin else None,
-        "disk_bytes": entry.disk_bytes,
-        "saved_at": entry.saved_at,
-        "age_s": round(max(0.0, now - entry.saved_at), 1),
-        "save_ms": (entry.manifest or {}).get("save_ms"),
-        "manifest_version": (entry.manifest or {}).get("version"),
-        "model": entry.model,
-        "model_name": Path(entry.model).name if entry.model else None,
-        "fingerprint": entry.fingerprint or None,
+        "kind": row.kind,
+        "dir": str(row.directory),
+        "id": row.id,
+        "short": row.short,
+        "status": row.status,
+        "detail": row.detail,
+        "reason": row.reason or row.detail,
+        "tokens": row.tokens,
+        "bytes": entry.nbytes if entry else None,
+        "bin_size": row.bin.size if row.bin else None,
+        "disk_bytes": row.disk_bytes,
+        "saved_at": entry.saved_at if entry else None,
+        "last_used": row.last_used,
+        "age_s": round(max(0.0, now - row.last_used), 1),
+        "save_ms": entry.save_ms if entry else None,
+        "model": row.model,
+        "model_name": Path(row.model).name if row.model else None,
+        "fingerprint": (entry.fingerprint or None) if entry else None,
+        "format": {"seq_version": entry.seq_version, "layout": entry.layout} if entry else None,
+        "llama_server": (entry.server or None) if entry else None,
+        "bin": str(row.bin.path) if row.bin else None,
+        "manifest": str(row.manifest_file.path) if row.manifest_file else None,
     }
     if expectation is not None:
-        differences = [status] if status != STATUS_OK else expectation.differences(entry.fingerprint)
+        differences = match_differences(row, expectation)
         record["match"] = not differences
         record["differences"] = differences
     return record
 
 
-def file_record(kind: str, directory: Path, stat: FileStat, now: float) -> dict[str, Any]:
+def dir_record(save_dir: SaveDir) -> dict[str, Any]:
+    quarantined, slot_files = save_dir.of_kind(KIND_QUARANTINED), save_dir.of_kind(KIND_SLOT_FILE)
     return {
-        "kind": kind, "dir": str(directory), "path": str(stat.path), "name": stat.path.name, "size": stat.size,
-        "mtime": stat.mtime, "age_s": round(max(0.0, now - stat.mtime), 1),
+        "kind": "directory", "dir": str(save_dir.path),
+        "entries": len(save_dir.entries), "bytes": save_dir.entry_bytes,
+        "usable": sum(r.status == USABLE for r in save_dir.entries),
+        "reference": save_dir.reference.id if save_dir.reference else None,
+        "slot_files": len(slot_files), "slot_file_bytes": sum(r.disk_bytes for r in slot_files),
+        "quarantined": len(quarantined), "quarantine_bytes": sum(r.disk_bytes for r in quarantined),
+        "client_files": len(save_dir.client_files), "client_bytes": sum(f.size for f in save_dir.client_files),
+        "partials": len(save_dir.partials),
+        "in_use": save_dir.lock.held, "lock_pid": save_dir.lock.pid,
     }
 
 
 def json_records(dirs: Sequence[SaveDir], now: float, expectation: Expectation | None) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     for save_dir in dirs:
-        records += [entry_record(e, now, expectation) for e in save_dir.entries]
-        records += [file_record("partial", save_dir.path, f, now) for f in save_dir.partials]
-        records += [file_record("quarantine", save_dir.path, f, now) for f in save_dir.quarantine]
+        records.append(dir_record(save_dir))
+        records += [row_record(r, now, expectation) for r in save_dir.rows]
     return records
 
 
-def _count(n: int, word: str, plural: str | None = None) -> str:
-    return f"{n:,} {word if n == 1 else plural or word + 's'}"
-
-
-HEADERS = ("slot", "tokens", "size", "age", "model", "status", "match")
-RIGHT_ALIGNED = (0, 1, 2, 3)
+HEADERS = ("entry", "tokens", "size", "last used", "model", "status", "match")
+RIGHT_ALIGNED = (1, 2, 3)
 MODEL_COLUMN = 4
+BUDGETS = {"status": STATUS_COLUMN_BUDGET, "match": MATCH_COLUMN_BUDGET}
 
 
-def table_row(entry: CacheEntry, now: float, expectation: Expectation | None) -> list[str]:
-    status = entry.status
-    tokens = entry.tokens
-    size = entry.bin.size if entry.bin else (entry.manifest or {}).get("bytes")
-    row = [
-        str(entry.slot),
+def table_row(row: Row, now: float, expectation: Expectation | None) -> list[str]:
+    tokens = row.tokens
+    size = row.bin.size if row.bin else (row.entry.nbytes if row.entry else None)
+    cells = [
+        row.label_id,
         f"{tokens:,}" if tokens is not None else "-",
-        fmt_bytes(size) if isinstance(size, int) else "-",
-        format_age(now - entry.saved_at),
-        Path(entry.model).name if entry.model else "-",
-        status,
+        fmt_bytes(size) if size is not None else "-",
+        format_age(now - row.last_used) + " ago",
+        Path(row.model).name if row.model else "-",
+        row.detail,
     ]
     if expectation:
-        if status != STATUS_OK:
-            row.append("-")  # the status column says why it cannot be restored
+        if row.status not in COMPARABLE:
+            cells.append("-")  # the status column says why it is never used
         else:
-            differences = expectation.differences(entry.fingerprint)
-            row.append("no: " + differences[0] if differences else "yes")
-    return row
+            differences = expectation.differences(row.fingerprint)
+            cells.append("no: " + differences[0] if differences else "yes")
+    return cells
 
 
 def dir_summary(save_dir: SaveDir) -> str:
-    def counted(files: list[FileStat], word: str) -> str:
-        return _count(len(files), word) + (f" ({fmt_bytes(sum(f.size for f in files))})" if files else "")
+    def counted(rows: list[Row], word: str, plural: str) -> str:
+        return _count(len(rows), word, plural) + (f", {fmt_bytes(sum(r.disk_bytes for r in rows))}" if rows else "")
 
-    return (f"{_count(len(save_dir.entries), 'cache')}, {fmt_bytes(save_dir.cache_bytes)}; "
-            f"{counted(save_dir.partials, 'partial')}; quarantine: {counted(save_dir.quarantine, 'file')}")
+    entries = save_dir.entries
+    usable = sum(r.status == USABLE for r in entries)
+    parts = [f"{_count(len(entries), 'entry', 'entries')}, {fmt_bytes(save_dir.entry_bytes)}"
+             + (f" ({usable:,} usable)" if usable != len(entries) else "")]
+    slot_files = save_dir.of_kind(KIND_SLOT_FILE)
+    if slot_files:
+        parts.append(_count(len(slot_files), "slot file") + f" to take over, {fmt_bytes(sum(r.disk_bytes for r in slot_files))}")
+    parts.append("quarantine: " + counted(save_dir.of_kind(KIND_QUARANTINED), "entry", "entries"))
+    clients = save_dir.client_files
+    text = f"{SNAPSHOTS_DIR}/: {_count(len(clients), 'client file')}"
+    if clients:
+        text += f", {fmt_bytes(sum(f.size for f in clients))}"
+        if save_dir.clients_in_root:
+            text += f" ({save_dir.clients_in_root:,} still in the directory itself)"
+    parts.append(text)
+    if save_dir.partials:
+        parts.append(_count(len(save_dir.partials), "partial") + " (finished or removed at next start)")
+    if save_dir.lock.held:
+        parts.append(save_dir.lock.describe())
+    return "; ".join(parts)
 
 
 def render_listing(dirs: Sequence[SaveDir], now: float, expectation: Expectation | None) -> str:
     """One table per directory, all with the same columns, so the directories read as one listing."""
     headers = list(HEADERS if expectation else HEADERS[:-1])
-    tables = [[table_row(e, now, expectation) for e in d.entries] for d in dirs]
-    widths = column_widths(headers, [row for rows in tables for row in rows])
+    tables = [[table_row(r, now, expectation) for r in d.rows] for d in dirs]
+    rows_all = [row for rows in tables for row in rows]
+    widths = column_widths(headers, rows_all)
+
     # Keep lines within TABLE_WIDTH by shortening model names: first without `.gguf`, then from the middle. A
-    # long match text may still overflow (it is the last column) but does not squeeze the model column further.
+    # long status or match text may still overflow (they are the last columns) but does not squeeze the model
+    # column further.
     def overflow() -> int:
-        budget = [min(w, MATCH_COLUMN_BUDGET) if h == "match" else w for h, w in zip(headers, widths)]
+        budget = [min(w, BUDGETS[h]) if h in BUDGETS else w for h, w in zip(headers, widths)]
         return 2 + sum(budget) + 2 * (len(budget) - 1) - TABLE_WIDTH
 
-    rows_all = [row for rows in tables for row in rows]
     if overflow() > 0:
         for row in rows_all:
             row[MODEL_COLUMN] = row[MODEL_COLUMN].removesuffix(".gguf")
@@ -534,12 +829,14 @@ def render_listing(dirs: Sequence[SaveDir], now: float, expectation: Expectation
         if rows:
             lines += [format_row(row, widths, RIGHT_ALIGNED) for row in [headers, *rows]]
         else:
-            lines.append("  (no cache files)")
-        lines.append("  " + dir_summary(save_dir))
+            lines.append("  (no entries)")
+        lines += textwrap.wrap(dir_summary(save_dir), TABLE_WIDTH, initial_indent="  ", subsequent_indent="    ",
+                               break_long_words=False, break_on_hyphens=False)
     if len(dirs) > 1:
-        total = sum(d.cache_bytes for d in dirs)
-        caches = sum(len(d.entries) for d in dirs)
-        lines += ["", f"total: {_count(caches, 'cache')}, {fmt_bytes(total)} in {_count(len(dirs), 'directory', 'directories')}"]
+        total = sum(d.entry_bytes for d in dirs)
+        entries = sum(len(d.entries) for d in dirs)
+        lines += ["", f"total: {_count(entries, 'entry', 'entries')}, {fmt_bytes(total)} in "
+                  f"{_count(len(dirs), 'directory', 'directories')}"]
     return "\n".join(lines)
 
 
@@ -548,103 +845,105 @@ def render_listing(dirs: Sequence[SaveDir], now: float, expectation: Expectation
 
 @dataclass
 class Removal:
-    """One thing prune deletes: a cache pair or a quarantined pair, its files in deletion order (manifest first)."""
+    """One pair prune deletes (manifest first, then the .bin: store.remove_pair)."""
 
-    files: list[FileStat]
+    row: Row
     reason: str
     age: float
-    tokens: int | None = None
-    quarantined: bool = False
 
     @property
     def nbytes(self) -> int:
-        return sum(f.size for f in self.files)
+        return self.row.disk_bytes
 
     @property
     def label(self) -> str:
-        """`DIR/0.json + 0.bin`"""
-        first, *rest = self.files
-        return display_path(first.path) + "".join(f" + {f.path.name}" for f in rest)
+        row = self.row
+        where = display_path(row.directory)
+        if row.kind == KIND_SLOT_FILE:
+            return f"slot file {where}/{row.name}{BIN_SUFFIX}"
+        return f"{'quarantined entry' if row.kind == KIND_QUARANTINED else 'entry'} {row.short} in {where}"
 
 
-def quarantine_groups(save_dir: SaveDir) -> list[list[FileStat]]:
-    """Quarantined files grouped by pair (`<stamp>-<id>.bin` with `<stamp>-<id>.json`), manifest first."""
-    groups: dict[str, list[FileStat]] = {}
-    for stat in save_dir.quarantine:
-        name = stat.path.name
-        groups.setdefault(name.removesuffix(".json").removesuffix(".bin"), []).append(stat)
-    return [sorted(g, key=lambda f: not f.path.name.endswith(".json")) for _, g in sorted(groups.items())]
-
-
-def model_missing(entry: CacheEntry) -> bool:
-    """The manifest names a model file that existed when the pair was saved and is gone now."""
-    fp = entry.fingerprint
-    model = entry.model
+def model_missing(row: Row) -> bool:
+    """The manifest names a model file that existed when the entry was saved and is gone now."""
+    fp = row.fingerprint
+    model = row.model
     return bool(model and os.path.isabs(model) and "model_sha256" in fp and not os.path.exists(model))
 
 
 def plan_prune(
     dirs: Sequence[SaveDir], now: float, *, older_than: float | None = None, max_total: int | None = None,
-    quarantine: bool = False, missing_models: bool = False,
+    quarantine: bool = False, missing_models: bool = False, other_configs: bool = False,
+    expectation: Expectation | None = None,
 ) -> list[Removal]:
-    """What prune removes, in order. --max-total counts the pairs of all the given directories together."""
+    """What prune removes, in order. --max-total counts the entries (and slot files) of all `dirs` together and
+    removes the least recently used first."""
     removals: list[Removal] = []
-    kept: list[CacheEntry] = []
+    kept: list[Row] = []
     for save_dir in dirs:
-        for entry in save_dir.entries:
-            age = now - entry.saved_at
+        for row in save_dir.rows:
+            if row.kind == KIND_QUARANTINED:
+                continue
+            age = now - row.last_used
             reason = None
-            if missing_models and model_missing(entry):
-                reason = f"model gone: {entry.model}"
+            if missing_models and model_missing(row):
+                reason = f"model gone: {row.model}"
+            elif other_configs and expectation is not None and row.status in COMPARABLE and (
+                    differences := expectation.differences(row.fingerprint)):
+                reason = f"not for these llama-server arguments: {differences[0]}"
+            elif other_configs and expectation is None and row.status == OTHER_CONFIGURATION:
+                reason = row.reason
             elif older_than is not None and age > older_than:
-                reason = f"older than {format_age(older_than)}"
+                reason = f"unused for over {format_age(older_than)}"
             if reason:
-                removals.append(Removal(entry.files, reason, age, entry.tokens))
+                removals.append(Removal(row, reason, age))
             else:
-                kept.append(entry)
+                kept.append(row)
     if max_total is not None:
-        total = sum(e.disk_bytes for e in kept)
-        for entry in sorted(kept, key=lambda e: (e.saved_at, str(e.directory), e.slot)):
+        total = sum(r.disk_bytes for r in kept)
+        for row in sorted(kept, key=lambda r: (r.last_used, str(r.directory), r.name)):
             if total <= max_total:
                 break
-            total -= entry.disk_bytes
-            removals.append(Removal(entry.files, f"over --max-total {fmt_bytes(max_total)}", now - entry.saved_at,
-                                    entry.tokens))
+            total -= row.disk_bytes
+            removals.append(Removal(row, f"over --max-total {fmt_bytes(max_total)} (least recently used)",
+                                    now - row.last_used))
     if quarantine:
         for save_dir in dirs:
-            for group in quarantine_groups(save_dir):
-                age = now - max(f.mtime for f in group)
-                removals.append(Removal(group, "quarantined", age, quarantined=True))
+            for row in save_dir.of_kind(KIND_QUARANTINED):
+                removals.append(Removal(row, "quarantined", now - row.last_used))
     return removals
 
 
 def remove_files(removal: Removal) -> str | None:
-    """Delete a pair's files in order; None when done, else why it stopped.
+    """Delete a pair (store.remove_pair: the manifest first); None when done, else why it stopped.
 
-    A file that changed since the scan (a running slotkeeper saved that slot again) is kept. Stopping after the
-    manifest went leaves a .bin that is never restored without --restore-unverified.
+    A pair that changed since the scan (a running slotkeeper used it, under --force) is kept. Stopping after
+    the manifest went leaves a .bin that the next start removes (or, for a slot file, never takes over
+    without --restore-unverified).
     """
-    for stat in removal.files:
+    row = removal.row
+    for scanned, suffix in ((row.manifest_file, MANIFEST_SUFFIX), (row.bin, BIN_SUFFIX)):
+        path = row.folder / f"{row.name}{suffix}"
         try:
-            current = FileStat.of(stat.path)
+            current: FileStat | None = FileStat.of(path)
         except FileNotFoundError:
-            continue
+            current = None
         except OSError as exc:
-            return f"{stat.path.name}: {exc.strerror or exc}"
-        if current.identity != stat.identity:
-            return f"{stat.path.name} changed since it was listed (a running slotkeeper saved it?); kept"
-        try:
-            stat.path.unlink()
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            return f"{stat.path.name}: {exc.strerror or exc}"
+            return f"{path.name}: {exc.strerror or exc}"
+        if current is not None and (scanned is None or current.identity != scanned.identity):
+            return f"{path.name} changed since it was listed (a running slotkeeper used it?); kept"
+    try:
+        remove_pair(row.folder, row.name)
+    except OSError as exc:
+        name = Path(exc.filename).name if exc.filename else row.name
+        return f"{name}: {exc.strerror or exc}"
     return None
 
 
 def describe_removal(removal: Removal) -> str:
-    details = [f"{removal.tokens:,} tokens"] if removal.tokens is not None else []
-    details += [fmt_bytes(removal.nbytes), f"{format_age(removal.age)} old"]
+    tokens = removal.row.tokens
+    details = [f"{tokens:,} tokens"] if tokens is not None else []
+    details += [fmt_bytes(removal.nbytes), f"last used {format_age(removal.age)} ago"]
     return f"{removal.label} ({', '.join(details)}): {removal.reason}"
 
 
@@ -698,12 +997,14 @@ def ls_main(argv: list[str], env: Mapping[str, str] | None = None, now: float | 
     env = os.environ if env is None else env
     parser = _Parser(
         prog="slotkeeper ls",
-        description="List slot caches: one table per save directory. With llama-server arguments after --, "
-        "a match column tells whether each cache fits them (what is known without starting llama-server: "
-        "the model file, KV flags, and the slot count and context size when -np / -c are given).",
+        description="List the conversation store: one table per save directory, one row per entry (and per "
+        "quarantined entry, and per slot file a next start takes over). The status is judged against the "
+        "configuration of the directory's most recently used entry (the last run's). With llama-server "
+        "arguments after --, a match column tells whether each entry fits them (what is known without starting "
+        "llama-server: the model file, KV flags, and the slot count and context size when -np / -c are given).",
     )
     add_dirs_argument(parser, env)
-    parser.add_argument("--json", action="store_true", help="one JSON object per file, for scripts")
+    parser.add_argument("--json", action="store_true", help="one JSON object per directory and per row, for scripts")
     own, llama_argv = _split_dashdash(argv)
     parsed = _parse(parser, own)
     if isinstance(parsed, int):
@@ -718,69 +1019,120 @@ def ls_main(argv: list[str], env: Mapping[str, str] | None = None, now: float | 
     if parsed.json:
         say(json.dumps(json_records(dirs, now, expectation), indent=1))
     elif not dirs:
-        say(f"no slotkeeper caches under {display_path(cache_root(env))}")
+        say(f"no slotkeeper save directories under {display_path(cache_root(env))}")
     else:
         say(render_listing(dirs, now, expectation))
     return EXIT_OK
 
 
+def claim_dir(path: Path, dry_run: bool) -> tuple[int | None, LockState]:
+    """prune's hold on a directory: the store's own lock (layout.lock_store, non-blocking) for the time it
+    prunes, so no slotkeeper starts on it meanwhile. Only a directory that has a .lock is locked (nothing is
+    created in one that never had a slotkeeper of the store's layout); a dry run only looks."""
+    state = lock_state(path)
+    if dry_run or not state.exists or state.held:
+        return None, state
+    try:
+        return lock_store(path), state
+    except StoreLockedError as exc:  # a slotkeeper started since we looked
+        return None, LockState(True, True, _lock_pid(str(exc)))
+
+
 def prune_main(argv: list[str], env: Mapping[str, str] | None = None, now: float | None = None) -> int:
-    """`slotkeeper prune [DIR...] [--older-than 7d] [--max-total 20GB] [--quarantine] [--missing-models] [--dry-run]`."""
+    """`slotkeeper prune [DIR...] [--older-than 7d] [--max-total 20GB] [--quarantine] [--missing-models]
+    [--other-configs] [--force] [--dry-run] [-- LLAMA-SERVER ARGS]`."""
     env = os.environ if env is None else env
     parser = _Parser(
         prog="slotkeeper prune",
-        description="Delete slot caches (each .bin together with its .json manifest, the manifest first). "
-        "Only slotkeeper's files are touched: <id>.bin, <id>.json and quarantine/*; *.partial files are left "
-        "to the next slotkeeper start.",
+        description="Delete entries of the conversation store (each manifest, then its .bin), quarantined "
+        "entries, and slot files of the slot-file layout. snapshots/ (clients' own files) and partial files are "
+        "never touched, nor a directory a running slotkeeper holds (unless --force).",
     )
     add_dirs_argument(parser, env)
-    parser.add_argument("--older-than", metavar="AGE", help="remove pairs saved longer ago than AGE (30min, 12h, 7d, 2w)")
+    parser.add_argument("--older-than", metavar="AGE", help="remove entries last used longer ago than AGE (30min, 12h, 7d, 2w)")
     parser.add_argument("--max-total", metavar="SIZE",
-                        help="then remove the oldest pairs until the pairs of all DIRs take at most SIZE (500MB, 20GB)")
+                        help="then remove the least recently used entries until those of all DIRs take at most SIZE "
+                        "(500MB, 20GB)")
     parser.add_argument("--quarantine", action="store_true", help="remove everything in quarantine/")
     parser.add_argument("--missing-models", action="store_true",
-                        help="remove pairs whose manifest names a model file that no longer exists")
+                        help="remove entries whose manifest names a model file that no longer exists")
+    parser.add_argument("--other-configs", action="store_true",
+                        help="remove entries saved for another configuration: than the llama-server arguments after "
+                        "--, or without them, than the directory's most recently used entry (ls's status column)")
+    parser.add_argument("--force", action="store_true", help="prune a directory even while a slotkeeper uses it")
     parser.add_argument("--dry-run", action="store_true", help="only list what would be removed")
-    parsed = _parse(parser, list(argv))
+    own, llama_argv = _split_dashdash(argv)
+    parsed = _parse(parser, own)
     if isinstance(parsed, int):
         return parsed
     try:
-        if not (parsed.older_than or parsed.max_total or parsed.quarantine or parsed.missing_models):
-            raise CatalogError("nothing to prune: give --older-than, --max-total, --quarantine or --missing-models")
+        if not (parsed.older_than or parsed.max_total or parsed.quarantine or parsed.missing_models
+                or parsed.other_configs):
+            raise CatalogError("nothing to prune: give --older-than, --max-total, --quarantine, --missing-models "
+                               "or --other-configs")
+        if llama_argv is not None and not parsed.other_configs:
+            raise CatalogError("llama-server arguments after -- are only used with --other-configs")
         older_than = parse_duration(parsed.older_than) if parsed.older_than else None
         max_total = parse_size(parsed.max_total) if parsed.max_total else None
-        dirs = [scan_dir(d) for d in resolve_dirs(parsed.dirs, env)]
+        expectation = expectation_from_args(llama_argv, env) if llama_argv else None
+        paths = resolve_dirs(parsed.dirs, env)
     except CatalogError as exc:
         print(f"slotkeeper prune: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     now = time.time() if now is None else now
-    removals = plan_prune(dirs, now, older_than=older_than, max_total=max_total,
-                          quarantine=parsed.quarantine, missing_models=parsed.missing_models)
-    verb = "would remove" if parsed.dry_run else "removed"
-    pairs = quarantined = freed = 0
     failed = False
-    for removal in removals:
-        if not parsed.dry_run:
-            problem = remove_files(removal)
-            if problem:
+    held: list[int] = []
+    try:
+        dirs: list[SaveDir] = []
+        for path in paths:
+            fd, state = claim_dir(path, parsed.dry_run)
+            if fd is not None:
+                held.append(fd)
+            if state.held:
+                if not parsed.force:
+                    failed = True
+                    print(f"slotkeeper prune: skipped {display_path(path)}: {state.describe()} "
+                          "(--force prunes it anyway)", file=sys.stderr)
+                    continue
+                say(f"pruning {display_path(path)} although it is {state.describe()} (--force)")
+            try:
+                dirs.append(scan_dir(path))
+            except CatalogError as exc:
                 failed = True
-                print(f"slotkeeper prune: not removed: {removal.label}: {problem}", file=sys.stderr)
-                continue
-        say(f"{verb} {describe_removal(removal)}")
-        freed += removal.nbytes
-        if removal.quarantined:
-            quarantined += 1
-        else:
-            pairs += 1
+                print(f"slotkeeper prune: skipped {display_path(path)}: {exc}", file=sys.stderr)
+        removals = plan_prune(dirs, now, older_than=older_than, max_total=max_total, quarantine=parsed.quarantine,
+                              missing_models=parsed.missing_models, other_configs=parsed.other_configs,
+                              expectation=expectation)
+        verb = "would remove" if parsed.dry_run else "removed"
+        counts = {KIND_ENTRY: 0, KIND_SLOT_FILE: 0, KIND_QUARANTINED: 0}
+        freed = 0
+        for removal in removals:
+            if not parsed.dry_run:
+                problem = remove_files(removal)
+                if problem:
+                    failed = True
+                    print(f"slotkeeper prune: not removed: {removal.label}: {problem}", file=sys.stderr)
+                    continue
+            say(f"{verb} {describe_removal(removal)}")
+            freed += removal.nbytes
+            counts[removal.row.kind] += 1
+    finally:
+        for fd in held:
+            os.close(fd)
     if not removals:
         say("nothing to remove")
     else:
-        parts = [_count(pairs, "cache pair")] + ([_count(quarantined, "quarantined pair")] if quarantined else [])
-        say(f"{verb} {' and '.join(parts)}: {fmt_bytes(freed)}" + (" (dry run)" if parsed.dry_run else ""))
+        parts = [_count(counts[KIND_ENTRY], "entry", "entries")]
+        if counts[KIND_SLOT_FILE]:
+            parts.append(_count(counts[KIND_SLOT_FILE], "slot file"))
+        if counts[KIND_QUARANTINED]:
+            parts.append(_count(counts[KIND_QUARANTINED], "quarantined entry", "quarantined entries"))
+        listed = ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
+        say(f"{verb} {listed}: {fmt_bytes(freed)}" + (" (dry run)" if parsed.dry_run else ""))
     return EXIT_FAILED if failed else EXIT_OK
 
 
 __all__ = [
-    "CacheEntry", "CatalogError", "Expectation", "SaveDir", "expectation_from_args",
-    "find_save_dirs", "format_age", "ls_main", "parse_duration", "parse_size", "plan_prune", "prune_main", "scan_dir",
+    "CatalogError", "Expectation", "Row", "SaveDir", "expectation_from_args", "find_save_dirs", "format_age",
+    "ls_main", "parse_duration", "parse_size", "plan_prune", "prune_main", "scan_dir",
 ]

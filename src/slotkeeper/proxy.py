@@ -37,12 +37,12 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
-from urllib.parse import unquote
 
 import httptools
 
 from .llama_client import CONNECT_TIMEOUT_S
 from .log import log
+from .target import read_target
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from .supervisor import ChildEndpoint
@@ -212,15 +212,15 @@ class Request:
                 if named:
                     self.named = (self.named or set()) | named
 
-    def prepare(self, method: bytes) -> None:
-        """The child's request head (without framing), and the decoded path slotkeeper routes on."""
+    def prepare(self, method: bytes) -> str | None:
+        """The child's request head (without framing), and the path slotkeeper routes on, read from the target
+        as llama-server reads it (target.py); or why the request is refused. The child gets the target byte for
+        byte (an absolute-form one too: llama-server reads it as a path, which no route matches)."""
         self.method = method
-        target = self.target
-        if target[:1] != b"/" and target != b"*":  # absolute-form: the child wants origin-form
-            url = httptools.parse_url(target)
-            target = (url.path or b"/") + (b"?" + url.query if url.query else b"")
-        raw_path = target.partition(b"?")[0].decode("latin-1")
-        self.path = unquote(raw_path) if "%" in raw_path else raw_path
+        target = read_target(self.target)
+        if type(target) is str:
+            return target
+        self.path = target.path  # type: ignore[union-attr]
         forwarded = self.forwarded
         if self.named:  # drop the headers Connection named (rare): every header is 4 items
             forwarded = [item for i in range(0, len(forwarded), 4) if forwarded[i].lower() not in self.named
@@ -230,11 +230,23 @@ class Request:
         if self.chunked:
             self.length = None
         self.expect_continue = self.expect_continue and self.http11
-        self.head = b"".join((method, b" ", target, b" HTTP/1.1\r\n", *forwarded))
+        self.head = b"".join((method, b" ", self.target, b" HTTP/1.1\r\n", *forwarded))
+        return None
 
     @property
     def has_body(self) -> bool:
         return self.chunked or self.length is not None
+
+
+class _Refused(Exception):
+    """Raised from a parser callback to stop llhttp at once (it would go on parsing the bytes it has)."""
+
+    def __init__(self, reply: Reply | None) -> None:
+        self.reply = reply  # the answer for the client; None: none (the connection is closing anyway)
+
+
+def bad_request(reason: str) -> Reply:
+    return error_reply(400, f"bad request: {reason}", "invalid_request_error")
 
 
 # ---- the public side: one client connection -------------------------------------------------------------------
@@ -295,11 +307,15 @@ class ClientConnection(asyncio.Protocol):
                 self.close()
         except httptools.HttpParserError as exc:
             cause = exc.__context__
+            if isinstance(cause, _Refused):
+                if cause.reply is not None:
+                    self._refuse_malformed(cause.reply)
+                return
             if cause is not None and not isinstance(cause, httptools.HttpParserError):
                 log.error("proxy error on a client connection: %r", cause)
                 self.abort()
                 return
-            self._refuse_malformed(error_reply(400, f"bad request: {exc}", "invalid_request_error"))
+            self._refuse_malformed(bad_request(str(exc)))
 
     def eof_received(self) -> bool:
         # A client that half-closes after its request still waits for the answer; then the connection closes.
@@ -334,6 +350,8 @@ class ClientConnection(asyncio.Protocol):
     # ---- httptools callbacks ----
 
     def on_message_begin(self) -> None:
+        if self._reading_done:  # closing (a request ended it): llhttp would go on with the bytes it has
+            raise _Refused(None)
         self.incoming = Request()
         self._in_head = True
         self._head_bytes = 0
@@ -358,7 +376,9 @@ class ClientConnection(asyncio.Protocol):
             req.http11 = False
         if not parser.should_keep_alive():
             req.keep_alive = False
-        req.prepare(parser.get_method())
+        refused = req.prepare(parser.get_method())
+        if refused is not None:
+            raise _Refused(bad_request(refused))
         if self.active is None:
             self.begin(req)
         else:
@@ -402,8 +422,10 @@ class ClientConnection(asyncio.Protocol):
         self.active = req
         proxy = self.proxy
         path = req.path
-        if proxy.accepting and proxy.gate.is_open and not path.startswith(OWN_PREFIX):
+        if proxy.accepting and proxy.gate.is_open and not path.startswith(OWN_PREFIX) and req.reply is None:
             self.dispatch(req)
+        elif req.reply is not None:  # refused before its turn (malformed input)
+            self.reply(req, req.reply)
         elif path.startswith(OWN_PREFIX):
             route = proxy.own_routes.get(path)
             if route is None:
@@ -513,11 +535,49 @@ class ClientConnection(asyncio.Protocol):
         self._end(req, reply.status)
 
     def _refuse_malformed(self, reply: Reply) -> None:
-        """Bytes that are no request: a 400 (or 431) if no answer is under way, then the connection closes."""
-        self._reading_done = self._close_after = True
+        """Bytes that are no request we forward: after the answers to the requests before them, a 400 (or 431),
+        then the connection closes; nothing after them is read. A request whose body they cut never reaches the
+        child whole."""
+        self._reading_done = True
+        req = self.incoming
+        if req is not None and req.complete:
+            if not req.keep_alive:  # after the client's last request (Connection: close): nothing to answer
+                if self.active is None:
+                    self.close()
+                return
+        elif req is not None and req is self.active:
+            self._cut(req, reply)
+            return
+        elif req is not None and req in self.waiting:
+            self.waiting.remove(req)
+        refusal = Request()
+        refusal.complete = True
+        refusal.keep_alive = False
+        refusal.reply = reply
         if self.active is None:
-            self.send(reply.encode(close=True))
-            self.close()
+            self.begin(refusal)
+        else:
+            self.waiting.append(refusal)
+
+    def _cut(self, req: Request, reply: Reply) -> None:
+        """The active request's body turned out malformed: what the child got of it is cut off (llama-server
+        drops a request whose body ends early); the client gets `reply`, or a cut answer if one is under way."""
+        if self.task is not None:  # waiting for the gate or a connection to the child
+            self.task.cancel()
+            self.task = None
+        child, self.child = self.child, None
+        req.child = None
+        if child is not None:
+            child.client = None
+            child.abort()
+        req.complete = True
+        req.keep_alive = False
+        if self._head_sent:
+            self._close_after = True
+            self._end(req, self._status)
+            self.abort()
+        else:
+            self.reply(req, reply)
 
     # ---- the exchange with the child ----
 
@@ -686,13 +746,15 @@ class ClientConnection(asyncio.Protocol):
             self.close()
 
     def close(self) -> None:
-        """Close after what is written (and what the open batch will write)."""
+        """Close after what is written (and what the open batch will write); nothing more is read."""
+        self._reading_done = True
         if self._out is not None:
             self._close_requested = True
         elif self.transport is not None:
             self.transport.close()
 
     def abort(self) -> None:
+        self._reading_done = True
         if self.transport is not None:
             self.transport.abort()
 

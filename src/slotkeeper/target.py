@@ -1,0 +1,149 @@
+"""A request target read the way llama-server reads it, so slotkeeper routes on what llama-server will route on.
+
+slotkeeper decides per request whether to answer it itself (``/slotkeeper/``, ``/health`` while restoring),
+make it wait, or hand its body to the completion hook. If slotkeeper and llama-server read one target two
+ways, a request can get past those rules (``/v1/chat%2Fcompletions`` is a chat completion to llama-server).
+So this follows llama-server b11434's HTTP layer, cpp-httplib (``vendor/cpp-httplib/httplib.cpp``), not
+urllib:
+
+* ``Server::parse_request_line``: everything from the first ``#`` on is dropped, the rest is split at its
+  first ``?`` into path and query.
+* ``decode_path_component``: in the path, ``%XX`` (hex of either case) is one byte, ``%uXXXX`` is that code
+  point in UTF-8 (nothing at all for D800-DFFF), any other ``%`` stays; ``+`` stays. Nothing else is
+  normalized: dot segments, repeated or trailing slashes and case all stay, and an absolute-form target
+  (``http://host/completion``) is a path as it stands, which no route matches.
+* Routes match the decoded path exactly (``PathParamsMatcher``; ``/slots/:id_slot`` takes one segment, a
+  trailing ``/`` allowed).
+* ``parse_query_text``: the query is split at every ``&`` (empty pieces dropped), each piece at its first
+  ``=`` (no ``=``: an empty value; an empty raw name: dropped); ``decode_query_component`` decodes names and
+  values: ``%XX`` a byte (an incomplete or non-hex one stays), ``+`` a space.
+* ``server-http.cpp``'s ``get_params``: ``req.get_param(name)`` is the *last* value given for a name, and a
+  path parameter (``id_slot``) overrides a query parameter of that name, after a second ``%XX`` decoding.
+
+Where matching costs more than refusing, slotkeeper refuses (the proxy answers 400 and closes):
+
+* a fragment: no HTTP client sends one (RFC 9112 has none in a request target), so ``/slots/0?action=save#x``
+  can only be someone probing how the two sides read it;
+* a ``%`` in the path that is not a ``%XX`` escape: ``%uXXXX`` (an IIS-era encoding nobody else decodes) and
+  stray ``%`` (invalid in RFC 3986). These are the cpp-httplib-specific parts of path decoding; refusing them
+  leaves plain ``%XX``, which every version decodes alike;
+* a ``%00`` in the path: a NUL byte in a path that C code will handle.
+
+The query is matched exactly instead (it does not decide slotkeeper's routing, and sloppy escapes in query
+values do occur). Bytes become ``str`` as Latin-1, one character per byte, so comparing a decoded path with
+``"/v1/completions"`` is comparing bytes.
+"""
+
+from __future__ import annotations
+
+import re
+
+FRAGMENT = b"#"
+SLOTS_ROUTE = "/slots/"  # llama-server's POST /slots/:id_slot
+INT_MIN, INT_MAX = -(2**31), 2**31 - 1  # std::stoi's range (a 32-bit int)
+
+_ESCAPE = re.compile(rb"%([0-9A-Fa-f]{2})")
+_BAD_PATH_ESCAPE = re.compile(rb"%(?![0-9A-Fa-f]{2})")
+_ESCAPE_STR = re.compile(r"%([0-9A-Fa-f]{2})")
+# std::stoi -> strtol(base 10): C-locale white space, a sign, digits; whatever follows is ignored
+_STOI = re.compile(r"[ \t\n\v\f\r]*([+-]?[0-9]+)")
+
+REFUSED_FRAGMENT = "a fragment ('#') in the request target"
+REFUSED_ESCAPE = "a '%' in the path that is not a %XX escape"
+REFUSED_NUL = "a NUL byte (%00) in the path"
+
+
+def _byte(match: re.Match[bytes]) -> bytes:
+    return bytes((int(match.group(1), 16),))
+
+
+def _char(match: re.Match[str]) -> str:
+    return chr(int(match.group(1), 16))
+
+
+class Target:
+    """A request target as llama-server reads it: the decoded path it routes on, and the raw query."""
+
+    __slots__ = ("path", "query")
+
+    def __init__(self, path: str, query: bytes) -> None:
+        self.path = path  # percent-decoded, one character per byte (Latin-1)
+        self.query = query  # after the first '?', undecoded
+
+    @property
+    def params(self) -> dict[str, str]:
+        """What llama-server's ``req.get_param(name)`` returns for each query parameter (the last one given)."""
+        return read_params(self.query)
+
+    def __repr__(self) -> str:
+        return f"Target({self.path!r}, {self.query!r})"
+
+
+def read_target(raw: bytes) -> Target | str:
+    """The target of a request line, as llama-server reads it; or why slotkeeper refuses it (a str)."""
+    if FRAGMENT in raw:
+        return REFUSED_FRAGMENT
+    path, _, query = raw.partition(b"?")
+    if b"%" not in path:  # the common case: nothing to decode
+        return Target(path.decode("latin-1"), query)
+    if _BAD_PATH_ESCAPE.search(path):
+        return REFUSED_ESCAPE
+    decoded = _ESCAPE.sub(_byte, path)
+    if b"\0" in decoded:
+        return REFUSED_NUL
+    return Target(decoded.decode("latin-1"), query)
+
+
+def _query_component(raw: bytes) -> str:
+    """cpp-httplib's decode_query_component: '+' is a space, %XX a byte (raw '+' first: %2B stays '+')."""
+    return _ESCAPE.sub(_byte, raw.replace(b"+", b" ")).decode("latin-1")
+
+
+def read_params(query: bytes) -> dict[str, str]:
+    """A query's parameters as llama-server's handlers see them: decoded, the last value of a name winning."""
+    params: dict[str, str] = {}
+    for piece in query.split(b"&"):
+        piece = piece.strip(b" \t")  # cpp-httplib's split() trims each piece
+        name, _, value = piece.partition(b"=")
+        if name:
+            params[_query_component(name)] = _query_component(value)
+    return params
+
+
+class SlotRequest:
+    """What llama-server reads from ``POST /slots/:id_slot?action=...``."""
+
+    __slots__ = ("slot", "action")
+
+    def __init__(self, slot: int | None, action: str) -> None:
+        self.slot = slot  # None: llama-server answers "Invalid slot ID"
+        self.action = action  # "save", "restore" and "erase" are actions; anything else is "Invalid action"
+
+    def index(self, n_slots: int) -> int | None:
+        """The slot llama-server acts on: it wraps the id as an unsigned number (-1 is the last of 2^64)."""
+        return None if self.slot is None else (self.slot % 2**64) % n_slots
+
+    def __repr__(self) -> str:
+        return f"SlotRequest({self.slot!r}, {self.action!r})"
+
+
+def c_stoi(text: str) -> int | None:
+    """std::stoi of a C string: None where it throws (no digits, or outside a 32-bit int)."""
+    match = _STOI.match(text.partition("\0")[0])
+    if match is None:
+        return None
+    value = int(match.group(1))
+    return value if INT_MIN <= value <= INT_MAX else None
+
+
+def slot_request(target: Target) -> SlotRequest | None:
+    """The slot and action llama-server reads from a POST to this target; None when it is not /slots/:id_slot."""
+    path = target.path
+    if not path.startswith(SLOTS_ROUTE):
+        return None
+    segment, _, rest = path[len(SLOTS_ROUTE):].partition("/")
+    if rest:  # the route's one segment, then at most a trailing '/'
+        return None
+    params = target.params
+    params["id_slot"] = _ESCAPE_STR.sub(_char, segment)  # the path parameter wins, decoded once more
+    return SlotRequest(c_stoi(params["id_slot"]), params.get("action", ""))

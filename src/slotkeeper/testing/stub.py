@@ -57,17 +57,20 @@ Fault knobs (environment variables, all optional):
 ``STUB_IGNORE_SIGTERM``        ignore SIGTERM from the start (only SIGKILL stops the stub)
 ``STUB_TOKEN_SECONDS``         delay before each generated token, default 0
 ``STUB_BYTES_PER_TOKEN``       padding bytes per token in slot files, default 64
+``STUB_STATE_VERSION``         the seq-state format version it writes and reads, default 4 (an upgrade)
 ``STUB_CHATTY``                print N extra long lines at start (pass-through tests)
 ``STUB_CHATTY_BYTES``          length of each chatty line, default 100000
 ``STUB_CHATTY_STREAM``         ``stderr`` (default) or ``stdout`` for the chatty lines
 ``STUB_LOG``                   append one JSON line per event to this file (see :class:`EventLog`)
 =============================  ========================================================================
 
-Slot file format (:func:`encode_slot_file`): the 8 bytes ``STUBKV01``, one JSON header line
-``{"n_tokens": N, "model": "<-m value>", "bytes_per_token": P}\\n``, N little-endian int32 tokens, then
-N*P padding bytes. A restore refuses a file with another magic, a header that does not parse, a size other
-than the header implies (a truncated save) or another model, with 400 "Unable to restore slot: No available
-space in KV cache or invalid slot save file".
+Slot file format (:func:`encode_slot_file`): llama.cpp's seq-state header (``ggsq`` magic, the format
+version, a word count) and b11434's packed tokens (NULL marker, payload version 1, N, the N tokens, 0 media
+chunks) as little-endian 32-bit words, then the stub's "state": a JSON line ``{"model": "<-m value>",
+"bytes_per_token": P}\\n`` and N*P padding bytes. A restore refuses a file with another magic or format
+version, a payload or header that does not parse, a size other than the header implies (a truncated save)
+or another model, with 400 "Unable to restore slot: No available space in KV cache or invalid slot save
+file".
 """
 
 from __future__ import annotations
@@ -90,7 +93,8 @@ from typing import Any
 
 from aiohttp import web
 
-MAGIC = b"STUBKV01"
+SEQ_MAGIC = 0x67677371  # llama.cpp's 'ggsq'
+SEQ_VERSION = 4  # LLAMA_STATE_SEQ_VERSION in b11434 (STUB_STATE_VERSION changes it)
 BUILD_INFO = "stub"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -163,39 +167,44 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def encode_slot_file(tokens: Sequence[int], model: str, bytes_per_token: int = 64) -> bytes:
-    """The bytes a save writes: magic, JSON header line, int32 LE tokens, padding (see module docstring)."""
-    header = json.dumps({"n_tokens": len(tokens), "model": model, "bytes_per_token": bytes_per_token})
-    body = struct.pack(f"<{len(tokens)}i", *tokens)
-    return MAGIC + header.encode("utf-8") + b"\n" + body + b"\x5a" * (bytes_per_token * len(tokens))
+def encode_slot_file(tokens: Sequence[int], model: str, bytes_per_token: int = 64,
+                     version: int = SEQ_VERSION) -> bytes:
+    """The bytes a save writes: llama.cpp's seq-state header and b11434's packed tokens, then the "state"
+    (a JSON line naming the model, and padding); see the module docstring."""
+    packed = [-1, 1, len(tokens), *tokens, 0]  # LLAMA_TOKEN_NULL, payload version 1, n, tokens, no media
+    head = struct.pack("<III", SEQ_MAGIC, version, len(packed)) + struct.pack(f"<{len(packed)}i", *packed)
+    state = json.dumps({"model": model, "bytes_per_token": bytes_per_token}).encode("utf-8") + b"\n"
+    return head + state + b"\x5a" * (bytes_per_token * len(tokens))
 
 
 class SlotFileError(Exception):
     """A slot file a restore must refuse; the message is what follows "Unable to restore slot: "."""
 
 
-def decode_slot_file(data: bytes, model: str | None = None) -> list[int]:
-    """The tokens of a slot file; raises :class:`SlotFileError` for a foreign, truncated or other-model file."""
-    if not data.startswith(MAGIC):
+def decode_slot_file(data: bytes, model: str | None = None, version: int = SEQ_VERSION) -> list[int]:
+    """The tokens of a slot file; raises :class:`SlotFileError` for a foreign, truncated, other-format or
+    other-model file (llama-server's misleading message for all of them)."""
+    if len(data) < 12:
         raise SlotFileError(RESTORE_INVALID)
-    end = data.find(b"\n", len(MAGIC))
-    if end < 0:
+    magic, file_version, count = struct.unpack_from("<III", data)
+    if magic != SEQ_MAGIC or file_version != version or len(data) < 12 + 4 * count or count < 4:
         raise SlotFileError(RESTORE_INVALID)
+    packed = struct.unpack_from(f"<{count}i", data, 12)
+    n_tokens = packed[2]
+    if packed[0] != -1 or packed[1] != 1 or count != n_tokens + 4:
+        raise SlotFileError(RESTORE_INVALID)
+    start = 12 + 4 * count
+    end = data.find(b"\n", start)
     try:
-        header = json.loads(data[len(MAGIC):end])
-        n_tokens = header["n_tokens"]
-        pad = header["bytes_per_token"]
-        file_model = header["model"]
+        header = json.loads(data[start:end])
+        pad, file_model = header["bytes_per_token"], header["model"]
     except (ValueError, KeyError, TypeError) as exc:
         raise SlotFileError(RESTORE_INVALID) from exc
-    if not (isinstance(n_tokens, int) and isinstance(pad, int) and n_tokens >= 0 and pad >= 0):
-        raise SlotFileError(RESTORE_INVALID)
-    start = end + 1
-    if len(data) != start + n_tokens * (4 + pad):
+    if end < 0 or not isinstance(pad, int) or len(data) != end + 1 + n_tokens * pad:
         raise SlotFileError(RESTORE_INVALID)
     if model is not None and file_model != model:
         raise SlotFileError(RESTORE_INVALID)
-    return list(struct.unpack_from(f"<{n_tokens}i", data, start))
+    return list(packed[3 : 3 + n_tokens])
 
 
 _C_STOI = re.compile(r"[ \t\n\v\f\r]*([+-]?[0-9]+)")
@@ -466,6 +475,7 @@ class Knobs:
     ignore_sigterm: bool = False
     token_seconds: float = 0.0
     bytes_per_token: int = 64
+    state_version: int = SEQ_VERSION
     chatty: int = 0
     chatty_bytes: int = 100_000
     chatty_stream: str = "stderr"
@@ -490,6 +500,7 @@ class Knobs:
             ignore_sigterm=_env_flag(env, "STUB_IGNORE_SIGTERM"),
             token_seconds=_env_float(env, "STUB_TOKEN_SECONDS", 0.0),
             bytes_per_token=64 if bytes_per_token is None else bytes_per_token,
+            state_version=_env_int(env, "STUB_STATE_VERSION") or SEQ_VERSION,
             chatty=_env_int(env, "STUB_CHATTY") or 0,
             chatty_bytes=100_000 if chatty_bytes is None else chatty_bytes,
             chatty_stream=env.get("STUB_CHATTY_STREAM", "stderr").strip() or "stderr",
@@ -796,6 +807,7 @@ class StubServer:
         r.add_post("/chat/completions", self.post_chat)
         r.add_post("/v1/chat/completions", self.post_chat)
         r.add_post("/tokenize", self.post_tokenize)
+        r.add_post("/apply-template", self.post_apply_template)
         r.add_post("/detokenize", self.post_detokenize)
         app.on_response_prepare.append(self._default_headers)
         return app
@@ -907,6 +919,13 @@ class StubServer:
                 f"# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 0\n")
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
+    async def post_apply_template(self, request: web.Request) -> web.Response:
+        body = await self._read_json(request)
+        messages = _require(body, "messages")
+        if not isinstance(messages, list):
+            raise RequestError("Expected 'messages' to be an array")
+        return json_response({"prompt": chat_prompt(messages)})
+
     async def post_tokenize(self, request: web.Request) -> web.Response:
         body = await self._read_json(request)
         tokens: list[Any] = []
@@ -984,7 +1003,7 @@ class StubServer:
                 self.log.write("save", request, id_slot=id_slot, slot=slot.id, filename=filename, ok=False)
                 raise RequestError("Unable to save slot", "server_error")
             tokens = [] if self.knobs.save_zero else list(slot.tokens)
-            data = encode_slot_file(tokens, self.args.model, self.knobs.bytes_per_token)
+            data = encode_slot_file(tokens, self.args.model, self.knobs.bytes_per_token, self.knobs.state_version)
             try:
                 with open(path, "wb") as f:  # noqa: ASYNC230  (blocking, as llama-server's task loop)
                     half = len(data) // 2
@@ -1023,7 +1042,7 @@ class StubServer:
                         data = f.read()
                 except OSError:
                     raise SlotFileError(RESTORE_INVALID) from None
-                tokens = decode_slot_file(data, self.args.model)
+                tokens = decode_slot_file(data, self.args.model, self.knobs.state_version)
                 if len(tokens) > slot.n_ctx:
                     raise SlotFileError("Restored prompt does not fit in the slot context")
                 if any(not 0 <= t < 256 for t in tokens):

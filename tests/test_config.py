@@ -36,7 +36,11 @@ def test_6_argument_forms(tmp_path, argv):
     assert any(a in ("-np", "--parallel") for a in config.child_args)
     assert "--no-cache-idle-slots" in config.child_args
     command = plan_launch(argv, env_for(tmp_path)).child_command(["--host", "/x.sock"])
-    assert command[0] == sys.executable and command[-2:] == ["--slot-save-path", str(config.save_dir)]
+    # the child saves into snapshots/ (clients' names and slotkeeper's transient ones); the store's entries/
+    # beside it are out of any request's reach
+    assert command[0] == sys.executable
+    assert command[-2:] == ["--slot-save-path", str(config.save_dir / "snapshots")]
+    assert (config.save_dir / "snapshots").is_dir() and (config.save_dir / "entries").is_dir()
 
 
 def test_6_env_forms(tmp_path):

@@ -5,15 +5,19 @@ Scenarios are numbered as in issue 2; each drives a real slotkeeper process in i
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
 import time
 
+from store_helpers import (assert_entry_sound, bins_snapshot, entry_files, entry_ids, only_entry, only_files_of,
+                           read_manifest, restored, saved, transients)
+
 from slotkeeper.testing.harness import pid_alive, read_events, stream_lines, wait_until
 
-PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
+# 360 bytes: the stub's tokens are bytes, and prompts under --min-save-tokens (256) are not saved
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 8
+OTHER = "Something else entirely, to make slot 0 hold another conversation. " * 6
 
 
 def complete(sk, prompt: str = PROMPT, **kw):
@@ -34,13 +38,15 @@ def save_requested(sk) -> bool:
                and "save" in e.get("query", "") for e in read_events(sk.extra["events"]))
 
 
-def seed_cache(stub_slotkeeper) -> None:
-    """One run that converses and stops, leaving slot 0's cache on disk."""
+def seed_cache(stub_slotkeeper) -> str:
+    """One run that converses and stops, leaving slot 0's conversation in the store. Returns its entry id."""
     sk = stub_slotkeeper("-np", "2")
     complete(sk, id_slot=0)
     sk.killpg(signal.SIGTERM)
     assert sk.wait() == 0, sk.logs()
-    assert (sk.extra["save_dir"] / "0.bin").is_file(), sk.logs()
+    entry = only_entry(sk.extra["save_dir"])
+    assert_entry_sound(sk.extra["save_dir"], entry)
+    return entry
 
 
 def test_1_request_before_ready_waits_for_restore(stub_slotkeeper):
@@ -69,14 +75,18 @@ def test_2a_group_sigterm_saves_before_child_stops(stub_slotkeeper):
     kinds = [e["event"] for e in events]
     assert "save" in kinds and "term" in kinds, kinds
     assert kinds.index("save") < kinds.index("term"), "the child was stopped before the save"
-    assert "slot 0 saved:" in sk.logs()
-    manifest = json.loads((sk.extra["save_dir"] / "0.json").read_text())
-    assert manifest["bytes"] == (sk.extra["save_dir"] / "0.bin").stat().st_size
+    entry = only_entry(sk.extra["save_dir"])
+    assert saved(sk.logs()) == [(entry[:4], 0, "at stop")], sk.logs()
+    manifest = read_manifest(sk.extra["save_dir"], entry)
+    assert manifest["bytes"] == (sk.extra["save_dir"] / "entries" / f"{entry}.bin").stat().st_size
+    assert_entry_sound(sk.extra["save_dir"], entry)
 
 
 def test_2b_group_sigkill_during_slow_save_leaves_no_child(stub_slotkeeper):
-    """2. SIGKILL of slotkeeper's group during a slow save: no child process remains."""
+    """2. SIGKILL of slotkeeper's group during a slow save: no child process remains, and the half-written
+    file never becomes an entry (the next start removes it and restores nothing)."""
     sk = stub_slotkeeper(stub={"STUB_SAVE_SECONDS": "5"})
+    save_dir = sk.extra["save_dir"]
     complete(sk, id_slot=0)
     pid = child_pid(sk)
     sk.killpg(signal.SIGTERM)
@@ -84,15 +94,18 @@ def test_2b_group_sigkill_during_slow_save_leaves_no_child(stub_slotkeeper):
     sk.killpg(signal.SIGKILL)
     sk.wait()
     assert wait_until(lambda: not pid_alive(pid), 5), "llama-server outlived slotkeeper"
-    assert not (sk.extra["save_dir"] / "0.bin").exists(), "a half-written save was put in place"
+    assert not entry_files(save_dir), "a half-written save was put in place"
+    sk2 = stub_slotkeeper()
+    assert not restored(sk2.logs()) and not transients(save_dir), sk2.logs()
+    assert not entry_ids(save_dir)
 
 
 def test_3a_second_signal_skips_the_save(stub_slotkeeper):
-    """3. A second SIGTERM during a slow save abandons it: prompt non-zero exit, previous file intact."""
-    seed_cache(stub_slotkeeper)
+    """3. A second SIGTERM during a slow save abandons it: prompt non-zero exit, previous entry intact."""
+    entry = seed_cache(stub_slotkeeper)
     sk = stub_slotkeeper("-np", "2", stub={"STUB_SAVE_SECONDS": "10"})
-    old = (sk.extra["save_dir"] / "0.bin").read_bytes()
-    complete(sk, prompt="something else entirely, to make slot 0 dirty", id_slot=0)
+    old = bins_snapshot(sk.extra["save_dir"])
+    complete(sk, prompt=OTHER, id_slot=0)
     sk.killpg(signal.SIGTERM)
     assert wait_until(lambda: save_requested(sk), 10), sk.logs()
     started = time.monotonic()
@@ -100,7 +113,8 @@ def test_3a_second_signal_skips_the_save(stub_slotkeeper):
     code = sk.wait(5)
     assert code != 0
     assert time.monotonic() - started < 2.0
-    assert (sk.extra["save_dir"] / "0.bin").read_bytes() == old
+    assert bins_snapshot(sk.extra["save_dir"]) == old and only_files_of(sk.extra["save_dir"], entry)
+    assert_entry_sound(sk.extra["save_dir"], entry)
 
 
 def test_3b_signal_while_loading_exits_promptly(stub_slotkeeper):
@@ -142,23 +156,30 @@ def test_5_api_key_restore_and_save(stub_slotkeeper):
     assert sk.call("POST", "/completion", {"prompt": PROMPT, "n_predict": 4, "id_slot": 0}, headers=auth).status == 200
     sk.killpg(signal.SIGTERM)
     assert sk.wait() == 0
-    assert "slot 0 saved:" in sk.logs()
+    entry = only_entry(sk.extra["save_dir"])
+    assert saved(sk.logs()) == [(entry[:4], 0, "at stop")], sk.logs()
     sk2 = stub_slotkeeper("--api-key", "s3cret")
-    assert "slot 0 restored:" in sk2.logs()
+    assert restored(sk2.logs()) == [(entry[:4], 0)], sk2.logs()
     body = sk2.call("POST", "/completion", {"prompt": PROMPT, "n_predict": 4, "id_slot": 0}, headers=auth).body
     assert body["timings"]["cache_n"] > 0
 
 
 def test_7_zero_token_save_never_replaces_a_good_file(stub_slotkeeper):
-    """7. A save that returns n_saved == 0 leaves the existing file and manifest untouched."""
-    seed_cache(stub_slotkeeper)
+    """7. A save that returns n_saved == 0 leaves the existing entry untouched and adds no empty entry."""
+    entry = seed_cache(stub_slotkeeper)
     sk = stub_slotkeeper("-np", "2", stub={"STUB_SAVE_ZERO": "1"})
-    good = (sk.extra["save_dir"] / "0.bin").read_bytes()
-    complete(sk, prompt="a different conversation", id_slot=0)
+    save_dir = sk.extra["save_dir"]
+    good = bins_snapshot(save_dir)
+    manifest = read_manifest(save_dir, entry)
+    complete(sk, prompt=OTHER, id_slot=0)  # slot 0 held the good entry's conversation
     sk.killpg(signal.SIGTERM)
     assert sk.wait() == 0
-    assert (sk.extra["save_dir"] / "0.bin").read_bytes() == good
-    assert "nothing to save (0 tokens)" in sk.logs()
+    assert "saved 0 of 1 changed slot(s)" in sk.logs(), sk.logs()
+    assert only_files_of(save_dir, entry) and bins_snapshot(save_dir) == good
+    assert not transients(save_dir)
+    assert_entry_sound(save_dir, entry)
+    unchanged = {k: v for k, v in manifest.items() if k != "last_used"}  # a restore records its last use
+    assert {k: v for k, v in read_manifest(save_dir, entry).items() if k != "last_used"} == unchanged
 
 
 def test_8_sse_chunks_arrive_incrementally(stub_slotkeeper):
@@ -187,31 +208,40 @@ def test_child_ignoring_sigterm_is_killed_after_stop_timeout(stub_slotkeeper):
     assert sk.wait(10) == 0
     assert time.monotonic() - started < 2.0
     assert "did not exit 0.5 s after SIGTERM; sending SIGKILL" in sk.logs()
-    assert "slot 0 saved:" in sk.logs()
+    assert saved(sk.logs()) == [(only_entry(sk.extra["save_dir"])[:4], 0, "at stop")], sk.logs()
     assert wait_until(lambda: not pid_alive(pid), 2)
 
 
 def test_no_slots_endpoint_still_saves(stub_slotkeeper):
-    """With --no-slots, slotkeeper cannot see which slots hold tokens: it tries each; empty ones are skipped."""
-    sk = stub_slotkeeper("-np", "2", "--no-slots")
+    """With placement off (llama-server chooses the slots) and --no-slots, slotkeeper cannot see which slots
+    hold tokens: it tries each; empty ones are skipped (no empty entry)."""
+    sk = stub_slotkeeper("-np", "2", "--no-slots", own=("--no-placement",))
     complete(sk, id_slot=1)
     sk.killpg(signal.SIGTERM)
     assert sk.wait() == 0
-    assert "slot 1 saved:" in sk.logs() and "slot 0: nothing to save (0 tokens)" in sk.logs()
-    assert not (sk.extra["save_dir"] / "0.bin").exists()
+    save_dir = sk.extra["save_dir"]
+    entry = only_entry(save_dir)
+    assert saved(sk.logs()) == [(entry[:4], 1, "at stop")], sk.logs()
+    assert "saved 1 of 2 changed slot(s)" in sk.logs(), sk.logs()
+    saves = [e for e in read_events(sk.extra["events"]) if e["event"] == "save"]
+    assert sorted(e["slot"] for e in saves) == [0, 1], "not every slot was tried"
+    assert len(assert_entry_sound(save_dir, entry)) > len(PROMPT)
 
 
 def test_crash_while_saving_keeps_the_old_file(stub_slotkeeper):
-    """The child dies in the middle of the stop-time save: no half file is put in place, exit is prompt."""
-    seed_cache(stub_slotkeeper)
+    """The child dies in the middle of the stop-time save: no half file becomes an entry, the old entry is
+    intact, exit is prompt."""
+    entry = seed_cache(stub_slotkeeper)
     sk = stub_slotkeeper("-np", "2", stub={"STUB_SAVE_SECONDS": "5"})
-    good = (sk.extra["save_dir"] / "0.bin").read_bytes()
-    complete(sk, prompt="a changed conversation", id_slot=0)
+    save_dir = sk.extra["save_dir"]
+    good = bins_snapshot(save_dir)
+    complete(sk, prompt=PROMPT + OTHER, id_slot=0)
     sk.killpg(signal.SIGTERM)
     assert wait_until(lambda: save_requested(sk), 10), sk.logs()
     os.kill(child_pid(sk), signal.SIGKILL)
     sk.wait(5)
-    assert (sk.extra["save_dir"] / "0.bin").read_bytes() == good
+    assert only_files_of(save_dir, entry) and bins_snapshot(save_dir) == good
+    assert_entry_sound(save_dir, entry)
     assert "Traceback" not in sk.logs()
 
 
@@ -233,17 +263,19 @@ def test_3c_second_signal_while_draining_stops_at_once(stub_slotkeeper):
 
 
 def test_3d_signal_while_restoring_exits_promptly(stub_slotkeeper):
-    """3. A signal during a slow restore: the child is stopped at once, nothing is saved, the files stay."""
-    seed_cache(stub_slotkeeper)
+    """3. A signal during a slow restore: the child is stopped at once, nothing is saved, the entries stay."""
+    entry = seed_cache(stub_slotkeeper)
     sk = stub_slotkeeper("-np", "2", own=("--stop-timeout", "0.5"), stub={"STUB_RESTORE_SECONDS": "20"}, wait=False)
     assert wait_until(lambda: "state: starting -> restoring" in sk.logs(), 30), sk.logs()
-    good = (sk.extra["save_dir"] / "0.bin").read_bytes()
+    good = bins_snapshot(sk.extra["save_dir"])
     started = time.monotonic()
     sk.killpg(signal.SIGTERM)
     assert sk.wait(10) == 0
     assert time.monotonic() - started < 0.5 + 1.0, sk.logs()
     assert "stop requested during restoring" in sk.logs()
-    assert (sk.extra["save_dir"] / "0.bin").read_bytes() == good
+    assert only_files_of(sk.extra["save_dir"], entry) and bins_snapshot(sk.extra["save_dir"]) == good
+    assert not transients(sk.extra["save_dir"]), "the restore's transient link was left behind"
+    assert not any(e["event"] == "save" and e["pid"] == child_pid(sk) for e in read_events(sk.extra["events"]))
 
 
 def test_child_on_loopback_tcp(stub_slotkeeper):
@@ -252,4 +284,5 @@ def test_child_on_loopback_tcp(stub_slotkeeper):
     assert "llama-server on 127.0.0.1:" in sk.logs()
     complete(sk, id_slot=0)
     sk.killpg(signal.SIGTERM)
-    assert sk.wait() == 0 and "slot 0 saved:" in sk.logs()
+    assert sk.wait() == 0
+    assert saved(sk.logs()) == [(only_entry(sk.extra["save_dir"])[:4], 0, "at stop")], sk.logs()

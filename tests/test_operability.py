@@ -4,28 +4,40 @@ from __future__ import annotations
 
 import signal
 
+from store_helpers import entry_bin, only_entry, read_manifest
+
+PROMPT = "remember this " * 24  # 336 tokens: over --min-save-tokens' 256
+
 
 def test_status_reports_restore_and_dirty_slots(stub_slotkeeper):
     sk = stub_slotkeeper("-np", "2", own=("--autosave-idle", "0"))
     status = sk.call("GET", "/slotkeeper/status").body
     assert status["state"] == "ready" and status["total_slots"] == 2
-    assert status["slots"]["0"]["not_restored"] == "no cache file"
-    sk.call("POST", "/completion", {"prompt": "remember this " * 8, "n_predict": 4, "id_slot": 0})
-    assert sk.call("GET", "/slotkeeper/status").body["slots"]["0"]["dirty"] is True
+    assert [s["slot"] for s in status["slots"]] == [0, 1]
+    assert status["slots"][0]["entry"] is None and status["slots"][0]["chat"] is None  # nothing to restore
+    assert status["store"]["entries"] == 0 and status["save_estimate"] is None
+    sk.call("POST", "/completion", {"prompt": PROMPT, "n_predict": 4, "id_slot": 0})
+    assert sk.call("GET", "/slotkeeper/status").body["slots"][0]["dirty"] is True
     sk.killpg(signal.SIGTERM)
     assert sk.wait() == 0
+    save_dir = sk.extra["save_dir"]
+    entry = only_entry(save_dir)
     sk2 = stub_slotkeeper("-np", "2", own=("--autosave-idle", "0"))
     status = sk2.call("GET", "/slotkeeper/status").body
-    slot0 = status["slots"]["0"]
-    assert slot0["restored_tokens"] > 0 and slot0["restored_bytes"] > 0 and "restore_ms" in slot0
-    assert slot0["dirty"] is False
-    assert status["save_estimate"]["bytes"] == (sk2.extra["save_dir"] / "0.bin").stat().st_size
+    slot0 = status["slots"][0]
+    assert slot0["entry"] == entry and slot0["chat"] == entry[:4], status
+    assert slot0["tokens_known"] == read_manifest(save_dir, entry)["tokens"] > 0
+    assert slot0["dirty"] is False and status["slots"][1]["entry"] is None
+    assert status["store"]["entries"] == 1 and status["store"]["bytes"] == entry_bin(save_dir, entry).stat().st_size
+    assert status["on_demand_restores"] == 0  # the start's restore is not on demand
+    # what a stop may have to write once the slots are used: the entry slot 0 holds
+    assert status["save_estimate"]["bytes"] == entry_bin(save_dir, entry).stat().st_size
     assert status["child_pid"] > 0 and status["save_dir"] == str(sk2.extra["save_dir"].resolve())
 
 
 def test_metrics_count_restores_and_requests(stub_slotkeeper):
     sk = stub_slotkeeper("-np", "1", own=("--autosave-idle", "0"))
-    sk.call("POST", "/completion", {"prompt": "remember this " * 8, "n_predict": 4})
+    sk.call("POST", "/completion", {"prompt": PROMPT, "n_predict": 4})
     sk.killpg(signal.SIGTERM)
     assert sk.wait() == 0
     sk2 = stub_slotkeeper("-np", "1")

@@ -1,29 +1,35 @@
 """Never lose a good cache (issue 4), against the stub llama-server: kills, bad files, disk full, budgets.
 
-The claims about foreign caches run against the real llama-server in test_real_server.py.
+The store keeps conversations as entries (`entries/<id>.bin` + manifest, see tests/store_helpers.py); a save
+is a new entry, committed by its manifest, and only then are the entries it extends removed. The claims about
+foreign caches run against the real llama-server in test_real_server.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
+import re
 import signal
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from store_helpers import (assert_entry_sound, assert_store_sound, bins_snapshot, edit_manifest, entries_dir,
+                           entry_bin, entry_ids, manifest_path, only_entry, only_files_of, quarantine_dir,
+                           read_manifest, restored, saved, transients, uncommitted)
 
 from slotkeeper.testing.harness import pid_alive, read_events, wait_until
-from slotkeeper.testing.stub import decode_slot_file
+from slotkeeper.testing.stub import encode_slot_file, tokenize
 
-PROMPT = "Every token of this conversation is kept in the slot cache. " * 3
+# 360 bytes (the stub's tokens are bytes): over --min-save-tokens' 256, so it is worth an entry
+PROMPT = "Every token of this conversation is kept in the slot cache. " * 6
+MODEL = "stub-model.gguf"  # the conftest's -m
 
 
-def complete(sk, prompt: str = PROMPT, slot: int = 0, **kw):
-    reply = sk.call("POST", "/completion", {"prompt": prompt, "n_predict": 8, "id_slot": slot, **kw})
+def complete(sk, prompt: str = PROMPT, **kw):
+    reply = sk.call("POST", "/completion", {"prompt": prompt, "n_predict": 8, **kw})
     assert reply.status == 200, reply.body
     return reply.body
 
@@ -37,132 +43,189 @@ def stop(sk) -> None:
     assert sk.wait() == 0, sk.logs()
 
 
-def saved_cache(stub_slotkeeper) -> Path:
-    """One run that converses and stops: slot 0's cache pair is on disk. Returns the save directory."""
+def saved_cache(stub_slotkeeper) -> tuple[Path, str]:
+    """One run that converses and stops: its conversation is an entry. Returns the save directory and its id."""
     sk = stub_slotkeeper("-np", "1")
     complete(sk)
     stop(sk)
-    return sk.extra["save_dir"]
+    save_dir = sk.extra["save_dir"]
+    entry = only_entry(save_dir)
+    assert_entry_sound(save_dir, entry)
+    return save_dir, entry
 
 
-def edit_manifest(save_dir: Path, change: Callable[[dict], None], slot: int = 0) -> None:
-    path = save_dir / f"{slot}.json"
-    manifest = json.loads(path.read_text())
-    change(manifest)
-    path.write_text(json.dumps(manifest))
-
-
-def assert_pair_consistent(save_dir, slot: int = 0) -> list[int]:
-    """The file and its manifest agree, and the file decodes: it would restore."""
-    manifest = json.loads((save_dir / f"{slot}.json").read_text())
-    data = (save_dir / f"{slot}.bin").read_bytes()
-    assert manifest["bytes"] == len(data)
-    tokens = decode_slot_file(data)
-    assert manifest["tokens"] == len(tokens)
-    return tokens
+def restores(sk) -> list[dict]:
+    """The current child's restore events."""
+    pid = child_pid(sk)
+    return [e for e in read_events(sk.extra["events"]) if e["event"] == "restore" and e["pid"] == pid]
 
 
 def test_1_sigkill_at_random_moments_of_a_stop_never_loses_the_cache(stub_slotkeeper):
-    """1. SIGKILL the group at random moments of a slow stop-time save, 20 times: a good pair always restores."""
+    """1. SIGKILL the group at random moments of a slow stop-time save, 20 times, one chat growing turn by turn.
+
+    After each kill the store holds the previous entry or a committed new one that extends it (never neither),
+    every committed entry is sound, and the next start restores the latest committed entry, never a partial or
+    uncommitted file (those are removed)."""
     rng = random.Random(4)
-    have_file = False
-    outcomes = {"kept old": 0, "new in place": 0}
+    prompt = PROMPT
+    committed: dict[str, list[int]] = {}  # what the previous kill left
+    outcomes = {"kept old": 0, "new committed": 0}
     for trial in range(20):
         sk = stub_slotkeeper("-np", "1", own=("--autosave-idle", "0"), stub={"STUB_SAVE_SECONDS": "0.3"})
         save_dir = sk.extra["save_dir"]
-        if have_file:
-            assert "slot 0 restored:" in sk.logs(), f"trial {trial}: the surviving file did not restore\n{sk.logs()}"
-        before = (save_dir / "0.bin").read_bytes() if have_file else None
-        complete(sk, f"trial {trial}: " + PROMPT)
+        assert not uncommitted(save_dir) and not transients(save_dir), f"trial {trial}: leftovers kept\n{sk.logs()}"
+        assert set(entry_ids(save_dir)) == set(committed), f"trial {trial}: a committed entry went at start"
+        if committed:
+            latest = max(committed, key=lambda i: read_manifest(save_dir, i)["saved_at"])
+            assert restored(sk.logs()) == [(latest[:4], 0)], f"trial {trial}: not the latest entry\n{sk.logs()}"
+            assert [e["n_restored"] for e in restores(sk) if e["ok"]] == [len(committed[latest])]
+        body = complete(sk, prompt)
+        if committed:
+            assert body["timings"]["cache_n"] > 0, f"trial {trial}: the restored chat was not used"
+        prompt += body["content"] + f" Turn {trial}. "  # the chat goes on: each entry extends the previous one
         pid = child_pid(sk)
         sk.killpg(signal.SIGTERM)
         time.sleep(rng.uniform(0.0, 0.5))
         sk.killpg(signal.SIGKILL)
         sk.wait()
         assert wait_until(lambda pid=pid: not pid_alive(pid), 5), f"trial {trial}: llama-server outlived slotkeeper"
-        if not (save_dir / "0.bin").exists():
-            assert not have_file, f"trial {trial}: the previous cache file was lost"
+        after = assert_store_sound(save_dir)
+        if not after:
+            assert not committed, f"trial {trial}: the previous entry was lost"
             continue  # killed before the very first save completed: nothing to keep yet
-        have_file = True
-        assert_pair_consistent(save_dir)
-        outcomes["kept old" if (save_dir / "0.bin").read_bytes() == before else "new in place"] += 1
-    assert outcomes["kept old"] and outcomes["new in place"], f"kills did not cover both moments: {outcomes}"
+        new = set(after) - set(committed)
+        assert len(new) <= 1, f"trial {trial}: {new}"
+        for gone in set(committed) - set(after):  # only ever superseded by a committed entry that extends it
+            assert new and after[next(iter(new))][: len(committed[gone])] == committed[gone], \
+                f"trial {trial}: entry {gone} lost"
+        outcomes["new committed" if new else "kept old"] += 1
+        committed = after
+    assert outcomes["kept old"] and outcomes["new committed"], f"kills did not cover both moments: {outcomes}"
+
+
+def test_1b_leftovers_of_an_interrupted_save_are_removed_never_used(stub_slotkeeper):
+    """1. What a kill can leave (an entry file renamed in whose manifest was never written, a manifest half
+    written, llama-server's half-written transient file) is removed at the next start and never restored."""
+    save_dir, entry = saved_cache(stub_slotkeeper)
+    other = "A newer conversation whose save was interrupted before its manifest. " * 6
+    orphan = "0123456789abcdef"
+    entry_bin(save_dir, orphan).write_bytes(encode_slot_file(tokenize(other), MODEL))
+    (entries_dir(save_dir) / f"{orphan}.json.partial").write_text('{"version": 2, "id": "0123456789abcdef"')
+    transient = save_dir / "snapshots" / ("slotkeeper-" + "ab" * 16 + ".bin")
+    transient.write_bytes(encode_slot_file(tokenize(other)[:100], MODEL))
+    sk2 = stub_slotkeeper("-np", "1")
+    assert f"removed entry {orphan[:4]} left by an interrupted save" in sk2.logs(), sk2.logs()
+    assert only_files_of(save_dir, entry) and not transients(save_dir)
+    assert restored(sk2.logs()) == [(entry[:4], 0)], sk2.logs()
+    assert [e["n_restored"] for e in restores(sk2)] == [read_manifest(save_dir, entry)["tokens"]]
+    assert complete(sk2, other)["timings"]["cache_n"] == 0
 
 
 def test_3a_random_bytes_are_quarantined(stub_slotkeeper):
-    """3. A cache file of random bytes (with a manifest of the right size): quarantined, cold, ready."""
-    save_dir = saved_cache(stub_slotkeeper)
-    cache = save_dir / "0.bin"
+    """3. An entry file of random bytes (its manifest's size): quarantined with its manifest, cold, ready."""
+    save_dir, entry = saved_cache(stub_slotkeeper)
+    cache = entry_bin(save_dir, entry)
     cache.write_bytes(os.urandom(cache.stat().st_size))
     sk2 = stub_slotkeeper("-np", "1")
+    assert f"entry {entry[:4]} quarantined (llama-server refused it" in sk2.logs()
     assert complete(sk2)["timings"]["cache_n"] == 0
-    assert "slot 0: cache quarantined (llama-server refused it" in sk2.logs()
-    assert not cache.exists() and len(list((save_dir / "quarantine").iterdir())) == 2
+    assert entry not in entry_ids(save_dir) and not cache.exists() and not manifest_path(save_dir, entry).exists()
+    assert sorted(p.suffix for p in quarantine_dir(save_dir).iterdir()) == [".bin", ".json"]
 
 
 def test_3b_manifest_for_other_kv_settings_is_skipped(stub_slotkeeper):
-    """3. A manifest saved with another -ctk is skipped with one line naming the field; the file is kept."""
-    save_dir = saved_cache(stub_slotkeeper)
-    edit_manifest(save_dir, lambda m: m["fingerprint"].update(cache_type_k="q8_0"))
+    """3. An entry saved with another -ctk is skipped with one line naming the field; it is kept, even when
+    this configuration saves the same conversation."""
+    save_dir, entry = saved_cache(stub_slotkeeper)
+    edit_manifest(save_dir, entry, lambda m: m["fingerprint"].update(cache_type_k="q8_0"))
+    before = {p.name: p.read_bytes() for p in entries_dir(save_dir).iterdir()}  # its file and manifest
     sk2 = stub_slotkeeper("-np", "1")
+    line = "1 entry kept but not used: saved for another configuration: cache_type_k: 'q8_0' -> None"
+    assert sk2.logs().count(line) == 1, sk2.logs()
+    assert not restored(sk2.logs())
     assert complete(sk2)["timings"]["cache_n"] == 0
-    assert "slot 0: cache skipped, saved for another configuration: cache_type_k: 'q8_0' -> None" in sk2.logs()
-    assert (save_dir / "0.bin").exists()
+    stop(sk2)
+    ours = set(entry_ids(save_dir)) - {entry}
+    assert len(ours) == 1, "this configuration's save is a new entry of its own"
+    assert before == {p.name: p.read_bytes() for p in entries_dir(save_dir).iterdir() if p.stem == entry}
 
 
-def test_3c_bin_without_manifest_needs_opt_in(stub_slotkeeper):
-    """3. A .bin saved by llama-server directly has no manifest: skipped, unless --restore-unverified."""
-    save_dir = saved_cache(stub_slotkeeper)
-    (save_dir / "0.json").unlink()
+def test_3c_legacy_bin_without_manifest_needs_opt_in(stub_slotkeeper):
+    """3. A slot file of the old layout (`0.bin`, saved by llama-server directly) has no manifest: left as it is,
+    unless --restore-unverified, which takes it over as an entry and restores it."""
+    save_dir, entry = saved_cache(stub_slotkeeper)
+    legacy = save_dir / "0.bin"
+    os.replace(entry_bin(save_dir, entry), legacy)
+    manifest_path(save_dir, entry).unlink()
     sk2 = stub_slotkeeper("-np", "1")
-    assert "has no slotkeeper manifest; skipped" in sk2.logs()
+    assert "0.bin has no slotkeeper manifest; left as it is (--restore-unverified takes it over)" in sk2.logs()
     assert complete(sk2)["timings"]["cache_n"] == 0
     sk2.killpg(signal.SIGKILL)
     sk2.wait()
+    assert legacy.is_file() and not entry_ids(save_dir)
     sk3 = stub_slotkeeper("-np", "1", own=("--restore-unverified",))
-    assert "slot 0 restored:" in sk3.logs()
+    taken = only_entry(save_dir)
+    assert not legacy.exists() and f"slot file 0.bin taken over as entry {taken[:4]}" in sk3.logs()
+    assert restored(sk3.logs()) == [(taken[:4], 0)], sk3.logs()
+    assert complete(sk3)["timings"]["cache_n"] > 0
 
 
 def test_3d_size_differs_from_manifest_is_quarantined(stub_slotkeeper):
-    """3. A file whose size differs from its manifest (truncated behind slotkeeper's back): quarantined, cold."""
-    save_dir = saved_cache(stub_slotkeeper)
-    cache = save_dir / "0.bin"
+    """3. An entry whose size differs from its manifest (truncated behind slotkeeper's back): quarantined, cold."""
+    save_dir, entry = saved_cache(stub_slotkeeper)
+    cache = entry_bin(save_dir, entry)
+    size = cache.stat().st_size
     cache.write_bytes(cache.read_bytes()[:100])
     sk2 = stub_slotkeeper("-np", "1")
-    assert "slot 0: cache quarantined (size 100 differs from manifest" in sk2.logs()
+    assert f"entry {entry[:4]} quarantined (size 100 differs from its manifest's {size})" in sk2.logs()
+    assert not restores(sk2), "a truncated file was handed to llama-server"
     assert complete(sk2)["timings"]["cache_n"] == 0
+    assert not entry_ids(save_dir)
 
 
-def test_4_restored_but_unused_slot_is_not_rewritten(stub_slotkeeper):
-    """4. At stop, a slot that was only restored keeps its file (mtime unchanged); a used one is saved."""
+def test_4_restored_but_unused_entry_is_not_rewritten(stub_slotkeeper):
+    """4. At stop, an entry that was only restored is not saved again (its file untouched); a used one is."""
+    other = "Another conversation, in the other slot, never continued. " * 6
     sk = stub_slotkeeper("-np", "2", own=("--autosave-idle", "0"))
-    complete(sk, slot=0)
-    complete(sk, "another conversation " * 4, slot=1)
+    complete(sk)
+    complete(sk, other)
     stop(sk)
     save_dir = sk.extra["save_dir"]
-    before = {i: (save_dir / f"{i}.bin").stat().st_mtime_ns for i in (0, 1)}
+    tokens = assert_store_sound(save_dir)
+    assert len(tokens) == 2
+    chat = next(i for i, t in tokens.items() if bytes(t[: len(PROMPT)]) == PROMPT.encode())
+    unused = next(i for i in tokens if i != chat)
+    before = entry_bin(save_dir, unused).stat()
+    unused_bin = entry_bin(save_dir, unused).read_bytes()
     time.sleep(0.05)
     sk2 = stub_slotkeeper("-np", "2", own=("--autosave-idle", "0"))
-    complete(sk2, PROMPT + " and a follow-up", slot=0)
+    assert sorted(c for c, _ in restored(sk2.logs())) == sorted([chat[:4], unused[:4]]), sk2.logs()
+    assert complete(sk2, PROMPT + " and a follow-up")["timings"]["cache_n"] >= len(PROMPT)
     stop(sk2)
-    after = {i: (save_dir / f"{i}.bin").stat().st_mtime_ns for i in (0, 1)}
-    assert after[1] == before[1], "an unused restored slot was written again"
-    assert after[0] != before[0], "the used slot was not saved"
-    assert "slot 1 saved" not in sk2.logs()
+    after = entry_bin(save_dir, unused).stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns), "an unused entry was written again"
+    assert entry_bin(save_dir, unused).read_bytes() == unused_bin
+    new = set(entry_ids(save_dir)) - {unused}
+    assert len(new) == 1 and chat not in new, "the used chat was not saved (superseding its old entry)"
+    assert [c for c, _, _ in saved(sk2.logs())] == [next(iter(new))[:4]], sk2.logs()
 
 
 def test_5_idle_autosave_survives_sigkill(stub_slotkeeper):
     """5. After activity and the idle delay, the cache is saved in the background: a SIGKILL loses nothing."""
     sk = stub_slotkeeper("-np", "1", own=("--autosave-idle", "0.5"))
     complete(sk)
-    assert wait_until(lambda: "slot 0 saved:" in sk.logs(), 10), sk.logs()
+    assert wait_until(lambda: len(saved(sk.logs())) >= 1, 10), sk.logs()
     # a request arriving right after (or during) an autosave must not fail
     complete(sk, PROMPT + " more")
-    assert wait_until(lambda: sk.logs().count("slot 0 saved:") >= 2, 10), sk.logs()
+    assert wait_until(lambda: len(saved(sk.logs())) >= 2, 10), sk.logs()
+    assert [(slot, why) for _, slot, why in saved(sk.logs())] == [(0, "idle"), (0, "idle")]
     sk.killpg(signal.SIGKILL)
     sk.wait()
+    save_dir = sk.extra["save_dir"]
+    entry = only_entry(save_dir)  # the second save superseded the first
+    assert saved(sk.logs())[-1][0] == entry[:4]
     sk2 = stub_slotkeeper("-np", "1")
-    assert "slot 0 restored:" in sk2.logs()
+    assert restored(sk2.logs()) == [(entry[:4], 0)], sk2.logs()
     assert complete(sk2, PROMPT + " more")["timings"]["cache_n"] > len(PROMPT)
 
 
@@ -182,26 +245,48 @@ def tiny_disk(tmp_path):
 
 
 def test_6_disk_full_keeps_the_old_file(stub_slotkeeper, tiny_disk):
-    """6. The disk fills during a save: the save fails, the old file is intact, one clear log line."""
+    """6. The disk fills during a save: the save fails, the old entry is intact, one clear log line, no partial
+    file left. And when the store can tell beforehand that a save will not fit, it does not start it."""
     stub = {"STUB_BYTES_PER_TOKEN": "1024"}
+    first = "short conversation " * 16  # 304 tokens: ~310 KB
     sk = stub_slotkeeper("-np", "1", save_dir=tiny_disk, stub=stub)
-    complete(sk, "short conversation " * 10)  # ~200 tokens: ~200 KB
+    reply = complete(sk, first)
     stop(sk)
-    good = (tiny_disk / "0.bin").read_bytes()
-    (tiny_disk / "filler").write_bytes(b"\0" * (1024 * 1024 - len(good) - 450 * 1024))
+    entry = only_entry(tiny_disk)
+    good = bins_snapshot(tiny_disk)
+    (tiny_disk / "filler").write_bytes(b"\0" * (1024 * 1024 - len(good[f"{entry}.bin"]) - 450 * 1024))
+
+    # The follow-up continues in its slot without a tokenize round trip, so slotkeeper expects the size it
+    # last knew (~330 KB, which fits), and llama-server runs out of space writing ~860 KB.
     sk2 = stub_slotkeeper("-np", "1", save_dir=tiny_disk, stub=stub)
-    complete(sk2, "short conversation " * 10 + "and a much longer follow-up " * 20)  # needs ~800 KB
+    assert restored(sk2.logs()) == [(entry[:4], 0)], sk2.logs()
+    turn = first + reply["content"] + " and a short follow-up."
+    turn = turn + complete(sk2, turn)["content"] + " and a much longer follow-up " * 18
+    complete(sk2, turn)
     stop(sk2)
-    assert (tiny_disk / "0.bin").read_bytes() == good
-    assert_pair_consistent(tiny_disk)
-    assert "slot 0 save failed: llama-server answered 500: Unable to save slot; its previous file is kept" in sk2.logs()
-    assert not list(tiny_disk.glob("*.partial"))
+    assert "slot 0 not saved (at stop): llama-server answered 500: Unable to save slot; its previous entries are kept" \
+        in sk2.logs(), sk2.logs()
+    assert "No space left on device" in sk2.logs()  # llama-server's own line: the disk did fill
+    assert only_files_of(tiny_disk, entry) and bins_snapshot(tiny_disk) == good
+    assert_entry_sound(tiny_disk, entry)
+    assert not transients(tiny_disk) and not uncommitted(tiny_disk) and not list(tiny_disk.rglob("*.partial"))
+
+    # Now its tokens are known (the restored slot is tokenized): the save is refused before it starts.
+    sk3 = stub_slotkeeper("-np", "1", save_dir=tiny_disk, stub=stub)
+    assert restored(sk3.logs()) == [(entry[:4], 0)], sk3.logs()
+    complete(sk3, turn)
+    stop(sk3)
+    assert re.search(r"slot 0 not saved \(at stop\): only .* free in .*, ~.* needed; its previous entries are kept",
+                     sk3.logs()), sk3.logs()
+    assert not any(e["event"] == "save" and e["pid"] == child_pid(sk3) for e in read_events(sk3.extra["events"]))
+    assert only_files_of(tiny_disk, entry) and bins_snapshot(tiny_disk) == good
+    assert not transients(tiny_disk)
 
 
 def test_7_save_over_budget_is_abandoned_within_budget(stub_slotkeeper):
-    """7. A save longer than --save-timeout is abandoned: old file intact, exit within budget + stop timeout."""
-    save_dir = saved_cache(stub_slotkeeper)
-    good = (save_dir / "0.bin").read_bytes()
+    """7. A save longer than --save-timeout is abandoned: old entry intact, exit within budget + stop timeout."""
+    save_dir, entry = saved_cache(stub_slotkeeper)
+    good = bins_snapshot(save_dir)
     sk2 = stub_slotkeeper("-np", "1", own=("--save-timeout", "1", "--stop-timeout", "1", "--autosave-idle", "0"),
                           stub={"STUB_SAVE_SECONDS": "30"})
     complete(sk2, PROMPT + " changed")
@@ -209,8 +294,9 @@ def test_7_save_over_budget_is_abandoned_within_budget(stub_slotkeeper):
     sk2.killpg(signal.SIGTERM)
     assert sk2.wait(10) == 0
     assert time.monotonic() - started < 1 + 1 + 0.8, sk2.logs()
-    assert (save_dir / "0.bin").read_bytes() == good
-    assert "the save budget (--save-timeout 1.0 s) ran out" in sk2.logs()
+    assert re.search(r"the save budget \(--save-timeout( 1\.0 s)?\) ran out", sk2.logs()), sk2.logs()
+    assert only_files_of(save_dir, entry) and bins_snapshot(save_dir) == good
+    assert_entry_sound(save_dir, entry)
 
 
 def test_long_save_reports_progress(stub_slotkeeper):
@@ -218,26 +304,68 @@ def test_long_save_reports_progress(stub_slotkeeper):
     sk = stub_slotkeeper("-np", "1", own=("--autosave-idle", "0"), stub={"STUB_SAVE_SECONDS": "2.5"})
     complete(sk)
     stop(sk)
-    assert "slot 0 saving: " in sk.logs() and "slot 0 saved:" in sk.logs()
+    assert "slot 0 saving: " in sk.logs(), sk.logs()
+    assert [(slot, why) for _, slot, why in saved(sk.logs())] == [(0, "at stop")]
+    progress = sk.logs().index("slot 0 saving: ")
+    assert progress < sk.logs().index(" saved from slot 0 (at stop)"), "progress came after the save"
 
 
 def test_startup_warns_when_the_cache_would_not_fit_the_budget(stub_slotkeeper):
-    """From the last saves' speed, a cache that cannot be saved inside --save-timeout is announced at start."""
-    save_dir = saved_cache(stub_slotkeeper)
-    edit_manifest(save_dir, lambda m: m.update(save_ms=20_000.0))  # as if this file took 20 s to write
-    sk2 = stub_slotkeeper("-np", "1", own=("--save-timeout", "8"))
-    assert "more than --save-timeout 8.0 s" in sk2.logs() and "unloadTimeout" in sk2.logs()
+    """From the last saves' speed, a cache that cannot be saved inside --save-timeout is announced at start.
 
-
-def test_max_cache_bytes_evicts_the_oldest(stub_slotkeeper):
-    """--max-cache-bytes keeps the directory under the cap, oldest pair first, manifest with it."""
-    sk = stub_slotkeeper("-np", "2", own=("--autosave-idle", "0"))
-    complete(sk, "the older conversation " * 4, slot=0)
+    The estimate is what a stop-time save may have to write: at most one entry per slot (the largest), not
+    the whole store."""
+    sk = stub_slotkeeper("-np", "1", own=("--autosave-idle", "0"))
+    complete(sk)
+    complete(sk, "A second conversation, which takes the one slot over. " * 7)  # the first is written back
     stop(sk)
-    size = (sk.extra["save_dir"] / "0.bin").stat().st_size
-    sk2 = stub_slotkeeper("-np", "2", own=("--autosave-idle", "0", "--max-cache-bytes", str(size + size // 2)))
-    complete(sk2, "the newer conversation " * 4, slot=1)
+    save_dir = sk.extra["save_dir"]
+    ids = entry_ids(save_dir)
+    assert len(ids) == 2
+    largest = max(entry_bin(save_dir, i).stat().st_size for i in ids)
+
+    for entry in ids:  # as if each file took 6 s to write: 12 s for the store, 6 s for what one slot holds
+        edit_manifest(save_dir, entry, lambda m: m.update(save_ms=6_000.0))
+    sk2 = stub_slotkeeper("-np", "1", own=("--save-timeout", "8"))
+    estimate = sk2.call("GET", "/slotkeeper/status").body["save_estimate"]
+    assert estimate["bytes"] == largest and 5 < estimate["seconds"] < 7, estimate
+    assert "more than --save-timeout" not in sk2.logs(), sk2.logs()
+    sk2.killpg(signal.SIGKILL)
+    sk2.wait()
+
+    for entry in ids:  # 20 s each: even one slot's entry does not fit
+        edit_manifest(save_dir, entry, lambda m: m.update(save_ms=20_000.0))
+    sk3 = stub_slotkeeper("-np", "1", own=("--save-timeout", "8"))
+    assert "more than --save-timeout 8.0 s" in sk3.logs() and "unloadTimeout" in sk3.logs(), sk3.logs()
+
+
+def test_max_cache_bytes_evicts_the_least_recently_used(stub_slotkeeper):
+    """--max-cache-bytes keeps the store under the cap: the least recently used entry goes first (not the
+    oldest saved), its manifest with it; an entry a slot holds stays."""
+    conversations = {name: f"The conversation called {name}, with enough words to be worth a file. " * 6
+                     for name in "ABC"}
+    sk = stub_slotkeeper("-np", "1", own=("--autosave-idle", "0"))
+    complete(sk, conversations["A"])
+    complete(sk, conversations["B"])  # A is written back before its slot is reused
+    stop(sk)
+    save_dir = sk.extra["save_dir"]
+    tokens = assert_store_sound(save_dir)
+    by_name = {name: next(i for i, t in tokens.items() if bytes(t[: len(p)]) == p.encode())
+               for name, p in conversations.items() if name != "C"}
+    a, b = by_name["A"], by_name["B"]
+    assert read_manifest(save_dir, a)["saved_at"] < read_manifest(save_dir, b)["saved_at"]
+    # A was used (restored, read) after B was saved: B is the least recently used, A the oldest saved.
+    edit_manifest(save_dir, a, lambda m: m.update(last_used=read_manifest(save_dir, b)["saved_at"] + 10))
+    size = entry_bin(save_dir, a).stat().st_size
+    assert entry_bin(save_dir, b).stat().st_size == size
+
+    sk2 = stub_slotkeeper("-np", "1", own=("--autosave-idle", "0", "--max-cache-bytes", str(2 * size + size // 2)))
+    assert restored(sk2.logs()) == [(a[:4], 0)], sk2.logs()
+    complete(sk2, conversations["C"])
     stop(sk2)
-    assert not (sk.extra["save_dir"] / "0.bin").exists() and not (sk.extra["save_dir"] / "0.json").exists()
-    assert (sk.extra["save_dir"] / "1.bin").exists()
-    assert "slot 0 cache evicted" in sk2.logs()
+    remaining = set(entry_ids(save_dir))
+    assert b not in remaining and not manifest_path(save_dir, b).exists() and not entry_bin(save_dir, b).exists()
+    assert a in remaining and len(remaining) == 2, remaining
+    assert f"entry {b[:4]} evicted" in sk2.logs() and f"entry {a[:4]} evicted" not in sk2.logs()
+    assert_store_sound(save_dir)
+    assert sum(entry_bin(save_dir, i).stat().st_size for i in remaining) <= 2 * size + size // 2

@@ -1,0 +1,139 @@
+"""Reading a slotkeeper save directory from a test: the committed entries, their manifests and tokens.
+
+The layout (slotkeeper.layout): `entries/<id>.bin` + `entries/<id>.json` (an entry is committed once its
+manifest exists), `snapshots/` (llama-server's --slot-save-path: clients' names and slotkeeper's transient
+`slotkeeper-<hex>.bin`), `quarantine/`, and the `.lock`. Log lines name an entry by its first 4 hex digits.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from slotkeeper.layout import ENTRIES_DIR, QUARANTINE_DIR, SNAPSHOTS_DIR
+from slotkeeper.statefile import read_header
+from slotkeeper.store import TRANSIENT_PREFIX
+from slotkeeper.testing.stub import decode_slot_file
+
+RESTORED = re.compile(r"chat ([0-9a-f]{4}) restored into slot (\d+): ")
+SAVED = re.compile(r"chat ([0-9a-f]{4}) saved from slot (\d+) \(([^)]*)\): ")
+
+
+def entries_dir(save_dir: Path) -> Path:
+    return save_dir / ENTRIES_DIR
+
+
+def snapshots_dir(save_dir: Path) -> Path:
+    return save_dir / SNAPSHOTS_DIR
+
+
+def quarantine_dir(save_dir: Path) -> Path:
+    return save_dir / QUARANTINE_DIR
+
+
+def entry_ids(save_dir: Path) -> list[str]:
+    """The committed entries (a .bin with its manifest), sorted."""
+    root = entries_dir(save_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p.stem for p in root.glob("*.json") if (root / f"{p.stem}.bin").is_file())
+
+
+def uncommitted(save_dir: Path) -> list[str]:
+    """Entry files without a manifest (an interrupted save, removed at the next start) and partial manifests."""
+    root = entries_dir(save_dir)
+    if not root.is_dir():
+        return []
+    bins = [p.name for p in root.glob("*.bin") if not (root / f"{p.stem}.json").exists()]
+    return sorted(bins + [p.name for p in root.glob("*.partial")])
+
+
+def only_entry(save_dir: Path) -> str:
+    ids = entry_ids(save_dir)
+    assert len(ids) == 1, f"expected one entry in {entries_dir(save_dir)}, found {ids}"
+    return ids[0]
+
+
+def entry_bin(save_dir: Path, entry_id: str) -> Path:
+    return entries_dir(save_dir) / f"{entry_id}.bin"
+
+
+def manifest_path(save_dir: Path, entry_id: str) -> Path:
+    return entries_dir(save_dir) / f"{entry_id}.json"
+
+
+def read_manifest(save_dir: Path, entry_id: str) -> dict[str, Any]:
+    return json.loads(manifest_path(save_dir, entry_id).read_text())
+
+
+def edit_manifest(save_dir: Path, entry_id: str, change: Callable[[dict[str, Any]], None]) -> None:
+    path = manifest_path(save_dir, entry_id)
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def entry_tokens(save_dir: Path, entry_id: str) -> list[int]:
+    """The tokens of an entry, read the way slotkeeper reads them (seq-state header) and checked the way the
+    stub's restore checks them (the whole file decodes and has the size its header implies)."""
+    path = entry_bin(save_dir, entry_id)
+    header = read_header(path)
+    tokens = decode_slot_file(path.read_bytes())
+    assert list(header.tokens) == tokens, f"entry {entry_id}: header and stub disagree on its tokens"
+    return tokens
+
+
+def assert_entry_sound(save_dir: Path, entry_id: str) -> list[int]:
+    """The entry's file and manifest agree and the file decodes: it would restore. Returns its tokens."""
+    manifest = read_manifest(save_dir, entry_id)
+    assert manifest["version"] == 2 and manifest["id"] == entry_id, manifest
+    assert manifest["bytes"] == entry_bin(save_dir, entry_id).stat().st_size, manifest
+    tokens = entry_tokens(save_dir, entry_id)
+    assert manifest["tokens"] == len(tokens), manifest
+    return tokens
+
+
+def assert_store_sound(save_dir: Path) -> dict[str, list[int]]:
+    """Every committed entry is sound; returns their tokens by id."""
+    return {entry_id: assert_entry_sound(save_dir, entry_id) for entry_id in entry_ids(save_dir)}
+
+
+def entry_files(save_dir: Path) -> list[str]:
+    """Every file name in entries/ (committed or not)."""
+    root = entries_dir(save_dir)
+    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+
+def only_files_of(save_dir: Path, *ids: str) -> bool:
+    """entries/ holds exactly these entries' pairs: nothing uncommitted, partial or stray beside them."""
+    return entry_files(save_dir) == sorted(f"{i}{suffix}" for i in ids for suffix in (".bin", ".json"))
+
+
+def entries_snapshot(save_dir: Path) -> dict[str, bytes]:
+    """Every file in entries/, byte for byte (to compare before and after)."""
+    root = entries_dir(save_dir)
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir())} if root.is_dir() else {}
+
+
+def bins_snapshot(save_dir: Path) -> dict[str, bytes]:
+    """The entries' .bin files only (manifests record the last use, which a restore updates)."""
+    return {name: data for name, data in entries_snapshot(save_dir).items() if name.endswith(".bin")}
+
+
+def transients(save_dir: Path) -> list[str]:
+    """slotkeeper's transient files in snapshots/ (a save in progress, or a restore's link)."""
+    root = snapshots_dir(save_dir)
+    return sorted(p.name for p in root.glob(f"{TRANSIENT_PREFIX}*")) if root.is_dir() else []
+
+
+def restored(logs: str) -> list[tuple[str, int]]:
+    """(entry short id, slot) of every `chat XXXX restored into slot N` line."""
+    return [(m.group(1), int(m.group(2))) for m in RESTORED.finditer(logs)]
+
+
+def saved(logs: str) -> list[tuple[str, int, str]]:
+    """(entry short id, slot, why) of every `chat XXXX saved from slot N (why)` line."""
+    return [(m.group(1), int(m.group(2)), m.group(3)) for m in SAVED.finditer(logs)]

@@ -273,7 +273,7 @@ class Daemon:
                                    metrics=self.metrics)
         if self.options.remote_store:
             self.attach_remote(store, self.placement, fingerprint)
-        other = f"; {len(store.skipped)} kept for other configurations" if store.skipped else ""
+        other = f"; {len(store.skipped)} kept but not used (see above)" if store.skipped else ""
         log.info("%d slot(s); %d conversation(s) in %s (%s of a %s cap)%s", self.total_slots, len(store.entries),
                  self.config.save_dir, fmt_bytes(store.total_bytes), fmt_bytes(store.cap_bytes or 0), other)
         await self.placement.restore_recent()

@@ -23,6 +23,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import secrets
 import shutil
 import time
@@ -41,8 +42,9 @@ from .statefile import SEQ_MAGIC, StateFileError, read_header
 if TYPE_CHECKING:  # `slotkeeper ls` reads a store without the client
     from .llama_client import LlamaClient
 
-TRANSIENT_PREFIX = "slotkeeper-"  # + 32 random hex digits: unguessable, so no client can name it either
 BIN_SUFFIX = ".bin"
+TRANSIENT_PREFIX = "slotkeeper-"  # + 32 random hex digits: unguessable, so no client can name it either
+TRANSIENT_NAME = re.compile(rf"{TRANSIENT_PREFIX}[0-9a-f]{{32}}\{BIN_SUFFIX}")  # only these are slotkeeper's
 MANIFEST_SUFFIX = ".json"
 PARTIAL_SUFFIX = ".partial"
 MANIFEST_VERSION = 2
@@ -261,7 +263,8 @@ class ConversationStore:
 
     def _remove_transients(self) -> None:
         for leftover in self.snapshots_dir.glob(f"{TRANSIENT_PREFIX}*"):
-            leftover.unlink(missing_ok=True)
+            if TRANSIENT_NAME.fullmatch(leftover.name):  # a client's own `slotkeeper-notes.bin` stays
+                leftover.unlink(missing_ok=True)
 
     def _take_over_slot_files(self) -> None:
         """`<slot>.bin` + `<slot>.json` from the slot-file layout become entries; clients' own files move to snapshots/.

@@ -118,7 +118,12 @@ class Slotkeeper:
             return 0
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        if not wait_until(lambda: self.health() == 200 or self.proc.poll() is not None, timeout):
+        """Until this slotkeeper says it is ready (its own log line: a 200 alone could come from a process that
+        took the port first) or exits."""
+        def ready() -> bool:
+            return self.proc.poll() is not None or (self.health() == 200 and "after starting llama-server" in self.logs())
+
+        if not wait_until(ready, timeout):
             raise AssertionError(f"slotkeeper not ready after {timeout}s:\n{self.logs()}")
         if self.proc.poll() is not None:
             raise AssertionError(f"slotkeeper exited with {self.proc.returncode}:\n{self.logs()}")

@@ -7,6 +7,7 @@ runs a real slotkeeper around the stub llama-server and lists and prunes what it
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -15,6 +16,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +25,12 @@ import pytest
 
 from slotkeeper import catalog
 from slotkeeper.catalog import ls_main, parse_duration, parse_size, plan_prune, prune_main, scan_dir
-from slotkeeper.fingerprint import build_fingerprint, model_identity
+from slotkeeper.fingerprint import build_fingerprint, model_identity, namespace_key
 from slotkeeper.layout import lock_store, prepare_layout
 from slotkeeper.log import fmt_bytes
 from slotkeeper.store import TRANSIENT_PREFIX, ConversationStore, Entry, read_json, write_json_atomic
+from slotkeeper.testing.harness import free_port, wait_until
+from slotkeeper.testing.s3server import S3Server
 from slotkeeper.testing.stub import encode_slot_file
 
 NOW = 1_750_000_000.0
@@ -709,6 +714,137 @@ def test_ls_and_prune_what_a_real_slotkeeper_saved(capsys, stub_slotkeeper):
     assert f"chat {last['id'][:4]} restored into slot" in sk2.logs(), sk2.logs()
 
 
+# ---- the shared tier (--remote) -----------------------------------------------------------------------------------
+
+BUCKET = "shared"
+URL = f"s3://{BUCKET}/kv"
+
+
+@pytest.fixture
+def s3(tmp_path: Path) -> Iterator[S3Server]:
+    server = S3Server(tmp_path / "s3", bucket=BUCKET).start()
+    yield server
+    server.kill()
+
+
+def remote_objects(s3: S3Server) -> set[str]:
+    root = s3.object_path("kv")
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()} if root.exists() else set()
+
+
+def put_remote(s3: S3Server, namespace: str, entry: Entry | None, *, manifest: dict[str, Any] | None = None,
+               entry_id: str | None = None) -> str:
+    """An entry as the remote tier uploads it: the .bin, then its manifest with the .bin's sha256 and bytes."""
+    import obstore
+
+    from slotkeeper.remote import RemoteConfig
+
+    bucket = RemoteConfig.from_url(URL, s3.env()).store(timedelta(seconds=10), timedelta(seconds=10))
+    data = encode_slot_file(list(range(1, (entry.tokens if entry else 10) + 1)), "m.gguf")
+    entry_id = entry.id if entry else entry_id or secrets.token_hex(8)
+    obstore.put(bucket, f"{namespace}/{entry_id}.bin", data)
+    body = manifest if manifest is not None else entry.manifest() if entry else {}
+    body = {**body, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    obstore.put(bucket, f"{namespace}/{entry_id}.json", json.dumps(body).encode())
+    return entry_id
+
+
+def remote_entry(tokens: int, used_age: float, fingerprint: dict[str, Any]) -> Entry:
+    return Entry(id=secrets.token_hex(8), tokens=tokens, nbytes=0, keys=["k"], saved_at=NOW - used_age,
+                 last_used=NOW - used_age, fingerprint=fingerprint, seq_version=4, layout="packed-1")
+
+
+def test_ls_and_prune_the_shared_tier(capsys, s3):
+    """Each namespace's entries, judged as a fetch would (readable manifest, the namespace its fingerprint
+    names); prune deletes both objects of an entry and nothing else."""
+    plain, q8 = {**FP}, {**FP, "cache_type_k": "q8_0"}
+    ns_plain, ns_q8 = namespace_key(plain), namespace_key(q8)
+    old = remote_entry(100, 10 * DAY, plain)
+    new = remote_entry(200, HOUR, plain)
+    other = remote_entry(300, 2 * HOUR, q8)
+    misplaced = remote_entry(50, HOUR, plain)  # plain's entry under q8's namespace: never fetched there
+    for namespace, entry in ((ns_plain, old), (ns_plain, new), (ns_q8, other), (ns_q8, misplaced)):
+        put_remote(s3, namespace, entry)
+    bad = put_remote(s3, ns_q8, None, manifest={"id": "x"}, entry_id="badbadbadbadbad0")
+    env = {**s3.env(), "XDG_CACHE_HOME": "/nonexistent-xdg"}
+
+    code, out, err = run(ls_main, capsys, "--remote", "--remote-store", URL, "--json", env=env)
+    assert code == 0 and err == ""
+    records = json.loads(out)
+    namespaces = {r["namespace"]: r for r in records if r["kind"] == "remote_namespace"}
+    assert set(namespaces) == {ns_plain, ns_q8} and namespaces[ns_q8]["entries"] == 3
+    rows = {r["id"]: r for r in records if r["kind"] == "remote"}
+    assert {i: rows[i]["status"] for i in rows} == {
+        old.id: "shared", new.id: "shared", other.id: "shared", misplaced.id: "other_namespace",
+        bad: "remote_bad_manifest"}
+    assert rows[new.id]["tokens"] == 200 and rows[new.id]["age_s"] == HOUR and rows[new.id]["namespace"] == ns_plain
+    assert rows[new.id]["bytes"] == len(encode_slot_file(list(range(200)), "m.gguf"))
+
+    code, out, _ = run(ls_main, capsys, "--remote", "--", "-ctk", "q8_0", env={**env, "SLOTKEEPER_REMOTE_STORE": URL})
+    assert code == 0 and f"{URL}/{ns_plain}\n" in out and f"{URL}/{ns_q8}\n" in out
+    table = table_rows(out)
+    assert table[short(other)][-2:] == ["shared", "yes"]
+    assert table[short(new)][-1] == "no: cache_type_k default -> q8_0"
+    assert table[short(misplaced)][-2:] == ["other namespace (never used)", "-"]
+    assert "3 entries, " in out and "(2 never used)" in out and "total: 5 entries, " in out
+
+    before = remote_objects(s3)
+    code, out, _ = run(prune_main, capsys, "--remote", "--remote-store", URL, "--older-than", "7d", "--dry-run", env=env)
+    assert code == 0 and remote_objects(s3) == before
+    assert {line.split()[4] for line in out.splitlines()[:-1]} == {short(old), bad[:4]}  # (no last use: oldest)
+    code, out, _ = run(prune_main, capsys, "--remote", "--remote-store", URL, "--older-than", "7d", env=env)
+    assert code == 0 and out.splitlines()[-1].startswith("removed 2 remote entries: ")
+    gone = {f"{ns_plain}/{old.id}.bin", f"{ns_plain}/{old.id}.json", f"{ns_q8}/{bad}.bin", f"{ns_q8}/{bad}.json"}
+    assert remote_objects(s3) == before - gone
+    code, out, _ = run(prune_main, capsys, "--remote", "--remote-store", URL, "--other-configs", "--", "-ctk", "q8_0",
+                       env=env)
+    assert code == 0 and out.splitlines()[0].startswith(f"removed remote entry {short(new)} in {URL}/{ns_plain} ")
+    assert out.splitlines()[0].endswith("not for these llama-server arguments: cache_type_k default -> q8_0")
+    assert {p.split("/")[1].split(".")[0] for p in remote_objects(s3)} == {other.id, misplaced.id}
+
+
+def test_ls_and_prune_remote_what_a_real_slotkeeper_uploaded(capsys, s3, stub_slotkeeper):
+    """A slotkeeper with --remote-store uploads its entries; ls --remote lists them under the namespace of its
+    fingerprint, with the local manifests' tokens; prune --remote --max-total keeps the one used last, and
+    leaves the local store alone."""
+    sk = stub_slotkeeper("-np", "2", own=("--remote-store", URL), stub=s3.env())
+    for slot in range(2):
+        prompt = f"conversation {slot}: " + "Every token of this conversation is kept. " * 8
+        assert sk.call("POST", "/completion", {"prompt": prompt, "n_predict": 4, "id_slot": slot}).status == 200
+    sk.killpg(signal.SIGTERM)
+    assert sk.wait() == 0, sk.logs()
+    if not wait_until(lambda: sum(p.endswith(".json") for p in remote_objects(s3)) == 2, 5):
+        sk = stub_slotkeeper("-np", "2", own=("--remote-store", URL), stub=s3.env())  # resumes the uploads
+        assert wait_until(lambda: sum(p.endswith(".json") for p in remote_objects(s3)) == 2, 30), sk.logs()
+        sk.killpg(signal.SIGTERM)
+        sk.wait()
+    save_dir = sk.extra["save_dir"]
+    local = {p.stem: read_json(p) for p in (save_dir / "entries").glob("*.json")}
+    assert len(local) == 2
+    env = {**s3.env(), "XDG_CACHE_HOME": "/nonexistent-xdg"}
+    code, out, _ = run(ls_main, capsys, "--remote", "--remote-store", URL, "--json", "--", "-np", "2", env=env)
+    assert code == 0
+    (namespace, *rows) = json.loads(out)
+    fingerprint = next(iter(local.values()))["fingerprint"]  # type: ignore[index]
+    assert namespace["namespace"] == namespace_key(fingerprint) and namespace["entries"] == 2
+    assert {r["id"]: r["tokens"] for r in rows} == {i: m["tokens"] for i, m in local.items()}  # type: ignore[index]
+    assert all(r["status"] == "shared" and r["match"] is True for r in rows)
+    last = max(rows, key=lambda r: r["last_used"])
+    code, out, _ = run(prune_main, capsys, "--remote", "--remote-store", URL, "--max-total", str(last["bytes"]), env=env)
+    assert code == 0 and out.splitlines()[-1].startswith("removed 1 remote entry: ")
+    assert {p.split("/")[1] for p in remote_objects(s3)} == {f"{last['id']}.bin", f"{last['id']}.json"}
+    assert {p.stem for p in (save_dir / "entries").glob("*.json")} == set(local)
+
+
+def test_an_unreachable_shared_tier_is_one_line_and_exit_1(capsys):
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "k" * 20,
+           "AWS_SECRET_ACCESS_KEY": "s" * 30, "XDG_CACHE_HOME": "/nonexistent-xdg"}
+    for main, extra in ((ls_main, []), (prune_main, ["--older-than", "1d"])):
+        code, out, err = run(main, capsys, "--remote", "--remote-store", URL, *extra, env=env)
+        assert code == 1 and out == ""
+        assert err.count("\n") == 1 and f"listing {URL} failed (connection refused)" in err and "Traceback" not in err
+
+
 # ---- bad input --------------------------------------------------------------------------------------------------
 
 
@@ -730,6 +866,13 @@ def test_ls_and_prune_what_a_real_slotkeeper_saved(capsys, stub_slotkeeper):
         (prune_main, ["{tmp}", "--older-than"], "expected one argument"),
         (prune_main, ["{tmp}", "--older-than", "1d", "--", "-np", "2"], "only used with --other-configs"),
         (prune_main, ["{tmp}", "--other-configs", "--", "-m", "{tmp}/no-model.gguf"], "model file not found"),
+        (ls_main, ["--remote"], "--remote needs --remote-store s3://bucket/prefix or SLOTKEEPER_REMOTE_STORE"),
+        (ls_main, ["--remote-store", "s3://b/p"], "--remote-store is used with --remote"),
+        (ls_main, ["{tmp}", "--remote", "--remote-store", "s3://bucket/p"], "give DIR or --remote, not both"),
+        (ls_main, ["--remote", "--remote-store", "http://bucket/p"], "--remote-store must look like s3://bucket/prefix"),
+        (prune_main, ["--remote", "--remote-store", "s3://bucket/p", "--quarantine"], "--quarantine applies to save"),
+        (prune_main, ["--remote", "--remote-store", "s3://bucket/p", "--older-than", "1d", "--force"], "--force applies"),
+        (prune_main, ["--remote", "--remote-store", "s3://bucket/p", "--other-configs"], "needs llama-server arguments"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, main, argv, message):

@@ -15,12 +15,14 @@ arguments (as far as they decide it offline).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import fcntl
 import json
 import os
 import re
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Container, Iterable, Mapping, Sequence
@@ -69,7 +71,7 @@ SLOT_FILE_UNREADABLE = "slot_file_unreadable"
 SLOT_MANIFEST_ONLY = "slot_manifest_only"
 SLOT_FILE_SUFFIXES = ("bin", "json", "bin.partial", "json.partial")
 INTACT = (USABLE, OTHER_CONFIGURATION, OTHER_FORMAT)  # would be kept by the next start
-COMPARABLE = (*INTACT, SLOT_FILE)  # has a fingerprint the next start would use
+COMPARABLE = (*INTACT, SLOT_FILE, "shared")  # has a fingerprint the next start (or a fetch) would use
 
 
 class CatalogError(Exception):
@@ -195,6 +197,23 @@ class Row:
     @property
     def label_id(self) -> str:
         return f"{self.name}{BIN_SUFFIX}" if self.kind == KIND_SLOT_FILE else self.short
+
+    @property
+    def label(self) -> str:
+        """How prune names it: `entry 1a2b in DIR`, `slot file DIR/0.bin`."""
+        where = display_path(self.directory)
+        if self.kind == KIND_SLOT_FILE:
+            return f"slot file {where}/{self.name}{BIN_SUFFIX}"
+        return f"{'quarantined entry' if self.kind == KIND_QUARANTINED else 'entry'} {self.short} in {where}"
+
+    @property
+    def sort_key(self) -> tuple[str, str]:
+        return str(self.directory), self.name
+
+    @property
+    def size(self) -> int | None:
+        """The size column: the .bin's (the state's) size."""
+        return self.bin.size if self.bin else (self.entry.nbytes if self.entry else None)
 
     @property
     def files(self) -> list[FileStat]:
@@ -463,7 +482,7 @@ def _number(value: Any, default: float) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
 
-def _short_ids(rows: list[Row]) -> None:
+def _short_ids(rows: Sequence[Row | RemoteRow]) -> None:
     """The shortest prefix of at least 4 hex digits (as the daemon's log lines name entries) that tells the
     directory's entries apart; 8 suffice in practice."""
     ids = [r.id for r in rows if r.kind != KIND_SLOT_FILE]
@@ -676,7 +695,7 @@ def expectation_from_args(argv: Sequence[str], env: Mapping[str, str]) -> Expect
     )
 
 
-def match_differences(row: Row, expectation: Expectation) -> list[str]:
+def match_differences(row: Row | RemoteRow, expectation: Expectation) -> list[str]:
     """Why `row` would not be used under those arguments; empty when it would (or, for a slot file, would be
     after the next start takes it over)."""
     if row.status not in COMPARABLE:
@@ -750,9 +769,9 @@ MODEL_COLUMN = 4
 BUDGETS = {"status": STATUS_COLUMN_BUDGET, "match": MATCH_COLUMN_BUDGET}
 
 
-def table_row(row: Row, now: float, expectation: Expectation | None) -> list[str]:
+def table_row(row: Row | RemoteRow, now: float, expectation: Expectation | None) -> list[str]:
     tokens = row.tokens
-    size = row.bin.size if row.bin else (row.entry.nbytes if row.entry else None)
+    size = row.size
     cells = [
         row.label_id,
         f"{tokens:,}" if tokens is not None else "-",
@@ -798,8 +817,19 @@ def dir_summary(save_dir: SaveDir) -> str:
 
 def render_listing(dirs: Sequence[SaveDir], now: float, expectation: Expectation | None) -> str:
     """One table per directory, all with the same columns, so the directories read as one listing."""
+    sections = [(display_path(d.path), d.rows, dir_summary(d)) for d in dirs]
+    total = None
+    if len(dirs) > 1:
+        total = (f"total: {_count(sum(len(d.entries) for d in dirs), 'entry', 'entries')}, "
+                 f"{fmt_bytes(sum(d.entry_bytes for d in dirs))} in {_count(len(dirs), 'directory', 'directories')}")
+    return render_sections(sections, total, now, expectation)
+
+
+def render_sections(sections: Sequence[tuple[str, Sequence[Row | RemoteRow], str]], total: str | None, now: float,
+                    expectation: Expectation | None) -> str:
+    """Tables (title, rows, summary line) sharing their columns, then the total line."""
     headers = list(HEADERS if expectation else HEADERS[:-1])
-    tables = [[table_row(r, now, expectation) for r in d.rows] for d in dirs]
+    tables = [[table_row(r, now, expectation) for r in rows] for _, rows, _ in sections]
     rows_all = [row for rows in tables for row in rows]
     widths = column_widths(headers, rows_all)
 
@@ -822,22 +852,202 @@ def render_listing(dirs: Sequence[SaveDir], now: float, expectation: Expectation
     if expectation:
         lines += textwrap.wrap(f"match: {expectation.checked()}", TABLE_WIDTH, subsequent_indent="       ",
                                break_long_words=False, break_on_hyphens=False) + [""]
-    for i, (save_dir, rows) in enumerate(zip(dirs, tables)):
+    for i, ((title, _, summary), rows) in enumerate(zip(sections, tables)):
         if i:
             lines.append("")
-        lines.append(display_path(save_dir.path))
+        lines.append(title)
         if rows:
             lines += [format_row(row, widths, RIGHT_ALIGNED) for row in [headers, *rows]]
         else:
             lines.append("  (no entries)")
-        lines += textwrap.wrap(dir_summary(save_dir), TABLE_WIDTH, initial_indent="  ", subsequent_indent="    ",
+        lines += textwrap.wrap(summary, TABLE_WIDTH, initial_indent="  ", subsequent_indent="    ",
                                break_long_words=False, break_on_hyphens=False)
-    if len(dirs) > 1:
-        total = sum(d.entry_bytes for d in dirs)
-        entries = sum(len(d.entries) for d in dirs)
-        lines += ["", f"total: {_count(entries, 'entry', 'entries')}, {fmt_bytes(total)} in "
-                  f"{_count(len(dirs), 'directory', 'directories')}"]
+    if total:
+        lines += ["", total]
     return "\n".join(lines)
+
+
+# ---- the shared tier (--remote) ----------------------------------------------------------------------------------
+
+ENV_REMOTE_STORE = "SLOTKEEPER_REMOTE_STORE"
+KIND_REMOTE = "remote"
+SHARED = "shared"  # a valid remote entry, in the namespace its fingerprint names
+REMOTE_BAD_MANIFEST = "remote_bad_manifest"
+OTHER_NAMESPACE = "other_namespace"  # its fingerprint names another namespace: a daemon never uses it
+CLI_NAMESPACE = "slotkeeper-cli"  # the tier object's own namespace; listing and deleting name theirs
+_REMOTE_TEXT = {SHARED: "shared", REMOTE_BAD_MANIFEST: "bad manifest (never used)",
+                OTHER_NAMESPACE: "other namespace (never used)"}
+
+
+@dataclass
+class RemoteRow:
+    """One entry of the shared tier: `<prefix>/<namespace>/<id>.json` (and its .bin)."""
+
+    url: str
+    namespace: str
+    id: str
+    manifest: dict[str, Any]
+    entry: Entry | None
+    status: str = SHARED
+    reason: str = ""
+    short: str = ""
+    kind: str = KIND_REMOTE
+
+    @classmethod
+    def of(cls, url: str, namespace: str, manifest: dict[str, Any]) -> RemoteRow:
+        from .fingerprint import namespace_key
+
+        entry_id = str(manifest.get("entry_id", ""))
+        try:
+            entry: Entry | None = Entry.from_manifest(manifest)
+        except (KeyError, TypeError, ValueError):
+            entry = None
+        row = cls(url, namespace, entry_id, manifest, entry)
+        if entry is None:
+            row.status, row.reason = REMOTE_BAD_MANIFEST, "a manifest slotkeeper cannot read: never fetched"
+        elif namespace_key(entry.fingerprint) != namespace:
+            row.status = OTHER_NAMESPACE
+            row.reason = "its fingerprint belongs to another namespace: a fetch rejects it"
+        return row
+
+    @property
+    def label_id(self) -> str:
+        return self.short
+
+    @property
+    def label(self) -> str:
+        return f"remote entry {self.short} in {self.url}/{self.namespace}"
+
+    @property
+    def sort_key(self) -> tuple[str, str]:
+        return self.namespace, self.id
+
+    @property
+    def tokens(self) -> int | None:
+        return self.entry.tokens if self.entry else None
+
+    @property
+    def size(self) -> int | None:
+        value = self.manifest.get("bytes")
+        return value if isinstance(value, int) else None
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.size or 0
+
+    @property
+    def last_used(self) -> float:
+        """As recorded in the uploaded manifest (the uploading host's last use; fetches do not update it)."""
+        return self.entry.last_used if self.entry else 0.0
+
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        return self.entry.fingerprint if self.entry else {}
+
+    @property
+    def model(self) -> str | None:
+        value = self.fingerprint.get("model")
+        return value if isinstance(value, str) and value else None
+
+    @property
+    def detail(self) -> str:
+        return _REMOTE_TEXT.get(self.status, self.status)
+
+
+def remote_url(given: str | None, env: Mapping[str, str]) -> str:
+    url = given or env.get(ENV_REMOTE_STORE)
+    if not url:
+        raise CatalogError(f"--remote needs --remote-store s3://bucket/prefix or {ENV_REMOTE_STORE}")
+    return url
+
+
+def remote_config(url: str, env: Mapping[str, str]) -> Any:
+    """RemoteConfig.from_url, its complaints as one line (imported here: obstore is needed only for --remote)."""
+    from .remote import RemoteConfig
+
+    try:
+        return RemoteConfig.from_url(url, env)
+    except ValueError as exc:
+        raise CatalogError(str(exc)) from None
+
+
+class RemoteSession:
+    """A RemoteTier for the command's lifetime, with a throwaway upload journal (the CLI uploads nothing)."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    async def __aenter__(self) -> Any:
+        from .remote import RemoteError, RemoteTier
+
+        self._journal = tempfile.TemporaryDirectory(prefix="slotkeeper-cli-")
+        try:
+            self.tier = RemoteTier(self.config, CLI_NAMESPACE, Path(self._journal.name))
+        except Exception as exc:  # noqa: BLE001 - the client refused its configuration: one line
+            self._journal.cleanup()
+            raise RemoteError(f"remote store {self.config.url}: {exc}") from None
+        return self.tier
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.tier.close(time.monotonic())
+        self._journal.cleanup()
+
+
+def remote_rows(url: str, listing: Mapping[str, list[dict[str, Any]]]) -> dict[str, list[RemoteRow]]:
+    """namespace -> its rows, most recently used first, with short ids told apart within the namespace."""
+    out: dict[str, list[RemoteRow]] = {}
+    for namespace, manifests in sorted(listing.items()):
+        rows = sorted((RemoteRow.of(url, namespace, m) for m in manifests), key=lambda r: (-r.last_used, r.id))
+        _short_ids(rows)
+        out[namespace] = rows
+    return out
+
+
+def remote_record(row: RemoteRow, now: float, expectation: Expectation | None) -> dict[str, Any]:
+    entry = row.entry
+    record: dict[str, Any] = {
+        "kind": KIND_REMOTE, "url": row.url, "namespace": row.namespace, "id": row.id, "short": row.short,
+        "status": row.status, "detail": row.detail, "reason": row.reason or row.detail, "tokens": row.tokens,
+        "bytes": row.size, "sha256": row.manifest.get("sha256"),
+        "saved_at": entry.saved_at if entry else None, "last_used": row.last_used,
+        "age_s": round(max(0.0, now - row.last_used), 1), "model": row.model,
+        "model_name": Path(row.model).name if row.model else None,
+        "fingerprint": (entry.fingerprint or None) if entry else None,
+        "format": {"seq_version": entry.seq_version, "layout": entry.layout} if entry else None,
+    }
+    if expectation is not None:
+        differences = match_differences(row, expectation)
+        record["match"] = not differences
+        record["differences"] = differences
+    return record
+
+
+def remote_json(url: str, by_namespace: Mapping[str, list[RemoteRow]], now: float,
+                expectation: Expectation | None) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = []
+    for namespace, rows in by_namespace.items():
+        records.append({"kind": "remote_namespace", "url": url, "namespace": namespace, "entries": len(rows),
+                        "bytes": sum(r.disk_bytes for r in rows)})
+        records += [remote_record(r, now, expectation) for r in rows]
+    return records
+
+
+def render_remote(url: str, by_namespace: Mapping[str, list[RemoteRow]], now: float,
+                  expectation: Expectation | None) -> str:
+    if not by_namespace:
+        return f"no entries in {url}"
+    sections = []
+    for namespace, rows in by_namespace.items():
+        unusable = sum(r.status != SHARED for r in rows)
+        summary = (f"{_count(len(rows), 'entry', 'entries')}, {fmt_bytes(sum(r.disk_bytes for r in rows))}"
+                   + (f" ({unusable:,} never used)" if unusable else ""))
+        sections.append((f"{url}/{namespace}", rows, summary))
+    total = None
+    if len(by_namespace) > 1:
+        rows_all = [r for rows in by_namespace.values() for r in rows]
+        total = (f"total: {_count(len(rows_all), 'entry', 'entries')}, {fmt_bytes(sum(r.disk_bytes for r in rows_all))} "
+                 f"in {_count(len(by_namespace), 'namespace')}")
+    return render_sections(sections, total, now, expectation)
 
 
 # ---- prune ----------------------------------------------------------------------------------------------------
@@ -847,7 +1057,7 @@ def render_listing(dirs: Sequence[SaveDir], now: float, expectation: Expectation
 class Removal:
     """One pair prune deletes (manifest first, then the .bin: store.remove_pair)."""
 
-    row: Row
+    row: Row | RemoteRow
     reason: str
     age: float
 
@@ -857,14 +1067,10 @@ class Removal:
 
     @property
     def label(self) -> str:
-        row = self.row
-        where = display_path(row.directory)
-        if row.kind == KIND_SLOT_FILE:
-            return f"slot file {where}/{row.name}{BIN_SUFFIX}"
-        return f"{'quarantined entry' if row.kind == KIND_QUARANTINED else 'entry'} {row.short} in {where}"
+        return self.row.label
 
 
-def model_missing(row: Row) -> bool:
+def model_missing(row: Row | RemoteRow) -> bool:
     """The manifest names a model file that existed when the entry was saved and is gone now."""
     fp = row.fingerprint
     model = row.model
@@ -878,39 +1084,47 @@ def plan_prune(
 ) -> list[Removal]:
     """What prune removes, in order. --max-total counts the entries (and slot files) of all `dirs` together and
     removes the least recently used first."""
+    rows = [row for save_dir in dirs for row in save_dir.rows if row.kind != KIND_QUARANTINED]
+    removals = plan_rows(rows, now, older_than=older_than, max_total=max_total, missing_models=missing_models,
+                         other_configs=other_configs, expectation=expectation)
+    if quarantine:
+        for save_dir in dirs:
+            for row in save_dir.of_kind(KIND_QUARANTINED):
+                removals.append(Removal(row, "quarantined", now - row.last_used))
+    return removals
+
+
+def plan_rows(
+    rows: Iterable[Row | RemoteRow], now: float, *, older_than: float | None = None, max_total: int | None = None,
+    missing_models: bool = False, other_configs: bool = False, expectation: Expectation | None = None,
+) -> list[Removal]:
+    """The criteria, over local rows or the shared tier's."""
     removals: list[Removal] = []
-    kept: list[Row] = []
-    for save_dir in dirs:
-        for row in save_dir.rows:
-            if row.kind == KIND_QUARANTINED:
-                continue
-            age = now - row.last_used
-            reason = None
-            if missing_models and model_missing(row):
-                reason = f"model gone: {row.model}"
-            elif other_configs and expectation is not None and row.status in COMPARABLE and (
-                    differences := expectation.differences(row.fingerprint)):
-                reason = f"not for these llama-server arguments: {differences[0]}"
-            elif other_configs and expectation is None and row.status == OTHER_CONFIGURATION:
-                reason = row.reason
-            elif older_than is not None and age > older_than:
-                reason = f"unused for over {format_age(older_than)}"
-            if reason:
-                removals.append(Removal(row, reason, age))
-            else:
-                kept.append(row)
+    kept: list[Row | RemoteRow] = []
+    for row in rows:
+        age = now - row.last_used
+        reason = None
+        if missing_models and model_missing(row):
+            reason = f"model gone: {row.model}"
+        elif other_configs and expectation is not None and row.status in COMPARABLE and (
+                differences := expectation.differences(row.fingerprint)):
+            reason = f"not for these llama-server arguments: {differences[0]}"
+        elif other_configs and expectation is None and row.status == OTHER_CONFIGURATION:
+            reason = row.reason
+        elif older_than is not None and age > older_than:
+            reason = f"unused for over {format_age(older_than)}"
+        if reason:
+            removals.append(Removal(row, reason, age))
+        else:
+            kept.append(row)
     if max_total is not None:
         total = sum(r.disk_bytes for r in kept)
-        for row in sorted(kept, key=lambda r: (r.last_used, str(r.directory), r.name)):
+        for row in sorted(kept, key=lambda r: (r.last_used, r.sort_key)):
             if total <= max_total:
                 break
             total -= row.disk_bytes
             removals.append(Removal(row, f"over --max-total {fmt_bytes(max_total)} (least recently used)",
                                     now - row.last_used))
-    if quarantine:
-        for save_dir in dirs:
-            for row in save_dir.of_kind(KIND_QUARANTINED):
-                removals.append(Removal(row, "quarantined", now - row.last_used))
     return removals
 
 
@@ -922,6 +1136,7 @@ def remove_files(removal: Removal) -> str | None:
     without --restore-unverified).
     """
     row = removal.row
+    assert isinstance(row, Row)
     for scanned, suffix in ((row.manifest_file, MANIFEST_SUFFIX), (row.bin, BIN_SUFFIX)):
         path = row.folder / f"{row.name}{suffix}"
         try:
@@ -992,8 +1207,34 @@ def add_dirs_argument(parser: argparse.ArgumentParser, env: Mapping[str, str]) -
                         help=f"save directories (default: every one under {display_path(cache_root(env))})")
 
 
+def add_remote_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--remote", action="store_true", help=f"{what} the shared tier instead of save directories")
+    parser.add_argument("--remote-store", metavar="URL",
+                        help=f"the shared tier for --remote: s3://bucket/prefix (default: ${ENV_REMOTE_STORE}; "
+                        "credentials and endpoint from the AWS_* variables and profiles)")
+
+
+def resolve_remote(parsed: argparse.Namespace, env: Mapping[str, str]) -> Any:
+    """The RemoteConfig for --remote (None without it); bad combinations are CatalogErrors."""
+    if not parsed.remote:
+        if parsed.remote_store:
+            raise CatalogError("--remote-store is used with --remote")
+        return None
+    if parsed.dirs:
+        raise CatalogError("give DIR or --remote, not both")
+    return remote_config(remote_url(parsed.remote_store, env), env)
+
+
+def list_remote(config: Any) -> dict[str, list[dict[str, Any]]]:
+    async def go() -> dict[str, list[dict[str, Any]]]:
+        async with RemoteSession(config) as tier:
+            return await tier.list_all()  # type: ignore[no-any-return]
+
+    return asyncio.run(go())
+
+
 def ls_main(argv: list[str], env: Mapping[str, str] | None = None, now: float | None = None) -> int:
-    """`slotkeeper ls [DIR...] [--json] [-- LLAMA-SERVER ARGS]`."""
+    """`slotkeeper ls [DIR... | --remote [--remote-store URL]] [--json] [-- LLAMA-SERVER ARGS]`."""
     env = os.environ if env is None else env
     parser = _Parser(
         prog="slotkeeper ls",
@@ -1001,21 +1242,37 @@ def ls_main(argv: list[str], env: Mapping[str, str] | None = None, now: float | 
         "quarantined entry, and per slot file a next start takes over). The status is judged against the "
         "configuration of the directory's most recently used entry (the last run's). With llama-server "
         "arguments after --, a match column tells whether each entry fits them (what is known without starting "
-        "llama-server: the model file, KV flags, and the slot count and context size when -np / -c are given).",
+        "llama-server: the model file, KV flags, and the slot count and context size when -np / -c are given). "
+        "With --remote: the shared tier's entries, one table per namespace.",
     )
     add_dirs_argument(parser, env)
     parser.add_argument("--json", action="store_true", help="one JSON object per directory and per row, for scripts")
+    add_remote_arguments(parser, "list")
     own, llama_argv = _split_dashdash(argv)
     parsed = _parse(parser, own)
     if isinstance(parsed, int):
         return parsed
     try:
         expectation = expectation_from_args(llama_argv, env) if llama_argv else None
-        dirs = [scan_dir(d) for d in resolve_dirs(parsed.dirs, env)]
+        remote = resolve_remote(parsed, env)
+        dirs = [] if remote else [scan_dir(d) for d in resolve_dirs(parsed.dirs, env)]
     except CatalogError as exc:
         print(f"slotkeeper ls: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     now = time.time() if now is None else now
+    if remote is not None:
+        from .remote import RemoteError
+
+        try:
+            by_namespace = remote_rows(remote.url, list_remote(remote))
+        except RemoteError as exc:
+            print(f"slotkeeper ls: error: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        if parsed.json:
+            say(json.dumps(remote_json(remote.url, by_namespace, now, expectation), indent=1))
+        else:
+            say(render_remote(remote.url, by_namespace, now, expectation))
+        return EXIT_OK
     if parsed.json:
         say(json.dumps(json_records(dirs, now, expectation), indent=1))
     elif not dirs:
@@ -1038,15 +1295,71 @@ def claim_dir(path: Path, dry_run: bool) -> tuple[int | None, LockState]:
         return None, LockState(True, True, _lock_pid(str(exc)))
 
 
+def report_removals(outcomes: Iterable[tuple[Removal, str | None]], dry_run: bool) -> bool:
+    """One line per removal as it happens (or why it did not), then the totals; True when one failed."""
+    verb = "would remove" if dry_run else "removed"
+    counts = {KIND_ENTRY: 0, KIND_SLOT_FILE: 0, KIND_QUARANTINED: 0, KIND_REMOTE: 0}
+    freed = seen = 0
+    failed = False
+    for removal, problem in outcomes:
+        seen += 1
+        if problem:
+            failed = True
+            print(f"slotkeeper prune: not removed: {removal.label}: {problem}", file=sys.stderr)
+            continue
+        say(f"{verb} {describe_removal(removal)}")
+        freed += removal.nbytes
+        counts[removal.row.kind] += 1
+    if not seen:
+        say("nothing to remove")
+        return failed
+    if counts[KIND_REMOTE]:
+        parts = [_count(counts[KIND_REMOTE], "remote entry", "remote entries")]
+    else:
+        parts = [_count(counts[KIND_ENTRY], "entry", "entries")]
+        if counts[KIND_SLOT_FILE]:
+            parts.append(_count(counts[KIND_SLOT_FILE], "slot file"))
+        if counts[KIND_QUARANTINED]:
+            parts.append(_count(counts[KIND_QUARANTINED], "quarantined entry", "quarantined entries"))
+    listed = ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
+    say(f"{verb} {listed}: {fmt_bytes(freed)}" + (" (dry run)" if dry_run else ""))
+    return failed
+
+
+def prune_remote(config: Any, now: float, dry_run: bool, **criteria: Any) -> list[tuple[Removal, str | None]]:
+    """List the shared tier, plan, and delete (each manifest first: RemoteTier.delete)."""
+    from .remote import RemoteError
+
+    async def go() -> list[tuple[Removal, str | None]]:
+        async with RemoteSession(config) as tier:
+            by_namespace = remote_rows(config.url, await tier.list_all())
+            rows = [row for rows in by_namespace.values() for row in rows]
+            outcomes: list[tuple[Removal, str | None]] = []
+            for removal in plan_rows(rows, now, **criteria):
+                problem = None
+                if not dry_run:
+                    row = removal.row
+                    assert isinstance(row, RemoteRow)
+                    try:
+                        await tier.delete(row.namespace, row.id)
+                    except RemoteError as exc:
+                        problem = str(exc)
+                outcomes.append((removal, problem))
+            return outcomes
+
+    return asyncio.run(go())
+
+
 def prune_main(argv: list[str], env: Mapping[str, str] | None = None, now: float | None = None) -> int:
-    """`slotkeeper prune [DIR...] [--older-than 7d] [--max-total 20GB] [--quarantine] [--missing-models]
-    [--other-configs] [--force] [--dry-run] [-- LLAMA-SERVER ARGS]`."""
+    """`slotkeeper prune [DIR... | --remote [--remote-store URL]] [--older-than 7d] [--max-total 20GB] [--quarantine]
+    [--missing-models] [--other-configs] [--force] [--dry-run] [-- LLAMA-SERVER ARGS]`."""
     env = os.environ if env is None else env
     parser = _Parser(
         prog="slotkeeper prune",
         description="Delete entries of the conversation store (each manifest, then its .bin), quarantined "
         "entries, and slot files of the slot-file layout. snapshots/ (clients' own files) and partial files are "
-        "never touched, nor a directory a running slotkeeper holds (unless --force).",
+        "never touched, nor a directory a running slotkeeper holds (unless --force). With --remote: entries of "
+        "the shared tier (--older-than, --max-total, --other-configs with llama-server arguments).",
     )
     add_dirs_argument(parser, env)
     parser.add_argument("--older-than", metavar="AGE", help="remove entries last used longer ago than AGE (30min, 12h, 7d, 2w)")
@@ -1061,6 +1374,7 @@ def prune_main(argv: list[str], env: Mapping[str, str] | None = None, now: float
                         "--, or without them, than the directory's most recently used entry (ls's status column)")
     parser.add_argument("--force", action="store_true", help="prune a directory even while a slotkeeper uses it")
     parser.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    add_remote_arguments(parser, "prune")
     own, llama_argv = _split_dashdash(argv)
     parsed = _parse(parser, own)
     if isinstance(parsed, int):
@@ -1075,11 +1389,29 @@ def prune_main(argv: list[str], env: Mapping[str, str] | None = None, now: float
         older_than = parse_duration(parsed.older_than) if parsed.older_than else None
         max_total = parse_size(parsed.max_total) if parsed.max_total else None
         expectation = expectation_from_args(llama_argv, env) if llama_argv else None
-        paths = resolve_dirs(parsed.dirs, env)
+        if parsed.remote:
+            for given, flag in ((parsed.quarantine, "--quarantine"), (parsed.missing_models, "--missing-models"),
+                                (parsed.force, "--force")):
+                if given:
+                    raise CatalogError(f"{flag} applies to save directories, not to --remote")
+            if parsed.other_configs and expectation is None:
+                raise CatalogError("--other-configs with --remote needs llama-server arguments after --")
+        remote = resolve_remote(parsed, env)
+        paths = [] if remote else resolve_dirs(parsed.dirs, env)
     except CatalogError as exc:
         print(f"slotkeeper prune: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     now = time.time() if now is None else now
+    if remote is not None:
+        from .remote import RemoteError
+
+        try:
+            outcomes = prune_remote(remote, now, parsed.dry_run, older_than=older_than, max_total=max_total,
+                                    other_configs=parsed.other_configs, expectation=expectation)
+        except RemoteError as exc:
+            print(f"slotkeeper prune: error: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        return EXIT_FAILED if report_removals(outcomes, parsed.dry_run) else EXIT_OK
     failed = False
     held: list[int] = []
     try:
@@ -1103,36 +1435,15 @@ def prune_main(argv: list[str], env: Mapping[str, str] | None = None, now: float
         removals = plan_prune(dirs, now, older_than=older_than, max_total=max_total, quarantine=parsed.quarantine,
                               missing_models=parsed.missing_models, other_configs=parsed.other_configs,
                               expectation=expectation)
-        verb = "would remove" if parsed.dry_run else "removed"
-        counts = {KIND_ENTRY: 0, KIND_SLOT_FILE: 0, KIND_QUARANTINED: 0}
-        freed = 0
-        for removal in removals:
-            if not parsed.dry_run:
-                problem = remove_files(removal)
-                if problem:
-                    failed = True
-                    print(f"slotkeeper prune: not removed: {removal.label}: {problem}", file=sys.stderr)
-                    continue
-            say(f"{verb} {describe_removal(removal)}")
-            freed += removal.nbytes
-            counts[removal.row.kind] += 1
+        outcomes_local = ((r, None if parsed.dry_run else remove_files(r)) for r in removals)
+        failed = report_removals(outcomes_local, parsed.dry_run) or failed
     finally:
         for fd in held:
             os.close(fd)
-    if not removals:
-        say("nothing to remove")
-    else:
-        parts = [_count(counts[KIND_ENTRY], "entry", "entries")]
-        if counts[KIND_SLOT_FILE]:
-            parts.append(_count(counts[KIND_SLOT_FILE], "slot file"))
-        if counts[KIND_QUARANTINED]:
-            parts.append(_count(counts[KIND_QUARANTINED], "quarantined entry", "quarantined entries"))
-        listed = ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
-        say(f"{verb} {listed}: {fmt_bytes(freed)}" + (" (dry run)" if parsed.dry_run else ""))
     return EXIT_FAILED if failed else EXIT_OK
 
 
 __all__ = [
-    "CatalogError", "Expectation", "Row", "SaveDir", "expectation_from_args", "find_save_dirs", "format_age",
+    "CatalogError", "Expectation", "RemoteRow", "Row", "SaveDir", "expectation_from_args", "find_save_dirs", "format_age",
     "ls_main", "parse_duration", "parse_size", "plan_prune", "prune_main", "scan_dir",
 ]

@@ -157,6 +157,7 @@ def mixed_dir(tmp_path: Path) -> dict[str, Any]:
     write_slot_file(d, 0, tokens=40, age=2 * DAY)  # the slot-file layout, not yet taken over
     (d / "snapshots" / "my-own-save.bin").write_bytes(encode_slot_file([1, 2, 3], "m.gguf"))  # a client's
     (d / "snapshots" / f"{TRANSIENT_PREFIX}{'0' * 32}.bin").write_bytes(b"t")  # slotkeeper's, left by a kill
+    (d / "snapshots" / f"{TRANSIENT_PREFIX}notes.bin").write_bytes(b"n")  # a client's, whatever its name
     for name in FOREIGN:
         (d / name).write_bytes(b"not slotkeeper's")
     return {"dir": d, **e}
@@ -201,8 +202,8 @@ def test_ls_table_shows_each_entry_with_its_status(capsys, mixed_dir):
     summary = " ".join(out.split())
     assert "8 entries, " in summary and "(2 usable)" in summary
     assert "1 slot file to take over, " in summary and "quarantine: 1 entry, " in summary
-    client = fmt_bytes((d / "snapshots" / "my-own-save.bin").stat().st_size)
-    assert f"snapshots/: 1 client file, {client}" in summary  # the transient leftover is not a client's
+    client = fmt_bytes((d / "snapshots" / "my-own-save.bin").stat().st_size + 1)
+    assert f"snapshots/: 2 client files, {client}" in summary  # the transient leftover is not a client's
     assert "1 partial (finished or removed at next start)" in summary
     assert "in use" not in summary
     assert all(len(line) <= 100 for line in out.splitlines())
@@ -278,7 +279,7 @@ def test_ls_json_lists_every_row_with_its_fields(capsys, mixed_dir):
     assert directory["dir"] == str(d) and directory["entries"] == 8 and directory["usable"] == 2
     assert directory["reference"] == mixed_dir["newest"].id  # the most recently used: the last run's configuration
     assert directory["quarantined"] == 1 and directory["slot_files"] == 1 and directory["partials"] == 1
-    assert directory["client_files"] == 1 and directory["in_use"] is False
+    assert directory["client_files"] == 2 and directory["in_use"] is False
     assert directory["bytes"] == sum(p.stat().st_size for p in (d / "entries").iterdir() if not p.name.endswith(".partial"))
     rows = {r["id"]: r for r in records if r["kind"] != "directory"}
     newest = rows[mixed_dir["newest"].id]

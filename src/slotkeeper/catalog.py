@@ -36,7 +36,7 @@ from .layout import ENTRIES_DIR, LOCK_NAME, QUARANTINE_DIR, SNAPSHOTS_DIR, Store
 from .log import fmt_bytes
 from .statefile import SEQ_MAGIC, StateFileError, read_header
 from .store import (
-    BIN_SUFFIX, MANIFEST_SUFFIX, MANIFEST_VERSION, PARTIAL_SUFFIX, TRANSIENT_PREFIX, Entry, compatible_format,
+    BIN_SUFFIX, MANIFEST_SUFFIX, MANIFEST_VERSION, PARTIAL_SUFFIX, TRANSIENT_NAME, Entry, compatible_format,
     read_json, remove_pair,
 )
 
@@ -511,7 +511,7 @@ def scan_dir(path: Path) -> SaveDir:
     snapshots = path / SNAPSHOTS_DIR
     if snapshots.is_dir() and not snapshots.is_symlink():
         for name in _list(snapshots):
-            if not name.startswith(TRANSIENT_PREFIX) and (stat := FileStat.maybe(snapshots / name)):
+            if not TRANSIENT_NAME.fullmatch(name) and (stat := FileStat.maybe(snapshots / name)):
                 result.client_files.append(stat)
     _short_ids(result.rows)
     result.lock = lock_state(path)

@@ -20,14 +20,15 @@ SUBCOMMANDS = ("demo", "ls", "prune", "help", "version")
 
 USAGE = """\
 usage: slotkeeper [SLOTKEEPER OPTIONS --] LLAMA-SERVER ARGS...
-       slotkeeper demo                      a model swap on a real llama-server, cold vs restored
-       slotkeeper ls [DIR...] [--json]      the caches on disk (slotkeeper ls --help)
-       slotkeeper prune [DIR...] ...        remove old, oversized, quarantined or orphaned caches
+       slotkeeper demo                      several chats and a model swap on a real llama-server, cold vs warm
+       slotkeeper ls [DIR...] [--json]      the conversations on disk (slotkeeper ls --help; --remote too)
+       slotkeeper prune [DIR...] ...        remove old, oversized, quarantined or orphaned conversations
 
-Runs llama-server as a private child and keeps its slot (KV) caches across restarts: restores them before
-/health turns 200, saves them on SIGTERM. Every argument goes to llama-server, except --host/--port (the
-public address slotkeeper listens on) and --slot-save-path (where caches live; default: a per-model
-directory under ~/.cache/slotkeeper).
+Runs llama-server as a private child and keeps every conversation's KV cache across restarts: places each
+chat on the slot that holds it (restoring it from the store first if need be), saves a slot only when it is
+about to be reused, when idle and at stop, and restores the most recent chats before /health turns 200.
+Every argument goes to llama-server, except --host/--port (the public address slotkeeper listens on) and
+--slot-save-path (where conversations live; default: a per-model directory under ~/.cache/slotkeeper).
 
 slotkeeper options (before --, or as SLOTKEEPER_<NAME> environment variables; .env is read):
 """

@@ -29,7 +29,7 @@ class Options(BaseModel):
         False, description="keep llama-server's --cache-idle-slots default (idle slots leave the KV cache)"
     )
     restore_unverified: bool = Field(
-        False, description="also restore <id>.bin files without a slotkeeper manifest (llama-server still checks shape)"
+        False, description="also take over slot files of the old layout (<n>.bin) that have no slotkeeper manifest (llama-server still checks shape)"
     )
     fsync: bool = Field(True, description="fsync each saved cache file and its directory before renaming it in place")
     autosave_idle: float = Field(

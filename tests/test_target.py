@@ -216,6 +216,12 @@ def expected_slot_answer(request: SlotRequest) -> Observed:
     return (200, SLOT_ANSWER_KEYS[request.action], request.slot)
 
 
+def is_slot_answer(answer: Observed) -> bool:
+    """Whether POST /slots/:id_slot answered (its errors, or a slot action's keys)."""
+    return answer[1] in ("Invalid slot ID", "Invalid action") or (answer[0] == 200 and answer[1] in
+                                                                  SLOT_ANSWER_KEYS.values())
+
+
 def canonical(target: Target) -> bytes:
     """A target llama-server can read only one way (every byte but unreserved ones and '/' as %XX) for the same
     path and query."""
@@ -310,7 +316,8 @@ ISSUE_CASES = [  # the issue's and this module's own: always run
     b"/completion%uD800", b"/slots%2F1?action=erase", b"/slots/%2531?action=erase&id_slot=0",
     b"/slots/1?action=bogus&action=erase", b"/slots/1?action=erase&action=bogus", b"/slots/+7x/?act%69on=erase",
     b"/slots/-1?action=save", b"/slots/0/?action=restore", b"http://h/slots/0?action=erase", b"%2Fslots/0?action=erase",
-    b"/slots/1%00?action=erase", b"/slotkeeper%2Fstatus", b"/he%61lth",
+    b"/slots/1%00?action=erase", b"/slotkeeper%2Fstatus", b"/he%61lth", b"/slots/%201?action=erase",
+    b"/slots/%0A1/?action=erase&action=er%61se",
 ]
 
 
@@ -340,6 +347,7 @@ def test_slotkeeper_reads_targets_as_llama_server_does(servers, raw, framing):
     assert direct[-1] == exchange(direct_port, unambiguous, n)[-1]
     event(f"llama-server answered {direct[-1][:2]}"[:80])
     slot = slot_request(target)
+    assert is_slot_answer(direct[-1]) == (slot is not None), "target.py and llama-server disagree on the route"
     if slot is not None:
         assert direct[-1] == expected_slot_answer(slot)
     if target.path.startswith("/slotkeeper/"):  # slotkeeper's own routes, read the same way

@@ -24,6 +24,14 @@ request waiting for the gate, a new connection to the child, and slotkeeper's ow
 
 One request is answered at a time per client connection (pipelined ones wait their turn, as HTTP/1.1
 requires), over a keep-alive connection to the child's private socket taken from ChildPool.
+
+Every request goes through the same rules (`begin`), however its bytes arrived: first on its connection or
+pipelined, in the read that ended the previous one, while an answer still streams. They are decided on the
+target as llama-server reads it (target.py), so a spelling cannot get a completion past the hook or a route
+past the gate. What llama-server and slotkeeper could read two ways is refused with a 400 and the connection
+closes, after the answers to the requests before it: a fragment or a non-%XX escape in the path (target.py),
+a framing llhttp finds ambiguous (its strict defaults: no lenient flag is set), a Transfer-Encoding other than
+chunked alone, a body on an Upgrade request (llhttp skips it), an HTTP version other than 1.0 and 1.1.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ import httptools
 
 from .llama_client import CONNECT_TIMEOUT_S
 from .log import log
-from .target import read_target
+from .target import RefusedTarget, read_path
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from .supervisor import ChildEndpoint
@@ -78,6 +86,10 @@ CONNECT_RETRY_S = 0.002  # first wait when the child's accept queue is full (dou
 CLIENT_IDLE_S = 75.0  # a client's idle keep-alive connection is closed after this long (aiohttp's default)
 CLIENT_SWEEP_S = 15.0
 CLOSE_GRACE_S = 1.0  # at exit, how long requests still running get to end (the child is gone: they fail fast)
+# After refusing malformed input, how long what the client still sends is read and dropped before the connection
+# closes: closing with unread input resets it, and a reset can destroy the 400 before the client reads it
+# (RFC 9112 9.6, the TCP reset problem).
+LINGER_S = 1.0
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _LAST_CHUNK = b"0\r\n\r\n"
@@ -179,6 +191,8 @@ class Request:
     expect_continue = False
     has_host = False
     named: set[bytes] | None = None  # header names listed in Connection (beyond keep-alive and close)
+    codings: bytes | None = None  # a Transfer-Encoding other than just "chunked" (refused)
+    upgrade = False  # has an Upgrade header
     mode = _STREAM
     buffered = 0
     complete = False  # the whole body has been read from the client
@@ -201,7 +215,9 @@ class Request:
             if lname == b"content-length":
                 self.length = int(value)
             elif lname == b"transfer-encoding":
-                self.chunked = True  # llhttp accepts a request body in no other transfer coding
+                self.chunked = True  # llhttp accepts a request body in no other final transfer coding
+                if value.strip(b" \t").lower() != b"chunked":  # "gzip, chunked": more than the framing
+                    self.codings = value
             elif lname == b"expect":
                 self.expect_continue = value.lower() == b"100-continue"
             elif lname == b"host":
@@ -211,16 +227,20 @@ class Request:
                 named = connection_named(value)
                 if named:
                     self.named = (self.named or set()) | named
+            elif lname == b"upgrade":
+                self.upgrade = True
 
     def prepare(self, method: bytes) -> str | None:
         """The child's request head (without framing), and the path slotkeeper routes on, read from the target
         as llama-server reads it (target.py); or why the request is refused. The child gets the target byte for
         byte (an absolute-form one too: llama-server reads it as a path, which no route matches)."""
         self.method = method
-        target = read_target(self.target)
-        if type(target) is str:
-            return target
-        self.path = target.path  # type: ignore[union-attr]
+        try:
+            self.path = read_path(self.target)
+        except RefusedTarget as exc:
+            return exc.reason
+        if self.codings is not None:
+            return f"Transfer-Encoding {self.codings.decode('latin-1')!r}: only chunked is supported"
         forwarded = self.forwarded
         if self.named:  # drop the headers Connection named (rare): every header is 4 items
             forwarded = [item for i in range(0, len(forwarded), 4) if forwarded[i].lower() not in self.named
@@ -246,6 +266,7 @@ class _Refused(Exception):
 
 
 def bad_request(reason: str) -> Reply:
+    """The answer to input slotkeeper does not forward (then the connection closes)."""
     return error_reply(400, f"bad request: {reason}", "invalid_request_error")
 
 
@@ -271,13 +292,17 @@ class ClientConnection(asyncio.Protocol):
         self.task: asyncio.Future[None] | None = None  # off the hot path: gate, connect, own route
         self.lost = False
         self.idle_since = time.monotonic()
-        self._in_head = False
+        # Reads that begin outside a body count towards the request head (MAX_REQUEST_HEAD), from the end of
+        # the previous head: the first read of a connection too. (A head that starts in the read that ends the
+        # previous body is counted from the next read.)
+        self._in_head = True
         self._head_bytes = 0
         self._holds = 0
         self._out: list[bytes] | None = None  # collecting writes while a batch is open
         self._reading_done = False  # what follows is not parsed (malformed input, an upgrade)
         self._close_requested = False  # close once the open batch is written
         self._client_done = False  # the client half-closed: close once what it sent is answered
+        self._linger: asyncio.TimerHandle | bool = False  # True: close in stages (refused input); then the timer
         # the active exchange's response
         self._status = 0
         self._head_sent = False
@@ -301,8 +326,11 @@ class ClientConnection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            # llama-server speaks no other protocol: the request was forwarded without Upgrade; nothing after it
-            self._reading_done = self._close_after = True
+            # llama-server speaks no other protocol: the request is forwarded without Upgrade, answered, and
+            # the connection closes after it (what follows is not HTTP to llhttp)
+            self._reading_done = True
+            if self.incoming is not None:
+                self.incoming.keep_alive = False
             if self.active is None:
                 self.close()
         except httptools.HttpParserError as exc:
@@ -320,11 +348,16 @@ class ClientConnection(asyncio.Protocol):
     def eof_received(self) -> bool:
         # A client that half-closes after its request still waits for the answer; then the connection closes.
         self._client_done = True
+        req = self.incoming
+        if not self._reading_done and req is not None and not req.complete:
+            self._refuse_malformed(bad_request("the request ended early"))  # it can never complete
         return self.active is not None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self.proxy.connections.discard(self)
+        if isinstance(self._linger, asyncio.TimerHandle):
+            self._linger.cancel()
         if self.task is not None:
             self.task.cancel()
             self.task = None
@@ -353,8 +386,6 @@ class ClientConnection(asyncio.Protocol):
         if self._reading_done:  # closing (a request ended it): llhttp would go on with the bytes it has
             raise _Refused(None)
         self.incoming = Request()
-        self._in_head = True
-        self._head_bytes = 0
 
     def on_url(self, url: bytes) -> None:
         req = self.incoming
@@ -369,16 +400,24 @@ class ClientConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._head_bytes = 0
         req = self.incoming
         assert req is not None
         parser = self.parser
-        if parser.get_http_version() != "1.1":
+        version = parser.get_http_version()
+        if version != "1.1":
+            if version != "1.0":  # llhttp reads 0.9 and 2.0 too; llama-server refuses them with a 400
+                raise _Refused(bad_request(f"HTTP/{version} is not supported"))
             req.http11 = False
         if not parser.should_keep_alive():
             req.keep_alive = False
-        refused = req.prepare(parser.get_method())
+        method = parser.get_method()
+        refused = req.prepare(method)
         if refused is not None:
             raise _Refused(bad_request(refused))
+        if (req.upgrade or method == b"CONNECT") and req.has_body and parser.should_upgrade():
+            # llhttp skips the body of an upgrade: it would go to the child empty, llama-server would read it
+            raise _Refused(bad_request("a body with Upgrade"))
         if self.active is None:
             self.begin(req)
         else:
@@ -403,6 +442,7 @@ class ClientConnection(asyncio.Protocol):
             self.forward(req)
 
     def on_message_complete(self) -> None:
+        self._in_head = True
         req = self.incoming
         assert req is not None
         req.complete = True
@@ -459,12 +499,13 @@ class ClientConnection(asyncio.Protocol):
         """Forward: now (a streamed body) or once the body is read (small, or for the completion hook).
 
         The one path for every request, however it arrived: the first on its connection or pipelined behind
-        another, its body still coming or already complete (then `_body_read` runs at once).
+        another, its body still coming or already complete (then `_body_read` runs at once). Every request the
+        hook wants goes through it, with a body or without (one over MAX_HOOKED_BODY streams past it).
         """
         self.proxy.enter(self)
         req.counted = True
         hook = self.proxy.hook
-        if hook is not None and req.has_body and (req.length is None or req.length <= MAX_HOOKED_BODY) \
+        if hook is not None and (req.length is None or req.length <= MAX_HOOKED_BODY) \
                 and hook.wants(req.method, req.path):
             req.mode = _HOOKED
         elif not req.has_body or (req.length is not None and req.length <= SMALL_BODY):
@@ -475,6 +516,8 @@ class ClientConnection(asyncio.Protocol):
             self.forward(req)
             return
         req.deferred = True
+        if self._holds:  # the body is read whole now (it was held while it waited its turn or for the gate)
+            self._unhold(_HOLD_BUFFERED)
         if req.complete:
             self._body_read(req)
 
@@ -539,6 +582,7 @@ class ClientConnection(asyncio.Protocol):
         then the connection closes; nothing after them is read. A request whose body they cut never reaches the
         child whole."""
         self._reading_done = True
+        self._linger = True
         req = self.incoming
         if req is not None and req.complete:
             if not req.keep_alive:  # after the client's last request (Connection: close): nothing to answer
@@ -615,7 +659,7 @@ class ClientConnection(asyncio.Protocol):
                 body = b"".join(parts)
             payload = req.head + framing + body
             req.child = None if req.complete else conn
-        elif req.has_body:
+        elif req.has_body or req.mode == _HOOKED:  # (a hooked one keeps what the hook gave it)
             body = b"".join(parts)
             payload = b"%sContent-Length: %d\r\n\r\n%s" % (req.head, len(body), body)
             req.payload = payload  # all of it: it can be sent again if a kept-alive connection was stale
@@ -743,15 +787,26 @@ class ClientConnection(asyncio.Protocol):
         if out and self.transport is not None and not self.lost:
             self.transport.write(out[0] if len(out) == 1 else b"".join(out))
         if self._close_requested:
+            self._close_requested = False
             self.close()
 
     def close(self) -> None:
-        """Close after what is written (and what the open batch will write); nothing more is read."""
+        """Close after what is written (and what the open batch will write); nothing more is read. After refused
+        input, in stages: our side first, then the client's once it closes it or after LINGER_S (what it sends
+        meanwhile is dropped); closing it again (at exit) ends that at once."""
         self._reading_done = True
+        transport = self.transport
         if self._out is not None:
             self._close_requested = True
-        elif self.transport is not None:
-            self.transport.close()
+        elif transport is None:
+            pass
+        elif self._linger is True and not self._client_done and not self.lost and transport.can_write_eof():
+            transport.write_eof()
+            self._holds = 0
+            transport.resume_reading()
+            self._linger = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+        else:
+            transport.close()
 
     def abort(self) -> None:
         self._reading_done = True

@@ -38,7 +38,10 @@ from __future__ import annotations
 
 import re
 
-FRAGMENT = b"#"
+# Searched for as ints: `0x23 in raw` is a memchr, `b"#" in raw` costs several times more (CPython 3.11).
+HASH = ord("#")
+PERCENT = ord("%")
+NUL = 0
 SLOTS_ROUTE = "/slots/"  # llama-server's POST /slots/:id_slot
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1  # std::stoi's range (a 32-bit int)
 
@@ -79,19 +82,37 @@ class Target:
         return f"Target({self.path!r}, {self.query!r})"
 
 
+class RefusedTarget(ValueError):
+    """A target slotkeeper does not forward; `reason` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def read_path(raw: bytes) -> str:
+    """The path llama-server routes a request target on (the proxy's hot path: a few byte scans when there is
+    nothing to decode). Raises RefusedTarget."""
+    if HASH in raw:
+        raise RefusedTarget(REFUSED_FRAGMENT)
+    path = raw.partition(b"?")[0]
+    if PERCENT not in path:  # the common case: nothing to decode
+        return path.decode("latin-1")
+    if _BAD_PATH_ESCAPE.search(path):
+        raise RefusedTarget(REFUSED_ESCAPE)
+    decoded = _ESCAPE.sub(_byte, path)
+    if NUL in decoded:
+        raise RefusedTarget(REFUSED_NUL)
+    return decoded.decode("latin-1")
+
+
 def read_target(raw: bytes) -> Target | str:
     """The target of a request line, as llama-server reads it; or why slotkeeper refuses it (a str)."""
-    if FRAGMENT in raw:
-        return REFUSED_FRAGMENT
-    path, _, query = raw.partition(b"?")
-    if b"%" not in path:  # the common case: nothing to decode
-        return Target(path.decode("latin-1"), query)
-    if _BAD_PATH_ESCAPE.search(path):
-        return REFUSED_ESCAPE
-    decoded = _ESCAPE.sub(_byte, path)
-    if b"\0" in decoded:
-        return REFUSED_NUL
-    return Target(decoded.decode("latin-1"), query)
+    try:
+        path = read_path(raw)
+    except RefusedTarget as exc:
+        return exc.reason
+    return Target(path, raw.partition(b"?")[2])
 
 
 def _query_component(raw: bytes) -> str:

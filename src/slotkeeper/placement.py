@@ -53,6 +53,7 @@ RESTORE_MIN_GAIN_BLOCKS = 2  # restore an entry only when it covers this many mo
 SLOT_PROMPT_SIMILARITY = 0.1  # llama-server's --slot-prompt-similarity default (for unpinnable requests)
 TOKENIZE_TIMEOUT_S = 30.0
 PREFILL_RATE_MAX_AGE_S = 10.0
+DEFAULT_PREFILL_TOKENS_PER_S = 500.0  # until llama-server has measured its own prompt speed (a modest CPU)
 PREFILL_RATE_TIMEOUT_S = 1.0
 
 
@@ -166,6 +167,7 @@ class Placement:
         self._clock = 0.0
         self.remote: Any = None  # remote.RemoteTier: asked when a chat is in no slot and not in the store
         self._prefill: tuple[float, float | None] = (-PREFILL_RATE_MAX_AGE_S, None)  # (when, tokens/s)
+        self._background: set[asyncio.Future[None]] = set()
 
     # ---- the proxy's hook ---------------------------------------------------------------------------------
 
@@ -356,16 +358,36 @@ class Placement:
         gained = (match.matched_blocks - local) * BLOCK_TOKENS
         fetch_s = self.remote.estimated_fetch_seconds(nbytes)
         rate = await self._prefill_rate()
-        prefill_s = gained / rate if rate else None
-        if fetch_s is not None and prefill_s is not None and fetch_s >= prefill_s:
+        prefill_s = gained / (rate or DEFAULT_PREFILL_TOKENS_PER_S)
+        if fetch_s is not None and fetch_s >= prefill_s:
             self.metrics.remote_prefill_faster += 1
             log.info("chat %s is in the remote store, but fetching %s (~%.1f s) is slower than prefilling %s "
                      "tokens (~%.1f s): prefilling", match.entry_id[:4], fmt_bytes(nbytes), fetch_s, f"{gained:,}",
                      prefill_s)
             return
-        fetched = await self.remote.fetch(match, self.store.entries_dir)
+        # Without a measured speed yet, the request waits no longer than its prefill would take; the download
+        # goes on in the background (it is shared), so the entry is here for the chat's next turn.
+        try:
+            fetched = await asyncio.wait_for(self.remote.fetch(match, self.store.entries_dir),
+                                             None if fetch_s is not None else prefill_s)
+        except TimeoutError:
+            log.info("chat %s: its download outlasts the ~%.1f s prefill; prefilling while it goes on",
+                     match.entry_id[:4], prefill_s)
+            self._adopt_later(match)
+            return
         if fetched is not None and self.store.adopt(fetched[1]) is not None:
             self.metrics.remote_fetches += 1
+
+    def _adopt_later(self, match: Any) -> None:
+        """Take the entry in once its (shared) download completes, for the next turn."""
+        async def adopt() -> None:
+            fetched = await self.remote.fetch(match, self.store.entries_dir)
+            if fetched is not None and match.entry_id not in self.store.entries:
+                self.store.adopt(fetched[1])
+
+        task = asyncio.ensure_future(adopt())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _prefill_rate(self) -> float | None:
         """This server's prompt tokens per second, refreshed at most every PREFILL_RATE_MAX_AGE_S."""

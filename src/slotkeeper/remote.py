@@ -48,7 +48,8 @@ INDEX_MAX_AGE_S = 30.0  # find() re-lists the namespace at most this often
 INDEX_TIMEOUT_S = 60.0  # a whole listing (LIST pages + manifest GETs) gives up after this
 FIND_WAIT_S = 5.0  # a request waits at most this long for a refresh; it then continues in the background
 MANIFEST_GET_CONCURRENCY = 8
-PART_BYTES = 8 * 1024 * 1024  # multipart part size for uploads, chunk size for downloads
+PART_BYTES = 8 * 1024 * 1024  # multipart part size for uploads
+DOWNLOAD_CHUNK_BYTES = 256 * 1024  # a download's unit of progress: a stall is no chunk within request_timeout_s
 PART_CONCURRENCY = 2  # parts in flight per upload: PART_BYTES * this must cross the link within the timeout
 READ_BYTES = 1024 * 1024  # an upload reads and hashes the local file in pieces of this size, off the loop
 TRANSFER_MAX = timedelta(hours=24)  # a download is one GET; it is bounded per chunk (stall), not as a whole
@@ -562,7 +563,7 @@ class RemoteTier:
         hasher = hashlib.sha256()
         received = 0
         last_report = time.monotonic()
-        stream = result.stream(min_chunk_size=PART_BYTES)
+        stream = result.stream(min_chunk_size=DOWNLOAD_CHUNK_BYTES)
         with open(partial, "wb") as f:
             while True:
                 try:

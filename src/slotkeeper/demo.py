@@ -1,32 +1,58 @@
-"""`slotkeeper demo`: one model swap on a real llama-server, with the numbers that matter.
+"""`slotkeeper demo`: chats that outlive a model swap, on a real llama-server, with the numbers that matter.
 
-Writes a small random-weight model (no download), runs slotkeeper around a real llama-server, sends a long
-prompt cold, stops slotkeeper the way llama-swap does (SIGTERM to its process group), starts it again and
-sends the follow-up. Prints first-token time cold vs restored, tokens reused, and save and restore costs.
+Writes a small random-weight model (no download) and sends the traffic a chat front end sends: six chats
+that share a system prompt, a short title request after every turn, more chats than llama-server has slots.
+Then it swaps the model out the way llama-swap does (SIGTERM to slotkeeper's process group), starts it again
+and sends each chat's next turn. The same turns then go to plain llama-server, restarted, which is what a
+swap costs without slotkeeper. Per chat: first-token time cold vs warm, and the tokens llama-server reused
+(`timings.cache_n`).
+
+The pieces (Chat, stream_chat, PlainServer) are shared with benchmarks/conversations.py and
+benchmarks/turns.py.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import shutil
 import signal
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .cmdline import ConfigError, find_llama_server
 from .log import fmt_bytes
 
-DEMO_PROMPT_TOKENS = 6000
-DEMO_SEED_TEXT = (
+DEMO_CHATS = 6
+DEMO_TURNS_BEFORE_SWAP = 2
+DEMO_SEED_TEXT = (  # benchmarks/swap.py builds its long prompt from it
     "Slot caches hold the attention keys and values of every token a conversation has seen. "
     "Swapping the model out throws them away, and the next message pays for the whole prompt again. "
 )
+SYSTEM_PROMPT = "You are a careful assistant for a team of editors. " + " ".join(
+    f"Rule {i}: answer briefly, cite the page you used, and keep the tone kind." for i in range(1, 17)
+)
+TOPICS = ["lighthouses", "old maps", "rivers", "mountain passes", "desert towns", "night trains", "harbours",
+          "glaciers", "orchards", "observatories", "canals", "salt marshes"]
+NOTES_PER_CHAT = 38  # about 1,800 tokens of notes: with the system prompt, a chat opens at ~2,600 tokens
+TURN_TOKENS = 24
+TITLE_TOKENS = 6
 
 
 def say(message: str, end: str = "\n") -> None:
     print(message, end=end, flush=True)
+
+
+def fmt_s(seconds: float) -> str:
+    """`45 ms` under a second, `2.41 s` above."""
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
 def demo_cache_dir() -> Path:
@@ -34,40 +60,181 @@ def demo_cache_dir() -> Path:
     return base / "slotkeeper" / "demo"
 
 
+# ---- the traffic --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Turn:
+    """One streamed chat completion as the user feels it, and what llama-server says it reused."""
+
+    first_token_s: float
+    total_s: float
+    content: str
+    cache_n: int
+    prompt_n: int
+    server_ms: float = 0.0  # llama-server's own prompt_ms + predicted_ms
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.cache_n + self.prompt_n
+
+
+def stream_chat(port: int, messages: list[dict[str, str]], max_tokens: int, timeout: float = 600.0) -> Turn:
+    """POST /v1/chat/completions with stream: time to the first content, and the final timings."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    started = time.monotonic()
+    first: float | None = None
+    content: list[str] = []
+    timings: dict[str, Any] = {}
+    try:
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"/v1/chat/completions answered {resp.status}: {resp.read()[:300]!r}")
+        while line := resp.readline():
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            for choice in event.get("choices") or ():
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    if first is None:
+                        first = time.monotonic() - started
+                    content.append(text)
+            timings = event.get("timings", timings)
+    finally:
+        conn.close()
+    total = time.monotonic() - started
+    return Turn(first if first is not None else total, total, "".join(content), int(timings.get("cache_n", 0)),
+                int(timings.get("prompt_n", 0)), timings.get("prompt_ms", 0.0) + timings.get("predicted_ms", 0.0))
+
+
+@dataclass
+class Chat:
+    """One conversation as a front end keeps it: its messages, and how long its last turn's prompt was."""
+
+    n: int
+    messages: list[dict[str, str]] = field(default_factory=list)
+    last_prompt_tokens: int = 0  # the previous turn's whole prompt: a warm turn reuses at least that much
+    notes: int = NOTES_PER_CHAT  # the length of its opening message
+
+    def __post_init__(self) -> None:
+        if not self.messages:
+            topic = TOPICS[self.n % len(TOPICS)]
+            notes = " ".join(f"Note {i}: on {topic}, page {i + 3} says the {i}th entry was logged at dusk."
+                             for i in range(1, self.notes + 1))
+            self.messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                             {"role": "user", "content": f"Chat {self.n + 1}. Here are my notes on {topic}. {notes} "
+                                                         "What stands out?"}]
+
+    @property
+    def label(self) -> str:
+        return f"chat {self.n + 1}"
+
+    def copy(self) -> Chat:
+        return Chat(self.n, [dict(m) for m in self.messages], self.last_prompt_tokens, self.notes)
+
+    def turn(self, port: int, max_tokens: int = TURN_TOKENS) -> tuple[Turn, bool]:
+        """Send the next turn and grow the chat; returns it and whether it was warm."""
+        turn = stream_chat(port, self.messages, max_tokens)
+        warm = self.last_prompt_tokens > 0 and turn.cache_n >= self.last_prompt_tokens
+        self.last_prompt_tokens = turn.prompt_tokens
+        self.messages.append({"role": "assistant", "content": turn.content})
+        self.messages.append({"role": "user", "content": f"Thanks. Now go on about note {len(self.messages) // 2}, please."})
+        return turn, warm
+
+    def title(self, port: int) -> None:
+        """The front end's title request after a turn: a short prompt of its own, on the same model."""
+        excerpt = self.messages[1]["content"][:80]
+        stream_chat(port, [{"role": "user", "content": f"Write a 3-word title for this chat: {excerpt}"}], TITLE_TOKENS)
+
+
+class PlainServer:
+    """Plain llama-server, started and stopped the way llama-swap does (own process group, SIGTERM to it)."""
+
+    def __init__(self, binary: str, args: list[str], port: int, log_path: Path, env: dict[str, str]) -> None:
+        self.port = port
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen([binary, *args, "--host", "127.0.0.1", "--port", str(port)], env=env,
+                                     stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        from .testing.harness import http_call, wait_until
+
+        def healthy() -> bool:
+            try:
+                return http_call(self.port, "GET", "/health", timeout=2).status == 200
+            except OSError:
+                return self.proc.poll() is not None
+
+        if not wait_until(healthy, timeout, interval=0.005) or self.proc.poll() is not None:
+            raise RuntimeError(f"llama-server did not start; log: {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+
+
+def clean_env(binary: str) -> dict[str, str]:
+    """The environment without llama-server or slotkeeper settings of the user's, so both sides run alike."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_ARG_", "SLOTKEEPER_"))}
+    env["LLAMA_SERVER"] = binary
+    return env
+
+
+# ---- the demo -----------------------------------------------------------------------------------------------
+
+
 def main(argv: list[str]) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="slotkeeper demo", description="One model swap on a real llama-server: cold vs restored.")
-    parser.parse_args(argv)
+    parser = argparse.ArgumentParser(
+        prog="slotkeeper demo",
+        description="Chats sharing a system prompt, title requests between turns, more chats than slots, a model "
+        "swap: each chat's next turn on plain llama-server restarted (cold) vs through slotkeeper (warm).")
+    parser.add_argument("--chats", type=int, default=DEMO_CHATS, help=f"chats (default {DEMO_CHATS})")
+    parser.add_argument("--keep", action="store_true", help="keep the working directory (logs, caches) and say where")
+    options = parser.parse_args(argv)
     try:
         binary = find_llama_server(None, os.environ)
     except ConfigError as exc:
         print(f"slotkeeper demo: {exc}", file=sys.stderr)
         return 2
     try:
-        from .testing.harness import Slotkeeper, free_port, http_call, stream_completion
+        from .testing.harness import Slotkeeper, free_port, http_call
         from .testing.tinymodel import BENCH_MODEL_E, write_tiny_model
     except ImportError as exc:
         print(f"slotkeeper demo: needs the llama extra ({exc.name} missing): uv run --extra llama slotkeeper demo",
               file=sys.stderr)
         return 2
 
-    say("slotkeeper demo: a model swap on a real llama-server, cold vs restored\n")
+    n_chats = max(1, options.chats)
+    say(f"slotkeeper demo: {n_chats} chats sharing a system prompt, a title request after every turn, a model swap;\n"
+        "then each chat's next turn on plain llama-server restarted (cold) vs through slotkeeper (warm)\n")
     cache = demo_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     model = cache / "model-e.gguf"
-    say(f"[1/5] demo model ({BENCH_MODEL_E.n_layers} layers x {BENCH_MODEL_E.width}, random weights) ... ", end="")
+    say(f"[1/7] demo model ({BENCH_MODEL_E.n_layers} layers x {BENCH_MODEL_E.width}, random weights) ... ", end="")
     started = time.monotonic()
     if not model.exists():
         write_tiny_model(model, BENCH_MODEL_E)
     say(f"{fmt_bytes(model.stat().st_size)} in {time.monotonic() - started:.1f} s")
 
     work = Path(tempfile.mkdtemp(prefix="slotkeeper-demo-"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_ARG_", "SLOTKEEPER_"))}
-    env["LLAMA_SERVER"] = binary[0]
+    env = clean_env(binary[0])
     port = free_port()
-    args = ["-m", str(model), "--port", str(port), "--slot-save-path", str(work / "cache"),
-            "-c", "16384", "-np", "1", "-t", str(min(os.cpu_count() or 2, 4))]
+    server_args = ["-m", str(model), "-c", "24576", "-t", str(min(os.cpu_count() or 2, 4))]  # default slots (-np auto)
+    args = [*server_args, "--port", str(port), "--slot-save-path", str(work / "cache")]
 
     def start(n: int) -> tuple[Slotkeeper, float]:
         t0 = time.monotonic()
@@ -75,72 +242,102 @@ def main(argv: list[str]) -> int:
         sk.wait_ready(120)
         return sk, time.monotonic() - t0
 
+    chats = [Chat(i) for i in range(n_chats)]
+    sk: Slotkeeper | None = None
     try:
-        say("[2/5] starting slotkeeper around llama-server ... ", end="")
+        say("[2/7] starting slotkeeper around llama-server ... ", end="")
         sk, ready_s = start(1)
-        say(f"ready in {ready_s:.2f} s")
-        prompt = build_prompt(port)
-        n_prompt = len(http_call(port, "POST", "/tokenize", {"content": prompt}).body["tokens"])
-        say(f"[3/5] sending a {n_prompt:,}-token conversation cold (llama-server processes all of it) ... ", end="")
-        cold = stream_completion(port, {"prompt": prompt, "n_predict": 16, "temperature": 0, "cache_prompt": True})
-        say(f"first token after {cold.first_token_s:.2f} s")
+        n_slots = http_call(port, "GET", "/slotkeeper/status").body["total_slots"]
+        say(f"ready in {ready_s:.2f} s; llama-server has {n_slots} slots")
 
-        say("[4/5] swapping the model out (SIGTERM to the process group, as llama-swap does) ... ", end="")
+        for t in range(DEMO_TURNS_BEFORE_SWAP):
+            say("[3/7] each chat's first turn (a new chat: a cold prefill):" if t == 0 else
+                f"[4/7] each chat's next turn ({n_chats} chats, {n_slots} slots: slotkeeper saves a slot's chat "
+                "before it gives the slot to another, and restores it when it comes back):")
+            warm_count = 0
+            for chat in chats:
+                turn, warm = chat.turn(port)
+                warm_count += warm
+                chat.title(port)
+                say(f"      {chat.label}: {turn.prompt_tokens:,}-token prompt, first token after "
+                    f"{fmt_s(turn.first_token_s)}" + (f", {turn.cache_n:,} reused" if t else "") + "; then a title")
+            if t:
+                say(f"      {warm_count} of {n_chats} came back warm "
+                    f"({http_call(port, 'GET', '/slotkeeper/status').body['on_demand_restores']} restored on demand)")
+
+        say("[5/7] swapping the model out (SIGTERM to the process group, as llama-swap does) ... ", end="")
         t0 = time.monotonic()
         sk.killpg(signal.SIGTERM)
         code = sk.wait(60)
         stop_s = time.monotonic() - t0
-        manifest = read_json(work / "cache" / "0.json")
         sk.stop()
-        if code != 0 or manifest is None:
+        if code != 0:
             say(f"failed (exit {code}); log: {sk.log_path}")
             return 1
-        say(f"saved {manifest['tokens']:,} tokens in {manifest['save_ms']:.0f} ms, exited in {stop_s:.2f} s")
+        entries = list((work / "cache" / "entries").glob("*.bin"))
+        say(f"saved and exited in {stop_s:.2f} s; on disk: {len(entries)} entries, "
+            f"{fmt_bytes(sum(p.stat().st_size for p in entries))}")
 
-        say("[5/5] swapping back in and sending the follow-up ... ", end="")
+        # Both sides get the very same next turns: the chats as they stand now.
+        cold_chats = [chat.copy() for chat in chats]
+
+        say("[6/7] swapping back in; each chat's next turn through slotkeeper (warm):")
         sk, ready2_s = start(2)
-        status = http_call(port, "GET", "/slotkeeper/status").body
-        restored = status["slots"].get("0", {})
-        follow_up = prompt + cold.content + "\nAnd what happens after a restart?"
-        warm = stream_completion(port, {"prompt": follow_up, "n_predict": 16, "temperature": 0, "cache_prompt": True})
-        say(f"first token after {warm.first_token_s:.2f} s")
+        say(f"      ready in {ready2_s:.2f} s (it restored the {n_slots} most recent chats before saying so)")
+        warm_turns: list[tuple[Turn, bool]] = []
+        for chat in chats:
+            turn, warm = chat.turn(port)
+            chat.title(port)
+            warm_turns.append((turn, warm))
+            say(f"      {chat.label}: first token after {fmt_s(turn.first_token_s)}, "
+                f"{turn.cache_n:,} of {turn.prompt_tokens:,} tokens reused")
+        on_demand = http_call(port, "GET", "/slotkeeper/status").body["on_demand_restores"]
         sk.killpg(signal.SIGTERM)
         sk.wait(60)
         sk.stop()
+        sk = None
+
+        say("[7/7] the same turns on plain llama-server, restarted (cold: what a swap costs without slotkeeper):")
+        plain = PlainServer(binary[0], server_args, port, work / "llama-server.log", env)
+        try:
+            plain.wait_ready()
+            cold_turns: list[Turn] = []
+            for chat in cold_chats:
+                turn, _ = chat.turn(port)
+                chat.title(port)
+                cold_turns.append(turn)
+                say(f"      {chat.label}: first token after {fmt_s(turn.first_token_s)}, "
+                    f"{turn.cache_n:,} of {turn.prompt_tokens:,} tokens reused")
+        finally:
+            plain.stop()
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if sk is not None:
+            sk.stop()
+        if options.keep:
+            say(f"(logs and caches kept in {work})")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
-    speedup = cold.first_token_s / max(warm.first_token_s, 1e-6)
-    rows = [
-        ("first token, cold (plain llama-server after a swap)", f"{cold.first_token_s:.2f} s"),
-        ("first token, restored by slotkeeper", f"{warm.first_token_s:.2f} s"),
-        ("speed-up", f"{speedup:.1f}x"),
-        ("tokens reused from the cache", f"{warm.timings.get('cache_n', 0):,} of {n_prompt:,}"),
-        ("cache file", fmt_bytes(manifest["bytes"])),
-        ("save at stop", f"{manifest['save_ms']:.0f} ms"),
-        ("restore at start", f"{restored.get('restore_ms', float('nan')):.0f} ms (ready in {ready2_s:.2f} s)"),
-    ]
-    width = max(len(label) for label, _ in rows)
     say("")
-    for label, value in rows:
-        say(f"  {label:<{width}}  {value:>12}")
-    return 0
+    say("  chat    prompt   cold: first token   reused       warm: first token   reused")
+    for chat, cold, (warm, _) in zip(chats, cold_turns, warm_turns):
+        say(f"  {chat.n + 1:>4}  {warm.prompt_tokens:>8,}   {fmt_s(cold.first_token_s):>17}   {reuse(cold):<11}"
+            f"  {fmt_s(warm.first_token_s):>17}   {reuse(warm)}")
+    n_warm = sum(warm for _, warm in warm_turns)
+    cold_median = statistics.median(t.first_token_s for t in cold_turns)
+    warm_median = statistics.median(t.first_token_s for t, _ in warm_turns)
+    say("")
+    say("  cold: plain llama-server started again after the swap, with the same arguments. It kept nothing: it")
+    say("  recomputes each chat, reusing at most what it computed since it started (the shared system prompt).")
+    say(f"  warm: slotkeeper restored the {n_slots} most recent chats before it reported ready; {on_demand} restores on")
+    say("  demand followed, as chats came back to a slot holding another (that one saved first if it had changed).")
+    say("")
+    say(f"{n_warm} of {n_chats} chats came back warm; first token {fmt_s(cold_median)} cold vs {fmt_s(warm_median)} "
+        f"warm (median), {cold_median / max(warm_median, 1e-6):.0f}x faster")
+    return 0 if n_warm == n_chats else 1
 
 
-def build_prompt(port: int) -> str:
-    """Deterministic text of about DEMO_PROMPT_TOKENS tokens, measured with the server's own tokenizer."""
-    from .testing.harness import http_call
+def reuse(turn: Turn) -> str:
+    share = turn.cache_n / turn.prompt_tokens if turn.prompt_tokens else 0.0
+    return f"{turn.cache_n:,} ({share:.0%})"
 
-    probe = DEMO_SEED_TEXT * 8
-    per_char = len(http_call(port, "POST", "/tokenize", {"content": probe}).body["tokens"]) / len(probe)
-    repeats = int(DEMO_PROMPT_TOKENS / (per_char * len(DEMO_SEED_TEXT))) + 1
-    return "".join(f"{i}. {DEMO_SEED_TEXT}" for i in range(repeats))
-
-
-def read_json(path: Path) -> dict | None:
-    import json
-
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None

@@ -175,3 +175,36 @@ async def test_a_waiting_request_gets_the_slot_once_it_is_freed(tmp_path):
         waited += 1
         await asyncio.wait_for(p._wait_freed(), 5)
     assert (plan.slot.id, waited) == (0, 1)
+
+
+def test_a_title_slot_goes_before_a_saved_chat_and_a_saved_chat_before_a_changed_one(placement):
+    saved = Entry("bbbb", 640, 1, keys_of(640, 1), 0, 0, {"model": "m"}, 4, "packed-1")
+    held(placement, 0, keys_of(640, 1), dirty=False, last_used=1.0)
+    placement.slots[0].entry = saved
+    held(placement, 1, keys_of(64, 2), last_used=5.0)  # a title request: under min_tokens
+    held(placement, 2, keys_of(640, 3), last_used=0.5)  # changed, and the least recently used
+    order = []
+    for _ in range(3):
+        plan = placement._decide(keys_of(640, 9), 640, None, False)
+        order.append(plan.slot.id)
+    assert order == [1, 0, 2]
+
+
+def test_a_new_chat_reuses_a_saved_slot_that_holds_its_system_prompt(placement):
+    system = [7] * 320
+    saved = Entry("cccc", 640, 1, block_keys(system + [1] * 320), 0, 0, {"model": "m"}, 4, "packed-1")
+    held(placement, 0, saved.keys, dirty=False, last_used=9.0)
+    placement.slots[0].entry = saved
+    plan = placement._decide(block_keys(system + [2] * 320), 640, None, False)
+    assert (plan.slot.id, plan.write_back) == (0, False)
+
+
+def test_a_grown_chat_supersedes_its_older_save_despite_a_re_templated_answer():
+    from slotkeeper.store import extends
+
+    old_tokens = list(range(1000))
+    old = Entry("old1", 1000, 1, block_keys(old_tokens), 0, 0, {}, 4, "packed-1")
+    grown = old_tokens[:930] + [-5] * 370  # the answer's last tokens came back re-templated (its last block differs)
+    new = Entry("new1", 1300, 1, block_keys(grown), 0, 0, {}, 4, "packed-1")
+    other = Entry("oth1", 1300, 1, block_keys(old_tokens[:800] + [-6] * 500), 0, 0, {}, 4, "packed-1")
+    assert extends(new, old) and not extends(other, old) and not extends(old, new)

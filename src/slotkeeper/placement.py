@@ -255,8 +255,14 @@ class Placement:
             return Plan(self._reserve(best), outcome="resident")
         if shared * BLOCK_TOKENS >= self.min_tokens and shared * BRANCH_SHARE[1] >= len(best.keys) * BRANCH_SHARE[0]:
             return Plan(self._reserve(best), write_back=True, outcome="branch")  # an edit of this chat's past
-        victim = self._llama_choice(idle, keys, n_tokens) if unpinnable else self._victim(idle)
-        return Plan(self._reserve(victim), write_back=True, outcome="new")
+        if unpinnable:
+            return Plan(self._reserve(self._llama_choice(idle, keys, n_tokens)), write_back=True, outcome="new")
+        # A new chat: where its opening (a shared system prompt) already is, if that costs no write-back.
+        reusable = [(s, n) for s, n in ((s, common_keys(s.keys, keys)) for s in idle)
+                    if n * BLOCK_TOKENS >= self.min_tokens and not self._worth_keeping(s)]
+        if reusable:
+            return Plan(self._reserve(max(reusable, key=lambda p: p[1])[0]), outcome="new")
+        return Plan(self._reserve(self._victim(idle)), write_back=True, outcome="new")
 
     @staticmethod
     def _holds(slot: Slot, shared: int) -> bool:
@@ -267,8 +273,9 @@ class Placement:
         return any(s.entry is entry for s in self.slots)
 
     def _victim(self, idle: list[Slot]) -> Slot:
-        """Slots holding nothing worth keeping first, then the least recently used."""
-        return min(idle, key=lambda s: (self._worth_keeping(s), s.last_used))
+        """Slots holding nothing worth keeping first (empty, a title request), then ones whose chat is saved
+        (no write-back needed), then changed ones; the least recently used among equals."""
+        return min(idle, key=lambda s: (self._worth_keeping(s), s.entry is not None, s.last_used))
 
     def _llama_choice(self, idle: list[Slot], keys: list[str], n_tokens: int) -> Slot:
         """Where llama-server itself will put an unpinnable request: the idle slot with the longest common

@@ -50,6 +50,7 @@ PARTIAL_SUFFIX = ".partial"
 MANIFEST_VERSION = 2
 QUARANTINE_KEEP = 8  # newest pairs kept in quarantine/
 FREE_SPACE_HEADROOM = 1.1  # a save needs the expected size plus 10% free
+SUPERSEDE_SLACK_BLOCKS = 1  # an entry whose blocks but this many a new save repeats is superseded by it
 DEFAULT_CAP_SHARE = 0.5  # without --max-cache-bytes: half of what the store could use when it opened
 PROGRESS_INTERVAL_S = 2.0
 
@@ -208,18 +209,23 @@ class ConversationStore:
         for partial in sorted(self.entries_dir.glob(f"*{PARTIAL_SUFFIX}")):  # manifests, downloads
             partial.unlink(missing_ok=True)
         manifests: dict[str, dict[str, Any]] = {}
+        unreadable = 0
         for manifest_path in self.entries_dir.glob(f"*{MANIFEST_SUFFIX}"):
             data = read_json(manifest_path)
             if data is None or data.get("version") != MANIFEST_VERSION:
+                unreadable += 1  # another slotkeeper version's, or damaged: kept as it is, not used
                 continue
             manifests[manifest_path.name.removesuffix(MANIFEST_SUFFIX)] = data
         for bin_path in self.entries_dir.glob(f"*{BIN_SUFFIX}"):
             entry_id = bin_path.name.removesuffix(BIN_SUFFIX)
-            if entry_id not in manifests:  # saved, never committed: an interrupted save
+            if not bin_path.with_suffix(MANIFEST_SUFFIX).exists():  # saved, never committed: an interrupted save
                 bin_path.unlink(missing_ok=True)
                 log.info("removed entry %s left by an interrupted save", entry_id[:4])
         for entry_id, data in manifests.items():
             self._admit(entry_id, data)
+        if unreadable:
+            log.warning("%d entr%s with a manifest this slotkeeper cannot read: kept, not used", unreadable,
+                        "y" if unreadable == 1 else "ies")
         reasons: dict[str, int] = {}
         for reason in self.skipped.values():
             reasons[reason] = reasons.get(reason, 0) + 1
@@ -231,8 +237,8 @@ class ConversationStore:
         try:
             entry = Entry.from_manifest(data)
             size = bin_path.stat().st_size
-        except (KeyError, TypeError, ValueError, OSError):
-            (self.entries_dir / f"{entry_id}{MANIFEST_SUFFIX}").unlink(missing_ok=True)
+        except (KeyError, TypeError, ValueError, OSError) as exc:
+            log.warning("entry %s: its manifest is not usable (%r); kept, not used", entry_id[:4], exc)
             return
         if size != entry.nbytes:
             self._quarantine(entry, f"size {size} differs from its manifest's {entry.nbytes}")
@@ -631,11 +637,17 @@ def remove_pair(directory: Path, name: str) -> None:
 
 
 def extends(new: Entry, old: Entry) -> bool:
-    """`new` holds all of `old`'s conversation and more (a chat that grew): `old` is superseded."""
-    return (
-        old.id != new.id and 0 < len(old.keys) <= len(new.keys) and old.tokens <= new.tokens
-        and common_keys(old.keys, new.keys) == len(old.keys)
-    )
+    """`new` holds `old`'s conversation and more (a chat that grew): `old` is superseded.
+
+    All of it but at most the last SUPERSEDE_SLACK_BLOCKS: the end of the answer `old` generated, which the
+    next prompt carries re-templated (a longer answer's blocks differ further back, and the older entry stays
+    until the cap evicts it: the slack is kept small because a chat sharing only a system prompt must never
+    supersede another).
+    """
+    if old.id == new.id or not old.keys or old.tokens > new.tokens:
+        return False
+    shared = common_keys(old.keys, new.keys)
+    return shared >= len(old.keys) - SUPERSEDE_SLACK_BLOCKS and shared * 2 >= len(old.keys)
 
 
 def _is_state_file(path: Path) -> bool:

@@ -34,6 +34,7 @@ from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
 from obstore.store import S3Store
 
 from .log import fmt_bytes, log
+from .store import fsync_path
 
 if TYPE_CHECKING:
     from obstore import GetResult, ObjectMeta
@@ -344,7 +345,7 @@ class RemoteTier:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-        _fsync_dir(self.journal_dir)
+        fsync_path(self.journal_dir)
 
     async def _upload(self, job: _Upload, journal: bool) -> None:
         """Journal, wait for a slot, then .bin and .json; the journal record goes only once both are up."""
@@ -679,15 +680,7 @@ def _commit_download(partial: Path, final: Path) -> None:
     finally:
         os.close(fd)
     os.replace(partial, final)
-    _fsync_dir(final.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(final.parent)
 
 
 def _valid_manifest(raw: bytes) -> dict[str, Any] | None:

@@ -234,6 +234,9 @@ class ConversationStore:
 
     def _admit(self, entry_id: str, data: dict[str, Any]) -> None:
         bin_path = self.entries_dir / f"{entry_id}{BIN_SUFFIX}"
+        if not bin_path.exists():  # a manifest whose file is gone (removed by hand): nothing to keep
+            (self.entries_dir / f"{entry_id}{MANIFEST_SUFFIX}").unlink(missing_ok=True)
+            return
         try:
             entry = Entry.from_manifest(data)
             size = bin_path.stat().st_size

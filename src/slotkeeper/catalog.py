@@ -173,8 +173,23 @@ class FileStat:
             return None  # removed while we looked
 
 
+class EntryFields:
+    """What a listed row reads from its entry's manifest (local and remote rows alike)."""
+
+    entry: Entry | None
+
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        return self.entry.fingerprint if self.entry else {}
+
+    @property
+    def model(self) -> str | None:
+        value = self.fingerprint.get("model")
+        return value if isinstance(value, str) and value else None
+
+
 @dataclass
-class Row:
+class Row(EntryFields):
     """One listed thing: an entry, a quarantined entry, or a slot file of the old layout; its two files are
     `<folder>/<name>.json` and `<folder>/<name>.bin`."""
 
@@ -222,15 +237,6 @@ class Row:
     @property
     def disk_bytes(self) -> int:
         return sum(f.size for f in self.files)
-
-    @property
-    def fingerprint(self) -> dict[str, Any]:
-        return self.entry.fingerprint if self.entry else {}
-
-    @property
-    def model(self) -> str | None:
-        value = self.fingerprint.get("model")
-        return value if isinstance(value, str) and value else None
 
     @property
     def tokens(self) -> int | None:
@@ -880,7 +886,7 @@ _REMOTE_TEXT = {SHARED: "shared", REMOTE_BAD_MANIFEST: "bad manifest (never used
 
 
 @dataclass
-class RemoteRow:
+class RemoteRow(EntryFields):
     """One entry of the shared tier: `<prefix>/<namespace>/<id>.json` (and its .bin)."""
 
     url: str
@@ -939,15 +945,6 @@ class RemoteRow:
     def last_used(self) -> float:
         """As recorded in the uploaded manifest (the uploading host's last use; fetches do not update it)."""
         return self.entry.last_used if self.entry else 0.0
-
-    @property
-    def fingerprint(self) -> dict[str, Any]:
-        return self.entry.fingerprint if self.entry else {}
-
-    @property
-    def model(self) -> str | None:
-        value = self.fingerprint.get("model")
-        return value if isinstance(value, str) and value else None
 
     @property
     def detail(self) -> str:

@@ -27,7 +27,6 @@ measured nothing yet (as right after a swap), where placement downloads without 
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import re
@@ -41,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from slotkeeper.cmdline import find_llama_server
-from slotkeeper.demo import DEMO_SEED_TEXT
+from slotkeeper.demo import DEMO_SEED_TEXT, Turn
+from slotkeeper.demo import stream_chat as demo_stream_chat
 from slotkeeper.placement import PREFILL_RATE_MAX_AGE_S
 from slotkeeper.prefix import BLOCK_TOKENS, block_keys, common_keys
 from slotkeeper.testing.harness import Slotkeeper, free_port, http_call, wait_until
@@ -83,42 +83,9 @@ def body(messages: list[dict[str, str]]) -> dict[str, Any]:
     return {"messages": messages, "max_tokens": 8, "temperature": 0}
 
 
-@dataclass
-class Streamed:
-    first_token_s: float
-    total_s: float
-    content: str
-    timings: dict[str, Any]
-
-
-def stream_chat(port: int, messages: list[dict[str, str]], timeout: float = 600.0) -> Streamed:
-    """POST /v1/chat/completions with stream: time to the first content delta, and llama-server's timings."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    started = time.monotonic()
-    first: float | None = None
-    content: list[str] = []
-    timings: dict[str, Any] = {}
-    try:
-        conn.request("POST", "/v1/chat/completions", body=json.dumps({**body(messages), "stream": True}).encode(),
-                     headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise AssertionError(f"/v1/chat/completions answered {resp.status}: {resp.read()[:300]!r}")
-        while line := resp.readline():
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            event = json.loads(line[6:])
-            timings = event.get("timings", timings)
-            for choice in event.get("choices") or ():
-                text = (choice.get("delta") or {}).get("content")
-                if text:
-                    if first is None:
-                        first = time.monotonic() - started
-                    content.append(text)
-    finally:
-        conn.close()
-    total = time.monotonic() - started
-    return Streamed(first if first is not None else total, total, "".join(content), timings)
+def stream_chat(port: int, messages: list[dict[str, str]]) -> Turn:
+    """A streamed turn of `body`'s length, as the demo measures it."""
+    return demo_stream_chat(port, messages, body(messages)["max_tokens"])
 
 
 def prompt_keys(port: int, messages: list[dict[str, str]]) -> list[str]:
@@ -213,6 +180,8 @@ def run_b(hosts: Hosts, s3: S3Server, link: str, w_next, l_next, per_char: float
         if warm:
             w_sent = time.monotonic()
             stream_chat(b.port, w_next)  # W comes from the bucket: slotkeeper measures the link
+            # with nothing measured yet, the turn waits at most its estimated prefill and the download goes on
+            wait_until(lambda: remote_stats(b)["download_bytes"] > before_w["download_bytes"], 300, interval=0.2)
         after_w = remote_stats(b)
         if warm:
             rate_after_w = llama_prompt_rate(b)
@@ -321,7 +290,7 @@ def main() -> None:
         w_next = next_turn(w_msgs, w_reply, "old maps")
 
         # ---- side by side, interleaved (the machine's load drifts): C cold, then B on each link ------------------
-        colds: list[Streamed] = []
+        colds: list[Turn] = []
         links: list[tuple[str, str | None]] = [("loopback", None), ("1 Gbit/s", GBIT)]
         runs: dict[str, list[Run]] = {label: [] for label, _ in links}
         slow = slow_label = ""

@@ -73,6 +73,7 @@ class Turn:
     cache_n: int
     prompt_n: int
     server_ms: float = 0.0  # llama-server's own prompt_ms + predicted_ms
+    timings: dict[str, Any] = field(default_factory=dict)  # all of them, for the benchmarks
 
     @property
     def prompt_tokens(self) -> int:
@@ -108,7 +109,8 @@ def stream_chat(port: int, messages: list[dict[str, str]], max_tokens: int, time
         conn.close()
     total = time.monotonic() - started
     return Turn(first if first is not None else total, total, "".join(content), int(timings.get("cache_n", 0)),
-                int(timings.get("prompt_n", 0)), timings.get("prompt_ms", 0.0) + timings.get("predicted_ms", 0.0))
+                int(timings.get("prompt_n", 0)), timings.get("prompt_ms", 0.0) + timings.get("predicted_ms", 0.0),
+                timings)
 
 
 @dataclass

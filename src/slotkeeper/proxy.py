@@ -143,11 +143,13 @@ def connection_named(value: bytes) -> set[bytes]:
 class Placed:
     """What the completion hook decided for one request: the body to send, and who to tell when it ended."""
 
-    __slots__ = ("body", "done")
+    __slots__ = ("body", "done", "observe")
 
-    def __init__(self, body: bytes, done: Callable[[int], None] | None = None) -> None:
+    def __init__(self, body: bytes, done: Callable[[int], None] | None = None,
+                 observe: Callable[[bytes], None] | None = None) -> None:
         self.body = body
         self.done = done  # called once with the final status (499: the client went away)
+        self.observe = observe  # given each piece of the response body, as llama-server sent it (unframed)
 
 
 class CompletionHook(Protocol):
@@ -204,6 +206,7 @@ class Request:
     own_route: OwnRoute | None = None
     deferred = False  # to be sent once its body is read
     done: Callable[[int], None] | None = None  # the completion hook's callback for the request's end
+    observe: Callable[[bytes], None] | None = None  # the completion hook's reader of the response body
 
     def __init__(self) -> None:
         self.forwarded: list[bytes] = []  # end-to-end header lines for the child: name, ": ", value, CRLF
@@ -543,6 +546,7 @@ class ClientConnection(asyncio.Protocol):
         placed = await hook.place(req.path, body)
         self.task = None
         req.done = placed.done
+        req.observe = placed.observe
         req.parts = [placed.body]
         req.buffered = len(placed.body)
         self.forward(req)
@@ -714,6 +718,9 @@ class ClientConnection(asyncio.Protocol):
         return until_close
 
     def response_body(self, data: bytes) -> None:
+        req = self.active
+        if req is not None and req.observe is not None:
+            req.observe(data)
         self.send(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked_out else data)
 
     def response_done(self) -> None:

@@ -53,7 +53,7 @@ class LlamaClient:
         reply = await self.pool.request(head + b"\r\n" + (body or b""))
         return reply.status, reply.body
 
-    async def _call(
+    async def call_json(
         self, method: str, path: str, payload: Any = None, params: dict[str, str] | None = None
     ) -> ChildReply:
         if params:
@@ -67,13 +67,13 @@ class LlamaClient:
         return ChildReply(status, parsed)
 
     async def health(self) -> ChildReply:
-        return await self._call("GET", "/health")
+        return await self.call_json("GET", "/health")
 
     async def props(self) -> ChildReply:
-        return await self._call("GET", "/props")
+        return await self.call_json("GET", "/props")
 
     async def slots(self) -> ChildReply:
-        return await self._call("GET", "/slots")
+        return await self.call_json("GET", "/slots")
 
     async def prompt_rate(self) -> float | None:
         """Prompt tokens per second this llama-server measured over its life (from its /metrics, which needs
@@ -89,6 +89,16 @@ class LlamaClient:
         tokens, seconds = values.get("llamacpp:prompt_tokens_total", 0.0), values.get("llamacpp:prompt_seconds_total")
         return tokens / seconds if seconds else None
 
+    async def tokenize(self, prompt: Any) -> list[int] | None:
+        """The prompt's tokens as a completion request would see them (special tokens parsed, BOS added)."""
+        payload = json.dumps({"content": prompt, "add_special": True, "parse_special": True},
+                             separators=(",", ":")).encode()
+        status, raw = await self.call_raw("POST", "/tokenize", payload)
+        if status != 200:
+            return None
+        tokens = json.loads(raw)["tokens"]
+        return tokens if isinstance(tokens, list) else None
+
     async def slot_action(self, slot_id: int, action: str, filename: str | None = None) -> ChildReply:
         body = {"filename": filename} if filename is not None else {}
-        return await self._call("POST", f"/slots/{slot_id}", payload=body, params={"action": action})
+        return await self.call_json("POST", f"/slots/{slot_id}", payload=body, params={"action": action})

@@ -37,6 +37,19 @@ def block_keys(tokens: Sequence[int] | array, block: int = BLOCK_TOKENS) -> list
     return _chain(raw[i : i + step].tobytes() for i in range(0, (len(words) // block) * step, step))
 
 
+def exact_key(tokens: Sequence[int] | array, n: int | None = None) -> str:
+    """A key of exactly the first `n` tokens (all of them by default), partial last block included: what a
+    state that llama-server reuses only when a request extends *all* of it is matched by."""
+    words = tokens if isinstance(tokens, array) and tokens.typecode == "i" else array("i", tokens)
+    view = memoryview(words.tobytes())
+    return hashlib.blake2b(view[: (len(words) if n is None else n) * 4], digest_size=2 * KEY_BYTES).hexdigest()
+
+
+def extends_exactly(tokens: Sequence[int] | array, n: int, key: str) -> bool:
+    """`tokens` open with the `n` tokens keyed by `key`, and go on past them (llama-server needs one new token)."""
+    return len(tokens) > n and exact_key(tokens, n) == key
+
+
 def unit_keys(units: Iterable[bytes]) -> list[str]:
     """Chained keys of request units (canonical bytes of each message, or of each piece of prompt text)."""
     return _chain(units)

@@ -36,7 +36,7 @@ from .fingerprint import first_difference, shareable
 from .layout import ENTRIES_DIR, LOCK_NAME, QUARANTINE_DIR, SNAPSHOTS_DIR, prepare_layout
 from .log import fmt_bytes, log
 from .metrics import Metrics
-from .prefix import BLOCK_TOKENS, block_keys, common_keys
+from .prefix import BLOCK_TOKENS, block_keys, common_keys, exact_key, extends_exactly
 from .statefile import SEQ_MAGIC, StateFileError, read_header
 
 if TYPE_CHECKING:  # `slotkeeper ls` reads a store without the client
@@ -112,6 +112,8 @@ class Entry:
     server: dict[str, Any] = field(default_factory=dict)
     units: list[str] = field(default_factory=list)  # the request units that led to it (placement's fast path)
     save_ms: float | None = None
+    exact: str = ""  # prefix.exact_key of all its tokens ("" in manifests older than this field)
+    boundary: bool = False  # saved at a turn boundary: a prefix of what its chat's next request sends
 
     def manifest(self) -> dict[str, Any]:
         return {
@@ -119,6 +121,7 @@ class Entry:
             "saved_at": self.saved_at, "last_used": self.last_used, "save_ms": self.save_ms,
             "fingerprint": self.fingerprint, "format": {"seq_version": self.seq_version, "layout": self.layout},
             "llama_server": self.server, "block_tokens": BLOCK_TOKENS, "blocks": self.keys, "units": self.units,
+            "exact": self.exact, "boundary": self.boundary,
         }
 
     @classmethod
@@ -131,7 +134,8 @@ class Entry:
             saved_at=float(data.get("saved_at", 0)), last_used=float(data.get("last_used", data.get("saved_at", 0))),
             fingerprint=dict(data.get("fingerprint") or {}), seq_version=int(fmt.get("seq_version", 0)),
             layout=str(fmt.get("layout", "")), server=dict(data.get("llama_server") or {}),
-            units=list(data.get("units") or []), save_ms=data.get("save_ms"),
+            units=list(data.get("units") or []), save_ms=data.get("save_ms"), exact=str(data.get("exact") or ""),
+            boundary=bool(data.get("boundary", False)),
         )
 
     @property
@@ -318,7 +322,7 @@ class ConversationStore:
             id=secrets.token_hex(8), tokens=header.n_tokens, nbytes=bin_path.stat().st_size,
             keys=block_keys(header.tokens), saved_at=saved_at, last_used=saved_at,
             fingerprint=(old or {}).get("fingerprint") or self.fingerprint, seq_version=header.version,
-            layout=header.layout, server={}, save_ms=(old or {}).get("save_ms"),
+            layout=header.layout, server={}, save_ms=(old or {}).get("save_ms"), exact=exact_key(header.tokens),
         )
         os.replace(bin_path, self.entries_dir / f"{entry.id}{BIN_SUFFIX}")
         write_json_atomic(self.entries_dir / f"{entry.id}{MANIFEST_SUFFIX}", entry.manifest(), self.fsync)
@@ -348,8 +352,23 @@ class ConversationStore:
         best = max((self.entries[i] for i in ids), key=lambda e: e.last_used)
         return best, lo
 
-    def most_recent(self, n: int) -> list[Entry]:
-        usable = [e for e in self.entries.values() if compatible_format(e, self.current_format)]
+    def lookup_extended(self, tokens: list[int], keys: list[str]) -> Entry | None:
+        """The deepest boundary entry that `tokens` extend exactly (all of its tokens, and more): the only kind
+        of entry llama-server reuses on a hybrid or sliding-window model."""
+        best: Entry | None = None
+        for entry in self.entries.values():
+            if (entry.boundary and entry.exact and (best is None or entry.tokens > best.tokens)
+                    and common_keys(entry.keys, keys) == len(entry.keys)
+                    and extends_exactly(tokens, entry.tokens, entry.exact)):
+                best = entry
+        return best
+
+    def find_exact(self, key: str) -> Entry | None:
+        """The entry holding exactly these tokens (by `prefix.exact_key`), if one is saved."""
+        return next((e for e in self.entries.values() if e.exact == key), None)
+
+    def most_recent(self, n: int, skip: Callable[[Entry], bool] = lambda e: False) -> list[Entry]:
+        usable = [e for e in self.entries.values() if compatible_format(e, self.current_format) and not skip(e)]
         return sorted(usable, key=lambda e: e.last_used, reverse=True)[:n]
 
     @property
@@ -420,10 +439,16 @@ class ConversationStore:
             with contextlib.suppress(OSError):
                 log.info("%s saving: %s%s", label, fmt_bytes(path.stat().st_size), of_expected)
 
-    async def save_slot(self, slot_id: int, expected_bytes: int = 0, units: list[str] | None = None) -> SaveResult:
-        """Save what slot `slot_id` holds as a new entry; the entries it extends are then removed.
+    async def save_slot(
+        self, slot_id: int, expected_bytes: int = 0, units: list[str] | None = None, *,
+        boundary: list[int] | None = None, supersedes: Callable[[Entry, Entry], bool] | None = None,
+    ) -> SaveResult:
+        """Save what slot `slot_id` holds as a new entry; the entries it supersedes are then removed (by
+        default those it extends, `extends`; the caller's policy otherwise).
 
-        Cancellation (a budget) at any point leaves no partial file and every previous entry intact.
+        With `boundary`, the slot must hold exactly those tokens (a turn boundary): a file holding anything
+        else is not committed. Cancellation (a budget) at any point leaves no partial file and every previous
+        entry intact.
         """
         assert self.client is not None
         started = time.monotonic()
@@ -453,13 +478,16 @@ class ConversationStore:
                 id=secrets.token_hex(8), tokens=tokens, nbytes=written, keys=[], saved_at=time.time(),
                 last_used=time.time(), fingerprint=self.fingerprint, seq_version=0, layout="",
                 server=self.server, units=list(units or []), save_ms=reply.body.get("timings", {}).get("save_ms"),
+                boundary=boundary is not None,
             )
-            commit = asyncio.ensure_future(asyncio.to_thread(self._commit, transient, entry))
+            expected_key = None if boundary is None else exact_key(boundary)
+            commit = asyncio.ensure_future(asyncio.to_thread(self._commit, transient, entry, expected_key))
             try:
                 await asyncio.shield(commit)
             except asyncio.CancelledError:  # a budget ran out during the commit: it completes all the same
                 committed = True
-                commit.add_done_callback(lambda f: f.cancelled() or f.exception() or self._admit_saved(entry))
+                commit.add_done_callback(
+                    lambda f: f.cancelled() or f.exception() or self._admit_saved(entry, supersedes))
                 raise
             committed = True
         except (OSError, StateFileError) as exc:
@@ -472,7 +500,7 @@ class ConversationStore:
             progress.cancel()
             if not committed:
                 transient.unlink(missing_ok=True)
-        superseded = self._admit_saved(entry)
+        superseded = self._admit_saved(entry, supersedes)
         if self.on_commit is not None:
             self.on_commit(entry, self.entries_dir / f"{entry.id}{BIN_SUFFIX}")
         elapsed = time.monotonic() - started
@@ -480,18 +508,22 @@ class ConversationStore:
         self.metrics.saved(elapsed, entry.nbytes, entry.tokens)
         return SaveResult(entry, seconds=elapsed, superseded=superseded)
 
-    def _admit_saved(self, entry: Entry) -> int:
-        """A committed save joins the index; the entries it extends go. Returns how many went."""
+    def _admit_saved(self, entry: Entry, supersedes: Callable[[Entry, Entry], bool] | None = None) -> int:
+        """A committed save joins the index; the entries it supersedes go. Returns how many went."""
         self.current_format = (entry.seq_version, entry.layout)
-        superseded = [old for old in self.entries.values() if extends(entry, old)]
+        rule = supersedes or extends
+        superseded = [old for old in self.entries.values() if old.id != entry.id and rule(entry, old)]
         self._index(entry)
         for old in superseded:
             self._remove(old)
         return len(superseded)
 
-    def _commit(self, transient: Path, entry: Entry) -> None:
+    def _commit(self, transient: Path, entry: Entry, expected_key: str | None = None) -> None:
         """In a thread: read the tokens from the file, fsync it, rename it into entries/, write its manifest last."""
         header = read_header(transient)
+        entry.exact = exact_key(header.tokens)
+        if expected_key is not None and entry.exact != expected_key:
+            raise StateFileError(f"the slot holds {header.n_tokens:,} tokens that are not its turn boundary")
         entry.keys = block_keys(header.tokens)
         entry.tokens = header.n_tokens
         entry.seq_version, entry.layout = header.version, header.layout

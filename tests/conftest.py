@@ -58,7 +58,8 @@ def stub_slotkeeper(starter) -> Starter:
     start = starter(STUB_COMMAND, ["-m", "stub-model.gguf"])
 
     def with_stub(*extra: str, stub: dict[str, str] | None = None, **kw) -> Slotkeeper:
-        return start(*extra, env=stub, **kw)
+        # The stub has no GGUF to read its memory from: it stands for a full-attention model.
+        return start(*extra, env={"SLOTKEEPER_MODEL_MEMORY": "full", **(stub or {})}, **kw)
 
     return with_stub
 

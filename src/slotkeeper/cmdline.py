@@ -30,7 +30,7 @@ OWN_OPTIONS: dict[str, bool] = {
     "llama_server": False, "startup_timeout": False, "drain_timeout": False, "save_timeout": False,
     "stop_timeout": False, "child_tcp": True, "llama_idle_slot_caching": True, "restore_unverified": True,
     "fsync": True, "autosave_idle": False, "max_cache_bytes": False, "log_level": False, "log_format": False,
-    "placement": True, "min_save_tokens": False, "remote_store": False,
+    "placement": True, "min_save_tokens": False, "remote_store": False, "model_memory": False,
 }
 ENV_PREFIX = "SLOTKEEPER_"
 ENV_LLAMA_SERVER = "LLAMA_SERVER"

@@ -50,6 +50,10 @@ class Options(BaseModel):
     min_save_tokens: int = Field(
         256, ge=1, description="prompts shorter than this are not saved (title and tag requests are cheaper to recompute)"
     )
+    model_memory: Literal["auto", "full", "sliding-window", "recurrent"] = Field(
+        "auto", description="the model's memory, which decides what llama-server reuses of a restored chat: auto "
+        "(from the GGUF header), full (attention), sliding-window, or recurrent (hybrid models too)"
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="debug, info, warning or error")
     log_format: Literal["plain", "json"] = Field("plain", description="plain lines, or one JSON object per line")
 

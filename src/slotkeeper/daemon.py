@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from .config import RunConfig
-from .fingerprint import build_fingerprint, model_identity, namespace_key
+from .fingerprint import build_fingerprint, kv_flags, model_identity, namespace_key
 from .llama_client import LlamaClient
 from .log import fmt_bytes, fmt_ms, log
 from .metrics import Metrics
+from .modelinfo import ModelInfoError, ModelMemory, kv_cache_bytes, llama_server_slots, read_model_memory
 from .placement import Placement
+from .policy import CachePolicy, cache_policy
 from .proxy import Gate, Proxy, Reply
 from .store import ConversationStore, default_cap, server_identity
 from .supervisor import ChildProcess
@@ -32,6 +34,13 @@ EXIT_STARTUP_FAILED = 1
 FORCED_STOP_TIMEOUT_S = 0.5
 REMOTE_JOURNAL_DIR = "remote-pending"  # in the save directory: uploads not finished yet
 REMOTE_PROBE_TIMEOUT_S = 5.0  # a second signal: the child gets this long after SIGTERM before SIGKILL
+
+
+FORCED_POLICIES = {  # --model-memory, and whether --swa-full is set
+    ("full", False): CachePolicy.PREFIX, ("full", True): CachePolicy.PREFIX,
+    ("recurrent", False): CachePolicy.EXTEND_ONLY, ("recurrent", True): CachePolicy.EXTEND_ONLY,
+    ("sliding-window", False): CachePolicy.NONE, ("sliding-window", True): CachePolicy.EXTEND_ONLY,
+}
 
 
 class State(enum.Enum):
@@ -68,6 +77,9 @@ class Daemon:
         self._client: Any = None  # LlamaClient, once run() made it
         self.metrics = Metrics(state=lambda: self.state.value)
         self._identity: asyncio.Future[dict[str, Any]] | None = None
+        self._memory: asyncio.Future[ModelMemory | None] | None = None
+        self.memory: ModelMemory | None = None
+        self.policy = CachePolicy.EXTEND_ONLY
 
     def set_state(self, state: State) -> None:
         if state is not self.state:
@@ -99,6 +111,7 @@ class Daemon:
             "save_dir": str(self.config.save_dir),
             "total_slots": self.total_slots,
             "placement": self.options.placement,
+            "model_memory": self.describe_memory(),
             "fingerprint": None if store is None else store.fingerprint,
             "slots": [] if placement is None else placement.describe(),
             "store": None if store is None else {
@@ -109,6 +122,13 @@ class Daemon:
             "on_demand_restores": self.metrics.on_demand_restores,
             "prefill_tokens_saved": self.metrics.prefill_tokens_saved,
             "prompt_tokenizations": self.metrics.prompt_tokenizations,
+            "extend_only": {
+                "hits": self.metrics.extend_hits, "misses": dict(self.metrics.extend_misses),
+                "boundaries_reached": self.metrics.boundaries_reached,
+                "boundary_prefill_tokens": self.metrics.boundary_prefill_tokens,
+                "boundary_ms": round(self.metrics.boundary_seconds * 1000, 1),
+                "boundary_unknown": self.metrics.boundary_unknown,
+            },
             "save_estimate": self.save_estimate(),
             "remote": None if self.remote is None else {"url": self.remote.config.url, **vars(self.remote.stats)},
         })
@@ -124,6 +144,7 @@ class Daemon:
         child_exited = self.child.watch(loop)
         # Hash the model file while llama-server loads it (hashlib releases the GIL): ready for the restore.
         self._identity = asyncio.ensure_future(asyncio.to_thread(model_identity, self.config.model))
+        self._memory = asyncio.ensure_future(asyncio.to_thread(model_memory, self.config.model))
         startup_deadline = self.started_at + self.options.startup_timeout
         gate = Gate()
         proxy = Proxy(self.child.endpoint, gate, lambda: self.state.value, startup_deadline)
@@ -252,6 +273,11 @@ class Daemon:
         identity = await self._identity
         if model and identity.get("model") != str(Path(model).resolve()):  # e.g. -hf: /props names the file
             identity = await asyncio.to_thread(model_identity, model)
+        assert self._memory is not None
+        memory = await self._memory
+        if model and model != self.config.model:
+            memory = await asyncio.to_thread(model_memory, model)
+        self.learn_memory(memory, n_ctx)
         fingerprint = build_fingerprint(identity, self.config.child_args, self.total_slots, n_ctx)
         cap = int(self.options.max_cache_bytes) if self.options.max_cache_bytes else None
         store = ConversationStore(
@@ -270,13 +296,65 @@ class Daemon:
         self.metrics.store_entries = lambda: len(store.entries)
         self.metrics.store_bytes = lambda: store.total_bytes
         self.placement = Placement(store, client, self.total_slots, min_tokens=self.options.min_save_tokens,
-                                   metrics=self.metrics)
+                                   metrics=self.metrics, policy=self.policy)
         if self.options.remote_store:
             self.attach_remote(store, self.placement, fingerprint)
         other = f"; {len(store.skipped)} kept but not used (see above)" if store.skipped else ""
         log.info("%d slot(s); %d conversation(s) in %s (%s of a %s cap)%s", self.total_slots, len(store.entries),
                  self.config.save_dir, fmt_bytes(store.total_bytes), fmt_bytes(store.cap_bytes or 0), other)
-        await self.placement.restore_recent()
+        if self.options.placement or self.policy is CachePolicy.PREFIX:
+            await self.placement.restore_recent()
+        else:  # nothing would keep a request that diverges inside a restored state off its slot
+            log.warning("--no-placement on a model whose restored states only extend: nothing is restored or saved")
+
+    def learn_memory(self, memory: ModelMemory | None, n_ctx_slot: int | None) -> None:
+        """The model's memory decides what llama-server reuses, and so what is worth saving: one line."""
+        swa_full = "swa_full" in kv_flags(self.config.child_args)
+        self.memory, self.policy = memory, cache_policy(memory, swa_full)
+        self.metrics.memory = self.describe_memory
+        forced = self.options.model_memory
+        if forced != "auto":
+            self.policy = FORCED_POLICIES[forced, swa_full]
+            log.info("model memory: %s (--model-memory): cache policy %s", forced, self.policy.value)
+        elif memory is None:
+            log.warning("model memory unknown (its GGUF header could not be read): chats are saved at turn "
+                        "boundaries and restored only into requests that extend them")
+        elif self.policy is CachePolicy.NONE:
+            cost = f" (KV {fmt_bytes(swa_kv[0])} -> {fmt_bytes(swa_kv[1])})" if (swa_kv := self.swa_full_cost(
+                memory, n_ctx_slot)) else ""
+            log.warning("%s uses a %s-token sliding window: llama-server reuses no restored chat of it unless "
+                        "--swa-full%s; nothing is saved, and each chat keeps its own slot",
+                        memory.architecture, f"{memory.sliding_window:,}", cost)
+        elif self.policy is CachePolicy.EXTEND_ONLY:
+            log.info("model: %s, %s: chats are saved at turn boundaries and restored only into requests that "
+                     "extend them", memory.architecture, memory.describe())
+        else:
+            log.info("model: %s, %s", memory.architecture, memory.describe())
+
+    def swa_full_cost(self, memory: ModelMemory, n_ctx_slot: int | None) -> tuple[int, int] | None:
+        """llama-server's KV cache for this model as it runs, and with --swa-full (from the model's shape)."""
+        if not n_ctx_slot:
+            return None
+        unified_flag = kv_flags(self.config.child_args).get("kv_unified")
+        slots, unified = llama_server_slots(self.config.total_slots_hint,
+                                            None if unified_flag is None else not unified_flag.startswith("no"))
+        n_seq = max(self.total_slots or slots, 1)
+        n_ctx = n_ctx_slot if unified else n_ctx_slot * n_seq
+        try:
+            return (kv_cache_bytes(memory, n_ctx, n_seq, swa_full=False, unified=unified),
+                    kv_cache_bytes(memory, n_ctx, n_seq, swa_full=True, unified=unified))
+        except ValueError:
+            return None
+
+    def describe_memory(self) -> dict[str, Any]:
+        memory = self.memory
+        return {
+            "architecture": memory.architecture if memory else None,
+            "kind": self.options.model_memory if self.options.model_memory != "auto" else
+                    memory.kind.value if memory else None,
+            "sliding_window": memory.sliding_window if memory else None,
+            "policy": self.policy.value,
+        }
 
     def attach_remote(self, store: ConversationStore, placement: Placement, fingerprint: dict[str, Any]) -> None:
         """The shared tier: uploads after each local commit, lookups on a miss. Nothing here waits on the network:
@@ -326,14 +404,14 @@ class Daemon:
                 await asyncio.sleep(max(idle_s - quiet, 0.2) if not proxy.in_flight else idle_s)
                 continue
             seen = proxy.requests_total
-            await self.save_changed("idle", None)
+            await self.save_changed("idle", None, live=True)
 
-    async def save_changed(self, why: str, deadline: float | None) -> tuple[int, int]:
+    async def save_changed(self, why: str, deadline: float | None, *, live: bool = False) -> tuple[int, int]:
         """Write every changed slot back into the store, then keep the store within its cap."""
         assert self.placement is not None and self.store is not None
         if not self.options.placement:
             await self.note_unplaced_changes()
-        outcome = await self.placement.save_dirty(why, deadline)
+        outcome = await self.placement.save_dirty(why, deadline, live=live)
         self.store.evict_over_cap(self.placement.held_entries())
         return outcome
 
@@ -438,3 +516,14 @@ class Daemon:
                 fmt_bytes(int(estimate["bytes"])), estimate["seconds"], fmt_bytes(int(estimate["bytes_per_s"])),
                 self.options.save_timeout,
             )
+
+
+def model_memory(path: str | None) -> ModelMemory | None:
+    """The model's memory kind from its GGUF header, or None (one line) when it cannot be read."""
+    if not path:
+        return None
+    try:
+        return read_model_memory(path)
+    except (ModelInfoError, OSError) as exc:
+        log.debug("model memory of %s unknown: %s", path, exc)
+        return None

@@ -53,6 +53,13 @@ class Metrics:
     remote_prefill_faster: int = 0  # remote entries not fetched: the prefill was estimated faster
     prompt_tokenizations: int = 0  # placements that asked llama-server for the prompt's tokens
     prefill_tokens_saved: int = 0  # estimated: the prompt tokens placed requests found in their slot
+    extend_hits: int = 0  # extend-only models: requests that extend a saved boundary exactly
+    extend_misses: collections.Counter[str] = field(default_factory=collections.Counter)  # by placement.Miss
+    boundaries_reached: int = 0  # slots brought to a turn boundary before a save
+    boundary_prefill_tokens: int = 0  # tokens llama-server prefilled to get there
+    boundary_seconds: float = 0.0
+    boundary_unknown: int = 0  # saves of a chat whose last reply could not be read (only its fallback saved)
+    memory: Callable[[], dict[str, Any]] = dict  # the model's memory kind and slotkeeper's cache policy
     remote: Callable[[], Any] = lambda: None  # remote.RemoteStats, with --remote-store
     store_entries: Callable[[], int] = lambda: 0
     store_bytes: Callable[[], int] = lambda: 0
@@ -71,6 +78,11 @@ class Metrics:
         self.save_seconds.observe(seconds)
         self.saved_bytes += nbytes
         self.saved_tokens += tokens
+
+    def boundary_reached(self, prefilled: int, seconds: float) -> None:
+        self.boundaries_reached += 1
+        self.boundary_prefill_tokens += prefilled
+        self.boundary_seconds += seconds
 
     def save_failed(self, reason: str) -> None:
         self.saves["failed"] += 1
@@ -126,6 +138,23 @@ class _Collector:
                       "continuing in its slot needs none)", values=m.prompt_tokenizations)
         yield counter("prefill_tokens_saved", "Prompt tokens placed requests found cached (estimated, in 64-token "
                       "blocks)", values=m.prefill_tokens_saved)
+        yield counter("extend_hits", "Requests that extend a saved turn boundary exactly (hybrid and "
+                      "sliding-window models)", values=m.extend_hits)
+        yield counter("extend_misses", "Requests that went cold though an entry shares their opening, by why",
+                      "reason", dict(m.extend_misses))
+        yield counter("boundaries_reached", "Slots brought to a turn boundary before a save",
+                      values=m.boundaries_reached)
+        yield counter("boundary_prefill_tokens", "Tokens prefilled to reach turn boundaries",
+                      values=m.boundary_prefill_tokens)
+        yield counter("boundary_seconds", "Seconds spent reaching turn boundaries", values=m.boundary_seconds)
+        yield counter("boundary_unknown", "Saves whose chat's last reply was unknown (only its earlier boundary "
+                      "saved)", values=m.boundary_unknown)
+        memory = m.memory()
+        if memory:
+            info = GaugeMetricFamily("slotkeeper_model_memory", "The model's memory kind and the cache policy",
+                                     labels=sorted(memory))
+            info.add_metric([str(memory[k]) for k in sorted(memory)], 1)
+            yield info
         for name, doc, value in (("store_entries", "Entries in the conversation store", m.store_entries()),
                                  ("store_bytes", "Bytes of entries in the conversation store", m.store_bytes())):
             gauge = GaugeMetricFamily(f"slotkeeper_{name}", doc)

@@ -10,6 +10,13 @@ lands on a slot that holds *another* chat and overwrites it. slotkeeper pins `id
   if it changed since its last save, the entry is restored into it, and the request goes there;
 * a new chat: a victim chosen the same way.
 
+On hybrid and sliding-window models (`policy.CachePolicy.EXTEND_ONLY`) llama-server reuses a restored state
+only when the request extends all of it. There a chat is saved at its turn boundaries (`boundary.py`: the
+latest, and the one before as a fallback for a regenerate or an edit of the last message), an entry counts
+only when the request extends it exactly, and a slot that holds a restored state takes only requests that
+extend it (any other gets the slot erased first: on a sliding-window model the server would otherwise reuse
+a state that lacks the positions the request needs, and answer wrongly).
+
 The policy is here; the mechanism (files, slot actions) is the store's, and the proxy only calls `place`.
 State is touched only on the event loop, and each decision reserves its slot in the same synchronous step
 that makes it, so no two requests can choose one slot.
@@ -18,17 +25,22 @@ that makes it, so no two requests can choose one slot.
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import chatform
+from .boundary import Boundaries, Turn, turns_of
 from .llama_client import LlamaClient
 from .log import fmt_bytes, fmt_ms, log
 from .metrics import Metrics
-from .prefix import BLOCK_TOKENS, block_keys, common_keys, unit_keys
+from .policy import CachePolicy
+from .prefix import BLOCK_TOKENS, block_keys, common_keys, exact_key, extends_exactly, unit_keys
 from .proxy import Placed
+from .replies import ReplyReader
 from .store import ConversationStore, Entry
 
 CHAT_PATHS = frozenset({"/chat/completions", "/v1/chat/completions", "/v1/responses", "/responses", "/v1/messages"})
@@ -37,6 +49,8 @@ COMPLETION_PATHS = CHAT_PATHS | PROMPT_PATHS
 # llama-server b11434 drops `id_slot` when it converts an Anthropic request to chat form: for these, the slot
 # is prepared where llama-server's own choice will go (see `Placement._llama_choice`).
 UNPINNABLE_PATHS = frozenset({"/v1/messages"})
+# Responses whose reply `replies.ReplyReader` reads (chat completions): the chats whose boundaries are known.
+REPLY_PATHS = frozenset({"/chat/completions", "/v1/chat/completions"})
 # Body fields that do not change the prompt: a chat whose turns differ only in these is still one chat.
 NOT_PROMPT_FIELDS = frozenset({
     "messages", "input", "prompt", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p",
@@ -94,6 +108,21 @@ class Slot:
     busy: bool = False
     last_used: float = 0.0
     label: str = ""  # the chat it holds, for log lines
+    chat: dict[str, Any] | None = None  # extend-only models: the chat-form body of its last request ...
+    reply: ReplyReader | None = None  # ... and that request's response (together: its turn boundaries)
+    floor: Entry | None = None  # extend-only models: the restored state it holds; requests must extend it
+    floor_checked: bool = False  # a request's tokens were seen to extend the floor (continuations may skip it)
+
+    def hold(self, entry: Entry | None, keys: list[str], tokens: int) -> None:
+        """It now holds exactly `keys`/`tokens` (saved as `entry`, when that is not None)."""
+        self.entry, self.keys, self.tokens, self.dirty = entry, keys, tokens, False
+        if entry is not None:
+            self.label = entry.short
+
+    def extended_by(self, tokens: list[int]) -> bool:
+        """A request with these tokens may run here: it extends the restored state, if there is one."""
+        floor = self.floor
+        return floor is None or extends_exactly(tokens, floor.tokens, floor.exact)
 
 
 @dataclass
@@ -105,6 +134,7 @@ class Plan:
     write_back: bool = False
     outcome: str = "new"  # resident | restored | branch | new | pinned (the client chose) | unplaced
     keys: list[str] | None = None  # the prompt's block keys, when it was tokenized
+    erase: bool = False  # the slot's restored state is not extended by the request: erased first
 
 
 def with_id_slot(body: bytes, slot_id: int) -> bytes:
@@ -130,8 +160,7 @@ def fast_key(path: str, data: dict[str, Any]) -> tuple[FastKey, dict[str, Any] |
         messages = chat.get("messages")
         if not isinstance(messages, list):
             return NO_KEY, chat
-        settings = {k: v for k, v in chat.items() if k not in NOT_PROMPT_FIELDS}
-        return FastKey(units=tuple(unit_keys([_canonical(settings), *map(_canonical, messages)]))), chat
+        return FastKey(units=tuple(chat_units(chat, messages))), chat
     prompt = data.get("prompt")
     if path == "/infill" or prompt is None:
         return NO_KEY, None
@@ -139,6 +168,22 @@ def fast_key(path: str, data: dict[str, Any]) -> tuple[FastKey, dict[str, Any] |
         return FastKey(prompt=prompt), None
     text = _canonical(prompt).decode()
     return FastKey(prompt=text[:-1] + "," if text.endswith("]") else text), None
+
+
+def chat_units(chat: dict[str, Any], messages: list[Any]) -> list[str]:
+    """The chained keys of a chat's prompt-relevant settings and of each of these messages."""
+    settings = {k: v for k, v in chat.items() if k not in NOT_PROMPT_FIELDS}
+    return unit_keys([_canonical(settings), *map(_canonical, messages)])
+
+
+def _strict_prefix(a: list[str], b: list[str]) -> bool:
+    return len(a) < len(b) and b[: len(a)] == a
+
+
+class Miss(enum.Enum):
+    """Why a request on an extend-only model found no entry to restore, though one shares its opening."""
+
+    DIVERGED = "diverged inside an entry"
 
 
 def _canonical(value: Any) -> bytes:
@@ -156,10 +201,13 @@ class Placement:
 
     def __init__(
         self, store: ConversationStore, client: LlamaClient, n_slots: int, *, min_tokens: int = DEFAULT_MIN_TOKENS,
-        metrics: Metrics | None = None,
+        metrics: Metrics | None = None, policy: CachePolicy = CachePolicy.PREFIX,
     ) -> None:
         self.store = store
         self.client = client
+        self.policy = policy
+        self.extend_only = policy is CachePolicy.EXTEND_ONLY
+        self.boundaries = Boundaries(client)
         self.slots = [Slot(i) for i in range(n_slots)]
         self.min_tokens = min_tokens
         self.metrics = metrics or Metrics()
@@ -200,7 +248,9 @@ class Placement:
             return Placed(body)
         self.metrics.placements[plan.outcome] += 1
         out = body if path in UNPINNABLE_PATHS or pinned is not None else with_id_slot(body, plan.slot.id)
-        return Placed(out, lambda status: self._finished(plan, status, fast))
+        reader = ReplyReader() if self.extend_only and chat is not None and path in REPLY_PATHS else None
+        return Placed(out, lambda status: self._finished(plan, status, fast, chat, reader),
+                      None if reader is None else reader.feed)
 
     async def _plan(
         self, path: str, body: bytes, data: dict[str, Any], chat: dict[str, Any] | None, fast: FastKey,
@@ -216,9 +266,11 @@ class Placement:
         keys = block_keys(tokens) if tokens is not None else None
         if keys and self.remote is not None:
             await self._fetch_if_faster(keys)
-        while (plan := self._decide(keys, len(tokens or ()), pinned, path in UNPINNABLE_PATHS)) is None:
+        while (plan := self._decide(keys, len(tokens or ()), pinned, path in UNPINNABLE_PATHS, tokens)) is None:
             await self._wait_freed()
         plan.keys = keys
+        if self.extend_only and plan.restore is None:
+            plan.erase = plan.slot.floor is not None and (tokens is None or not plan.slot.extended_by(tokens))
         return plan
 
     # ---- deciding (synchronous: decide and reserve in one step) -------------------------------------------
@@ -228,27 +280,54 @@ class Placement:
         if fast is NO_KEY:
             return None
         for slot in self.slots:
-            if slot.fast.continued_by(fast):
+            if slot.fast.continued_by(fast) and (slot.floor is None or slot.floor_checked):
                 return slot
         return None
 
-    def _decide(self, keys: list[str] | None, n_tokens: int, pinned: int | None, unpinnable: bool) -> Plan | None:
-        """The plan for a request whose prompt has these block keys, or None when it must wait for a slot."""
+    @staticmethod
+    def _shared(slot: Slot, keys: list[str], tokens: list[int] | None) -> int:
+        """How many of the request's blocks llama-server can reuse from what the slot holds."""
+        if slot.floor is not None and (tokens is None or not slot.extended_by(tokens)):
+            return 0
+        return common_keys(slot.keys, keys)
+
+    def _stored(self, keys: list[str], tokens: list[int] | None) -> tuple[Entry | None, int]:
+        """The entry worth restoring for this prompt, and how many of its blocks llama-server will reuse."""
+        if self.policy is CachePolicy.NONE:
+            return None, 0
+        if not self.extend_only:
+            entry, in_store = self.store.lookup(keys)
+            return (entry, in_store) if entry is not None and in_store * 2 >= len(entry.keys) else (None, 0)
+        entry = self.store.lookup_extended(tokens, keys) if tokens is not None else None
+        if entry is not None:
+            self.metrics.extend_hits += 1
+            return entry, len(entry.keys)
+        near, shared = self.store.lookup(keys)
+        if near is not None and shared * BLOCK_TOKENS >= self.min_tokens:
+            self.metrics.extend_misses[Miss.DIVERGED.value] += 1
+            log.debug("request diverges inside entry %s (%d of its %d blocks): not restored", near.short, shared,
+                      len(near.keys))
+        return None, 0
+
+    def _decide(self, keys: list[str] | None, n_tokens: int, pinned: int | None, unpinnable: bool,
+                tokens: list[int] | None = None) -> Plan | None:
+        """The plan for a request whose prompt has these block keys (and tokens: extend-only models need them),
+        or None when it must wait for a slot."""
         if pinned is not None:
             slot = self.slots[pinned]
             if slot.busy:
                 return None
-            shared = common_keys(slot.keys, keys) if keys else 0
+            shared = self._shared(slot, keys, tokens) if keys else 0
             return Plan(self._reserve(slot), write_back=not self._holds(slot, shared), outcome="pinned")
         idle = [s for s in self.slots if not s.busy]
         if not idle:
             return None
         if keys is None:  # tokens unknown: a victim, whose content then is unknown too
             return Plan(self._reserve(self._victim(idle)), write_back=True, outcome="unplaced")
-        best, shared = max(((s, common_keys(s.keys, keys)) for s in idle), key=lambda p: (p[1], p[0].last_used))
-        entry, in_store = self.store.lookup(keys)
+        best, shared = max(((s, self._shared(s, keys, tokens)) for s in idle), key=lambda p: (p[1], p[0].last_used))
+        entry, in_store = self._stored(keys, tokens)
         if (entry is not None and not self._in_a_slot(entry) and in_store >= shared + RESTORE_MIN_GAIN_BLOCKS
-                and in_store * BLOCK_TOKENS >= self.min_tokens and in_store * 2 >= len(entry.keys)):
+                and in_store * BLOCK_TOKENS >= self.min_tokens):
             victim = self._llama_choice(idle, keys, n_tokens) if unpinnable else self._victim(idle)
             return Plan(self._reserve(victim), restore=entry, write_back=True, outcome="restored")
         if shared and self._holds(best, shared):
@@ -258,7 +337,7 @@ class Placement:
         if unpinnable:
             return Plan(self._reserve(self._llama_choice(idle, keys, n_tokens)), write_back=True, outcome="new")
         # A new chat: where its opening (a shared system prompt) already is, if that costs no write-back.
-        reusable = [(s, n) for s, n in ((s, common_keys(s.keys, keys)) for s in idle)
+        reusable = [(s, n) for s, n in ((s, self._shared(s, keys, tokens)) for s in idle)
                     if n * BLOCK_TOKENS >= self.min_tokens and not self._worth_keeping(s)]
         if reusable:
             return Plan(self._reserve(max(reusable, key=lambda p: p[1])[0]), outcome="new")
@@ -286,8 +365,14 @@ class Placement:
         return min(idle, key=lambda s: s.last_used)
 
     def _worth_keeping(self, slot: Slot) -> bool:
-        """Worth a file: enough tokens, or content slotkeeper could not see (saved to find out)."""
-        return slot.dirty and (slot.tokens >= self.min_tokens or not slot.keys)
+        """Worth a file: enough tokens, or content slotkeeper could not see (saved to find out); on extend-only
+        models, a chat whose turn boundary is known. (Where llama-server reuses no restored state, nothing is
+        saved, but such a slot still holds a chat that only it has: it goes last as a victim all the same.)"""
+        if not slot.dirty:
+            return False
+        if self.extend_only:
+            return slot.chat is not None and slot.tokens >= self.min_tokens
+        return slot.tokens >= self.min_tokens or not slot.keys
 
     def _reserve(self, slot: Slot) -> Slot:
         slot.busy = True
@@ -306,13 +391,30 @@ class Placement:
     async def _prepare(self, plan: Plan) -> None:
         """Write the victim back if it changed since its last save, then restore the entry into it."""
         slot = plan.slot
-        if plan.write_back and self._worth_keeping(slot):
+        if plan.write_back and self.policy is not CachePolicy.NONE and self._worth_keeping(slot):
             await self.write_back(slot, "before it is reused")
         if plan.restore is not None:
             await self.restore_into(slot, plan.restore)
+        elif plan.erase:
+            await self.erase(slot)
 
-    async def write_back(self, slot: Slot, why: str, deadline: float | None = None) -> bool:
-        """Save a (reserved) slot's content as an entry; True when it was saved."""
+    async def erase(self, slot: Slot) -> None:
+        """Empty a (reserved) slot whose restored state the request does not extend: llama-server would reuse a
+        state it cannot roll back (a wasted prefill) or, with sliding-window attention, answer wrongly."""
+        reply = await self.client.slot_action(slot.id, "erase")
+        if not reply.ok:
+            raise ConnectionError(f"erasing slot {slot.id} failed: {reply.status} {reply.error}")
+        slot.floor, slot.floor_checked, slot.fast = None, False, NO_KEY
+        slot.hold(None, [], 0)
+        log.info("slot %d erased: the request does not extend the chat restored there", slot.id)
+
+    async def write_back(self, slot: Slot, why: str, deadline: float | None = None, *, live: bool = False) -> bool:
+        """Save a (reserved) slot's content as an entry (extend-only models: at its turn boundaries); True when
+        something was saved. `live`: the slot goes on serving its chat afterwards (an idle save)."""
+        if self.extend_only:
+            work = self._save_boundaries(slot, why, live)
+            return await (work if deadline is None else
+                          asyncio.wait_for(work, max(0.0, deadline - time.monotonic())))
         work = self.store.save_slot(slot.id, self._expected_bytes(slot), list(slot.fast.units))
         result = await (work if deadline is None else asyncio.wait_for(work, max(0.0, deadline - time.monotonic())))
         if result.entry is None:
@@ -328,18 +430,90 @@ class Placement:
                  f"{entry.tokens:,}", fmt_bytes(entry.nbytes), fmt_ms(result.seconds), superseding)
         return True
 
-    async def restore_into(self, slot: Slot, entry: Entry) -> bool:
+    async def _save_boundaries(self, slot: Slot, why: str, live: bool) -> bool:
+        """Bring the slot to its chat's turn boundaries and save each one not saved yet: the latest first (one
+        step back from the reply), then the fallback (back to the checkpoint at the last request's new
+        messages). A live slot gets the latest back from its file."""
+        chat, message = slot.chat, (slot.reply.message() if slot.reply is not None else None)
+        if chat is None:
+            slot.dirty = False
+            return False
+        current, previous = turns_of(chat.get("messages") or [], message)
+        if current is None:
+            self.metrics.boundary_unknown += 1
+            log.info("chat %s in slot %d: its reply is unknown (cut off, or not a chat completion), so only its "
+                     "earlier boundary can be saved", slot.label, slot.id)
+        saved = moved = False
+        latest: Entry | None = None
+        for turn in (current, previous):
+            if turn is None:
+                continue
+            entry, reached = await self._save_boundary(slot, chat, turn, why)
+            moved = moved or reached
+            saved = saved or (reached and entry is not None)
+            latest = latest or (entry if turn is current else None)
+        slot.dirty = False
+        if live and moved and latest is not None and slot.entry is not latest:
+            await self.restore_into(slot, latest, on_demand=False)  # back to the end of the chat, from its file
+        return saved
+
+    async def _save_boundary(self, slot: Slot, chat: dict[str, Any], turn: Turn, why: str) -> tuple[Entry | None, bool]:
+        """One boundary of the slot's chat as an entry, found saved already or reached and saved now; and
+        whether the slot was moved to it."""
+        tokens = await self.boundaries.tokens(chat, turn)
+        if tokens is None or len(tokens) < self.min_tokens:
+            return None, False
+        if slot.floor is not None and not (len(tokens) >= slot.floor.tokens
+                                           and exact_key(tokens, slot.floor.tokens) == slot.floor.exact):
+            return None, False  # before the restored state: the slot cannot go back there
+        existing = self.store.find_exact(exact_key(tokens))
+        if existing is not None:
+            self.store.touch(existing)
+            return existing, False
+        reached = await self.boundaries.reach(slot.id, tokens)
+        if reached is None:
+            log.warning("slot %d not saved (%s): llama-server did not take it to its turn boundary", slot.id, why)
+            return None, False
+        slot.hold(None, block_keys(tokens), len(tokens))
+        self.metrics.boundary_reached(reached.prefilled, reached.seconds)
+        units = chat_units(chat, turn.history)
+        result = await self.store.save_slot(slot.id, self._expected_bytes(slot), units, boundary=tokens,
+                                            supersedes=self._older_boundary)
+        if result.entry is None:
+            log.warning("slot %d not saved (%s): %s; its previous entries are kept", slot.id, why, result.reason)
+            return None, True
+        entry = result.entry
+        slot.hold(entry, entry.keys, entry.tokens)
+        superseding = f", superseding {result.superseded}" if result.superseded else ""
+        log.info("chat %s saved from slot %d at its turn boundary (%s): %s tokens (%s prefilled to reach it in %s), "
+                 "%s in %s%s", entry.short, slot.id, why, f"{entry.tokens:,}", f"{reached.prefilled:,}",
+                 fmt_ms(reached.seconds), fmt_bytes(entry.nbytes), fmt_ms(result.seconds), superseding)
+        return entry, True
+
+    def _older_boundary(self, new: Entry, old: Entry) -> bool:
+        """A chat keeps its latest boundary and the one before it: a new boundary supersedes the chat's
+        boundaries that another one lies between (never an opening: a system prompt that chats share)."""
+        if not (old.boundary and len(old.units) >= 3 and _strict_prefix(old.units, new.units)):
+            return False
+        return any(_strict_prefix(old.units, mid.units) and _strict_prefix(mid.units, new.units)
+                   for mid in self.store.entries.values() if mid.boundary)
+
+    async def restore_into(self, slot: Slot, entry: Entry, *, on_demand: bool = True) -> bool:
         """Restore an entry into a (reserved) slot; the slot then holds it, unchanged since saved."""
         result = await self.store.restore(entry, slot.id)
         if not result.ok:
             slot.keys, slot.fast, slot.tokens, slot.entry, slot.dirty, slot.label = [], NO_KEY, 0, None, False, ""
+            slot.floor, slot.floor_checked, slot.chat, slot.reply = None, False, None, None
             log.warning("chat %s not restored into slot %d (%s); the request starts cold", entry.short, slot.id,
                         result.reason)
             return False
-        slot.keys, slot.tokens, slot.entry, slot.dirty, slot.label = entry.keys, entry.tokens, entry, False, entry.short
+        slot.hold(entry, entry.keys, entry.tokens)
         slot.fast = FastKey(units=tuple(entry.units))
+        slot.chat = slot.reply = None
+        if self.extend_only:
+            slot.floor, slot.floor_checked = entry, False
         slot.last_used = self._tick()
-        self.metrics.on_demand_restores += 1
+        self.metrics.on_demand_restores += on_demand
         log.info("chat %s restored into slot %d: %s tokens, %s in %s", entry.short, slot.id, f"{result.tokens:,}",
                  fmt_bytes(result.nbytes), fmt_ms(result.seconds))
         return True
@@ -409,10 +583,13 @@ class Placement:
 
     # ---- after the request --------------------------------------------------------------------------------
 
-    def _finished(self, plan: Plan, status: int, fast: FastKey) -> None:
+    def _finished(self, plan: Plan, status: int, fast: FastKey, chat: dict[str, Any] | None = None,
+                  reader: ReplyReader | None = None) -> None:
         """The request ended: the slot now holds its prompt and what was generated (unless it was refused)."""
         slot = plan.slot
         if status in (200, 499):  # answered, or the client left while it ran: the slot holds (part of) it
+            slot.chat, slot.reply = chat, (reader if status == 200 else None)
+            slot.floor_checked = slot.floor_checked or plan.keys is not None
             if plan.keys is not None:
                 self.metrics.prefill_tokens_saved += common_keys(slot.keys, plan.keys) * BLOCK_TOKENS
                 slot.keys, slot.tokens = plan.keys, len(plan.keys) * BLOCK_TOKENS
@@ -453,19 +630,19 @@ class Placement:
             prompt = data.get("prompt")
             if path == "/infill" or prompt is None:
                 return None
-        payload = json.dumps({"content": prompt, "add_special": True, "parse_special": True},
-                             separators=(",", ":")).encode()
-        status, raw = await self.client.call_raw("POST", "/tokenize", payload)
-        if status != 200:
-            return None
-        tokens = json.loads(raw)["tokens"]
-        return tokens if isinstance(tokens, list) else None
+        return await self.client.tokenize(prompt)
 
     # ---- start, idle and stop -----------------------------------------------------------------------------
 
     async def restore_recent(self) -> None:
         """At start, before /health says ready: the most recently used entries, one per slot."""
-        for slot, entry in zip(self.slots, self.store.most_recent(len(self.slots))):
+        if self.policy is CachePolicy.NONE:
+            return
+        skip: Callable[[Entry], bool] = lambda e: False
+        if self.extend_only:  # chats' latest boundaries only (not a fallback, an opening, an older kind of entry)
+            deeper = {tuple(e.units[:k]) for e in self.store.entries.values() for k in range(1, len(e.units))}
+            skip = lambda e: not e.boundary or tuple(e.units) in deeper  # noqa: E731
+        for slot, entry in zip(self.slots, self.store.most_recent(len(self.slots), skip)):
             self._reserve(slot)
             try:
                 await self.restore_into(slot, entry)
@@ -475,9 +652,11 @@ class Placement:
 
     def dirty_slots(self) -> list[Slot]:
         """Slots changed since their last save and worth a file, most recently used first."""
+        if self.policy is CachePolicy.NONE:
+            return []
         return sorted((s for s in self.slots if self._worth_keeping(s)), key=lambda s: s.last_used, reverse=True)
 
-    async def save_dirty(self, why: str, deadline: float | None = None) -> tuple[int, int]:
+    async def save_dirty(self, why: str, deadline: float | None = None, *, live: bool = False) -> tuple[int, int]:
         """Write back every idle changed slot, each reserved while it is saved; (saved, attempted)."""
         saved = attempted = 0
         for slot in self.dirty_slots():
@@ -490,7 +669,7 @@ class Placement:
             self._reserve(slot)
             attempted += 1
             try:
-                saved += await self.write_back(slot, why, deadline)
+                saved += await self.write_back(slot, why, deadline, live=live)
             except TimeoutError:
                 self.metrics.save_failed("budget")
                 log.warning("slot %d save abandoned: the save budget (--save-timeout) ran out; "
@@ -507,6 +686,7 @@ class Placement:
         """Per slot, for /slotkeeper/status."""
         return [
             {"slot": s.id, "chat": s.label or None, "entry": s.entry.id if s.entry else None,
-             "tokens_known": s.tokens, "dirty": s.dirty, "busy": s.busy}
+             "tokens_known": s.tokens, "dirty": s.dirty, "busy": s.busy,
+             "restored_state": s.floor.id if s.floor else None}
             for s in self.slots
         ]

@@ -137,6 +137,14 @@ def test_4a_child_crash_at_load(stub_slotkeeper):
     assert "Traceback" not in sk.logs()
 
 
+def test_4a_child_that_exits_at_once_ends_slotkeeper_at_once(starter):
+    """4. llama-server refuses its arguments and exits before slotkeeper's loop even runs: slotkeeper exits
+    with its code at once (it used to poll /health forever and ignore SIGTERM)."""
+    sk = starter("sh -c 'echo error: invalid argument; exit 3' --", ["-m", "x.gguf"])(wait=False)
+    assert sk.wait(15) == 3, sk.logs()
+    assert "llama-server exited with code 3 during startup" in sk.logs()
+
+
 def test_4b_child_crash_while_serving(stub_slotkeeper):
     """4. The child dies while serving: the request fails cleanly, slotkeeper exits with the child's code."""
     sk = stub_slotkeeper(stub={"STUB_CRASH_AFTER_REQUESTS": "1", "STUB_CRASH_CODE": "7"})

@@ -1024,7 +1024,10 @@ class ChildPool:
     async def connect(self) -> ChildConnection:
         """A new connection, within CONNECT_TIMEOUT_S; a full accept queue (EAGAIN on a unix socket, when many
         requests arrive at once) is waited out, not reported."""
-        return await asyncio.wait_for(self._connect(), CONNECT_TIMEOUT_S)
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation that arrives as the
+        # connect fails (no socket yet), and a health poll cancelled that way would loop on forever.
+        async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            return await self._connect()
 
     async def _connect(self) -> ChildConnection:
         loop = asyncio.get_running_loop()

@@ -28,13 +28,44 @@ Format (known to load in llama.cpp b11434): architecture ``llama``, tokenizer
 BOS and EOS as CONTROL tokens and a few hundred merged-letter tokens with their ``merges``
 (llama.cpp refuses a ``gpt2`` vocabulary without merges). Norms are f32; matrices f32 or f16.
 
+Other architectures (``TinyModelSpec.arch``), each with the same constant-dimension bias
+(none of them has an output bias tensor either) and the same byte/merge vocabulary:
+
+* ``qwen35`` -- the dense Qwen3.5 hybrid: gated delta-net (linear attention, recurrent
+  state) layers with a gated full-attention layer every ``4`` layers (the last layer if
+  there are fewer), interleaved M-RoPE on a quarter of each head, Q/K norms. The delta-net
+  uses ``n_heads`` value heads and ``n_kv_heads`` key heads of ``head_dim`` each.
+* ``lfm2`` -- LFM2: gated short-convolution layers (a 3-token causal conv, recurrent
+  state) with a GQA attention layer every third layer (layers 2, 5, ...; the last layer if
+  there are fewer than 3).
+* ``gemma3`` -- Gemma 3: sliding-window attention (``sliding_window`` tokens) with the
+  Gemma 3 5:1 local:global pattern (layer ``i`` is global when ``i % 6 == 5``; the last
+  layer is always global), pre- and post-norms, GELU FFN, embeddings scaled by
+  ``sqrt(width)`` inside llama.cpp (so the stored embeddings are ``1/sqrt(width)`` smaller).
+  GGUF norm weights are used as plain multipliers by llama.cpp (the converter already
+  folded Gemma's ``1 + w``), so the same zero-at-dimension-0 trick applies.
+
+These models carry a chat template (``tokenizer.chat_template``) and the special tokens it
+uses as single CONTROL/USER_DEFINED tokens, appended after the llama vocabulary:
+``qwen35`` (the real Qwen3.5 template; ``<think>`` reasoning, ``enable_thinking``),
+``qwen3`` (the real Qwen3 template) -- both with ``<|im_start|>``/``<|im_end|>`` and EOS/EOT
+``<|im_end|>``, no BOS added -- or ``gemma`` (the Gemma 3 template) with
+``<start_of_turn>``/``<end_of_turn>``, BOS ``<bos>``, EOS ``<eos>`` and EOT ``<end_of_turn>``.
+``qwen35`` and ``lfm2`` default to ``qwen35``, ``gemma3`` to ``gemma``; ``llama`` has no
+template unless one is asked for (so its file is unchanged). Every special token carries
+the large negative output bias, so generated text stays printable ASCII and the model never
+ends a turn or opens/closes a think block by itself.
+
 Only imported by tests and by the ``demo`` command (needs ``numpy`` and ``gguf``), never by
 the daemon.
 
 Command line::
 
     python -m slotkeeper.testing.tinymodel OUT.gguf [--layers N --width N --heads N
-        --kv-heads N --ff N --f16 --seed N --ctx N --name NAME --preset e]
+        --kv-heads N --ff N --f16 --seed N --ctx N --name NAME --preset e
+        --arch {llama,qwen35,lfm2,gemma3} --sliding-window N --template {qwen35,qwen3,gemma}]
+
+``--arch A`` without ``--preset`` starts from the preset named ``A`` (if there is one).
 """
 
 from __future__ import annotations
@@ -57,14 +88,25 @@ __all__ = [
     "TinyModelSpec",
     "BENCH_MODEL_E",
     "PRESETS",
+    "ARCHS",
+    "TEMPLATES",
     "write_tiny_model",
     "vocab_tokens",
+    "chat_template_text",
     "BOS_ID",
     "EOS_ID",
     "main",
 ]
 
 ARCH = "llama"
+
+#: Architectures :func:`write_tiny_model` can write.
+ARCHS: tuple[str, ...] = ("llama", "qwen35", "lfm2", "gemma3")
+#: Chat templates that can be embedded (``TinyModelSpec.template``).
+TEMPLATES: tuple[str, ...] = ("qwen35", "qwen3", "gemma")
+_DEFAULT_TEMPLATE: dict[str, str | None] = {"llama": None, "qwen35": "qwen35", "lfm2": "qwen35", "gemma3": "gemma"}
+_TEMPLATE_FILES = {"qwen35": "qwen35.jinja", "qwen3": "qwen3.jinja", "gemma": "gemma3.jinja"}
+_TEMPLATE_FAMILY = {"qwen35": "qwen", "qwen3": "qwen", "gemma": "gemma"}
 
 #: Token ids. Bytes first (id == byte value) so a byte's token id is obvious in tests.
 N_BYTE_TOKENS = 256
@@ -76,6 +118,41 @@ EOS_TEXT = "<|endoftext|>"  # a spelling llama.cpp recognizes as end-of-generati
 # gguf TokenType values (gguf.TokenType), kept here so the vocabulary needs no gguf import.
 _TOKEN_NORMAL = 1
 _TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+
+#: Special tokens appended after the llama vocabulary, per template family (spelling, type).
+#: Qwen marks ``<think>``/``<tool_call>``... as non-special added tokens (USER_DEFINED in GGUF).
+_FAMILY_SPECIALS: dict[str, tuple[tuple[str, int], ...]] = {
+    "qwen": (
+        ("<|im_start|>", _TOKEN_CONTROL),
+        ("<|im_end|>", _TOKEN_CONTROL),
+        ("<|vision_start|>", _TOKEN_CONTROL),
+        ("<|vision_end|>", _TOKEN_CONTROL),
+        ("<|vision_pad|>", _TOKEN_CONTROL),
+        ("<|image_pad|>", _TOKEN_CONTROL),
+        ("<|video_pad|>", _TOKEN_CONTROL),
+        ("<tool_call>", _TOKEN_USER_DEFINED),
+        ("</tool_call>", _TOKEN_USER_DEFINED),
+        ("<tool_response>", _TOKEN_USER_DEFINED),
+        ("</tool_response>", _TOKEN_USER_DEFINED),
+        ("<think>", _TOKEN_USER_DEFINED),
+        ("</think>", _TOKEN_USER_DEFINED),
+    ),
+    "gemma": (
+        ("<pad>", _TOKEN_CONTROL),
+        ("<eos>", _TOKEN_CONTROL),
+        ("<bos>", _TOKEN_CONTROL),
+        ("<start_of_turn>", _TOKEN_CONTROL),
+        ("<end_of_turn>", _TOKEN_CONTROL),
+        ("<start_of_image>", _TOKEN_CONTROL),
+        ("<end_of_image>", _TOKEN_CONTROL),
+    ),
+}
+#: (bos, eos, eot, pad, add_bos) spellings per template family.
+_FAMILY_IDS: dict[str, tuple[str, str, str, str, bool]] = {
+    "qwen": (EOS_TEXT, "<|im_end|>", "<|im_end|>", EOS_TEXT, False),
+    "gemma": ("<bos>", "<eos>", "<end_of_turn>", "<pad>", True),
+}
 
 #: Letters whose pairs get merged tokens (the most frequent English letters).
 _PAIR_LETTERS = "etaoinshrdlcumwf"
@@ -86,6 +163,13 @@ _ATTN_OUT_SCALE = 1.5  # attention writes about as much into the residual as the
 _FFN_DOWN_SCALE = 0.5
 _BAD_TOKEN_BIAS = -1000.0  # column-0 weight of tokens that must never be sampled
 _CONST_DIM_VALUE = 1.0
+
+# Architecture constants of the other families (the real models' values where they matter).
+_QWEN35_FULL_ATTN_INTERVAL = 4
+_QWEN35_CONV_KERNEL = 4
+_LFM2_CONV_L_CACHE = 3
+_LFM2_ATTN_EVERY = 3
+_GEMMA3_SWA_PERIOD = 6
 
 
 @dataclass(frozen=True)
@@ -109,6 +193,13 @@ class TinyModelSpec:
     seed: int = 0
     context_length: int = 32768
     name: str = "slotkeeper-tiny"
+    arch: str = "llama"
+    """One of :data:`ARCHS`: ``llama``, ``qwen35``, ``lfm2`` or ``gemma3``."""
+    sliding_window: int = 128
+    """Sliding-window size in tokens of gemma3's local layers (ignored by other archs)."""
+    template: str | None = None
+    """Embedded chat template, one of :data:`TEMPLATES`; ``None`` means the arch's default
+    (``qwen35`` for qwen35 and lfm2, ``gemma`` for gemma3, no template for llama)."""
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -130,6 +221,15 @@ class TinyModelSpec:
             problems.append(f"seed must be in [0, 2**63), got {self.seed}")
         if not self.name:
             problems.append("name must not be empty")
+        if self.arch not in ARCHS:
+            problems.append(f"arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
+        elif self.arch in ("qwen35", "lfm2") and self.n_layers < 2:
+            # llama.cpp b11434 aborts (GGML_ASSERT(buffer)) on a hybrid without recurrent layers
+            problems.append(f"{self.arch} needs n_layers >= 2 (a recurrent and an attention layer)")
+        if self.sliding_window < 1:
+            problems.append(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.template is not None and self.template not in TEMPLATES:
+            problems.append(f"template must be None or one of {', '.join(TEMPLATES)}, got {self.template!r}")
         if problems:
             raise ValueError("invalid TinyModelSpec: " + "; ".join(problems))
 
@@ -145,8 +245,13 @@ class TinyModelSpec:
         return -(-8 * self.width // (3 * 32)) * 32
 
     @property
+    def chat_template(self) -> str | None:
+        """The template actually embedded (``template`` or the arch's default), or ``None``."""
+        return self.template if self.template is not None else _DEFAULT_TEMPLATE[self.arch]
+
+    @property
     def n_vocab(self) -> int:
-        return len(vocab_tokens()[0])
+        return len(_family_vocab(_family(self))[0])
 
 
 #: Benchmark model "E": ~44 MB f16, 8 layers x 512 wide, GQA with one KV head (small KV
@@ -157,7 +262,19 @@ BENCH_MODEL_E = TinyModelSpec(
 )
 
 #: Named specs for the ``--preset`` option.
-PRESETS: dict[str, TinyModelSpec] = {"tiny": TinyModelSpec(), "e": BENCH_MODEL_E}
+PRESETS: dict[str, TinyModelSpec] = {
+    "tiny": TinyModelSpec(),
+    "e": BENCH_MODEL_E,
+    #: 3 delta-net layers + 1 full-attention layer, 64 wide, 4 value / 2 key heads (GQA).
+    "qwen35": TinyModelSpec(arch="qwen35", n_layers=4, width=64, n_heads=4, n_kv_heads=2,
+                            name="slotkeeper-tiny-qwen35"),
+    #: conv, conv, attention, conv; 64 wide, GQA 4/2.
+    "lfm2": TinyModelSpec(arch="lfm2", n_layers=4, width=64, n_heads=4, n_kv_heads=2,
+                          name="slotkeeper-tiny-lfm2"),
+    #: 5 sliding-window layers (128 tokens) + 1 global layer, 64 wide, one KV head.
+    "gemma3": TinyModelSpec(arch="gemma3", n_layers=6, width=64, n_heads=4, n_kv_heads=1,
+                            name="slotkeeper-tiny-gemma3"),
+}
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -191,6 +308,7 @@ def vocab_tokens() -> _Vocab:
     ``allowed[i]`` says whether the output head lets token ``i`` be generated: printable
     ASCII bytes and merged-letter tokens yes, control tokens and other bytes no. The
     vocabulary does not depend on the spec, so every tiny model tokenizes alike.
+    (Models with a chat template append their special tokens, see ``TinyModelSpec.template``.)
     """
     global _VOCAB_CACHE
     if _VOCAB_CACHE is not None:
@@ -218,19 +336,53 @@ def vocab_tokens() -> _Vocab:
     return _VOCAB_CACHE
 
 
+def _family(spec: TinyModelSpec) -> str | None:
+    """The tokenizer family of the spec's chat template (``None``: plain llama vocabulary)."""
+    tmpl = spec.chat_template
+    return None if tmpl is None else _TEMPLATE_FAMILY[tmpl]
+
+
+def _family_vocab(family: str | None) -> _Vocab:
+    """The llama vocabulary plus the family's special tokens (never allowed as output)."""
+    tokens, types, merges, allowed = vocab_tokens()
+    if family is None:
+        return tokens, types, merges, allowed
+    specials = _FAMILY_SPECIALS[family]
+    out = (
+        tokens + tuple(t for t, _ in specials),
+        types + tuple(k for _, k in specials),
+        merges,
+        allowed + (False,) * len(specials),
+    )
+    assert len(set(out[0])) == len(out[0]), "duplicate token spelling"
+    return out
+
+
+def chat_template_text(name: str) -> str:
+    """The Jinja source of the named chat template (one of :data:`TEMPLATES`)."""
+    from importlib.resources import files
+
+    if name not in _TEMPLATE_FILES:
+        raise ValueError(f"unknown chat template {name!r}; expected one of {', '.join(TEMPLATES)}")
+    return files(__package__ or "slotkeeper.testing").joinpath("templates", _TEMPLATE_FILES[name]).read_text(
+        encoding="utf-8")
+
+
 def _weights(spec: TinyModelSpec) -> list[tuple[str, np.ndarray[Any, Any]]]:
     """All tensors, in file order, as numpy arrays shaped (rows=out, cols=in).
 
     gguf stores numpy shape reversed, so a ``(n_out, n_in)`` array becomes the
     ``{n_in, n_out}`` ggml tensor llama.cpp expects.
     """
+    if spec.arch != "llama":
+        return _ARCH_WEIGHTS[spec.arch](spec)
     import numpy as np
 
     rng = np.random.default_rng(spec.seed)
     mat_dtype = np.float16 if spec.f16 else np.float32
     d, ff = spec.width, spec.ff_length
     kv = spec.n_kv_heads * spec.head_dim
-    _, _, _, allowed = vocab_tokens()
+    _, _, _, allowed = _family_vocab(_family(spec))
     n_vocab = len(allowed)
 
     def normal(shape: tuple[int, int], std: float) -> np.ndarray[Any, Any]:
@@ -278,10 +430,211 @@ def _weights(spec: TinyModelSpec) -> list[tuple[str, np.ndarray[Any, Any]]]:
     return out
 
 
+class _Init:
+    """Seeded weight factory shared by the non-llama architectures.
+
+    ``proj(n_out, n_in, scale, writes=True)`` is a projection whose output is added to the
+    residual stream: its row 0 is zeroed so the constant dimension stays constant.
+    ``in_norm`` is a norm weight that ignores the constant dimension (zero there).
+    """
+
+    def __init__(self, spec: TinyModelSpec) -> None:
+        import numpy as np
+
+        self.np = np
+        self.rng = np.random.default_rng(spec.seed)
+        self.mat_dtype = np.float16 if spec.f16 else np.float32
+        self.d = spec.width
+        _, _, _, allowed = _family_vocab(_family(spec))
+        self.allowed = np.asarray(allowed)
+        self.n_vocab = len(allowed)
+
+    def normal(self, shape: tuple[int, ...], std: float) -> np.ndarray[Any, Any]:
+        return self.rng.standard_normal(shape, dtype=self.np.float32) * self.np.float32(std)
+
+    def mat(self, a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        return self.np.ascontiguousarray(a.astype(self.mat_dtype, copy=False))
+
+    def f32(self, a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        return self.np.ascontiguousarray(a.astype(self.np.float32, copy=False))
+
+    def proj(self, n_out: int, n_in: int, scale: float = 1.0, writes: bool = False) -> np.ndarray[Any, Any]:
+        a = self.normal((n_out, n_in), scale / n_in**0.5)
+        if writes:
+            a[0, :] = 0.0  # never write to the constant dimension
+        return self.mat(a)
+
+    def const(self, n: int, value: float) -> np.ndarray[Any, Any]:
+        return self.np.full(n, value, dtype=self.np.float32)
+
+    def in_norm(self, value: float = 1.0) -> np.ndarray[Any, Any]:
+        w = self.const(self.d, value)
+        w[0] = 0.0
+        return w
+
+    def embeddings(self, std: float = 1.0) -> np.ndarray[Any, Any]:
+        embd = self.normal((self.n_vocab, self.d), std)
+        embd[:, 0] = _CONST_DIM_VALUE * std
+        return self.mat(embd)
+
+    def ffn(self, p: str, ff: int) -> list[tuple[str, np.ndarray[Any, Any]]]:
+        return [
+            (p + "ffn_gate.weight", self.proj(ff, self.d)),
+            (p + "ffn_up.weight", self.proj(ff, self.d)),
+            (p + "ffn_down.weight", self.proj(self.d, ff, _FFN_DOWN_SCALE, writes=True)),
+        ]
+
+    def head(self) -> np.ndarray[Any, Any]:
+        head = self.normal((self.n_vocab, self.d), 1.0 / self.d**0.5)
+        head[:, 0] = self.np.where(self.allowed, 0.0, _BAD_TOKEN_BIAS).astype(self.np.float32)
+        return self.mat(head)
+
+
+def _qwen35_layout(spec: TinyModelSpec) -> tuple[int, list[bool]]:
+    """``(full_attention_interval, is_recurrent per layer)``: at least one attention layer."""
+    interval = min(_QWEN35_FULL_ATTN_INTERVAL, spec.n_layers)
+    return interval, [(i + 1) % interval != 0 for i in range(spec.n_layers)]
+
+
+def _qwen35_rope(spec: TinyModelSpec) -> tuple[int, list[int]]:
+    """``(n_rot, mrope sections)``: a quarter of each head rotates, sections split 11:11:10."""
+    n_rot = max(2, spec.head_dim // 4 // 2 * 2)
+    half = n_rot // 2
+    a = (half + 2) // 3
+    b = min(a, half - a)
+    return n_rot, [a, b, half - a - b, 0]
+
+
+def _weights_qwen35(spec: TinyModelSpec) -> list[tuple[str, np.ndarray[Any, Any]]]:
+    import numpy as np
+
+    g = _Init(spec)
+    d, hd = spec.width, spec.head_dim
+    n_v, n_k = spec.n_heads, spec.n_kv_heads  # delta-net value heads / key heads
+    key_dim, value_dim = hd * n_k, hd * n_v
+    conv_dim = 2 * key_dim + value_dim
+    _, recurrent = _qwen35_layout(spec)
+
+    out: list[tuple[str, np.ndarray[Any, Any]]] = [("token_embd.weight", g.embeddings())]
+    for i in range(spec.n_layers):
+        p = f"blk.{i}."
+        out += [(p + "attn_norm.weight", g.in_norm()), (p + "post_attention_norm.weight", g.in_norm())]
+        if recurrent[i]:
+            # Gated delta net. Decay per token exp(ssm_a * softplus(alpha + dt)): heads range
+            # from ~0.99 (memory of a few hundred tokens) to ~0.5 (a few tokens).
+            a = -np.exp(np.linspace(np.log(0.01), np.log(1.0), n_v, dtype=np.float32))
+            out += [
+                (p + "attn_qkv.weight", g.proj(conv_dim, d)),
+                (p + "attn_gate.weight", g.proj(value_dim, d)),
+                (p + "ssm_conv1d.weight", g.f32(g.normal((conv_dim, _QWEN35_CONV_KERNEL), 0.5))),
+                (p + "ssm_dt.bias", g.const(n_v, 0.0)),
+                (p + "ssm_a", g.f32(a)),
+                (p + "ssm_beta.weight", g.proj(n_v, d)),
+                (p + "ssm_alpha.weight", g.proj(n_v, d)),
+                (p + "ssm_norm.weight", g.const(hd, 1.0)),
+                (p + "ssm_out.weight", g.proj(d, value_dim, _ATTN_OUT_SCALE, writes=True)),
+            ]
+        else:
+            # Gated attention: q_proj yields query and a sigmoid gate per head (~0.5 on
+            # average, hence the doubled output scale); Q/K norms make attention sharp.
+            out += [
+                (p + "attn_q.weight", g.proj(2 * hd * spec.n_heads, d)),
+                (p + "attn_k.weight", g.proj(hd * spec.n_kv_heads, d)),
+                (p + "attn_v.weight", g.proj(hd * spec.n_kv_heads, d)),
+                (p + "attn_output.weight", g.proj(d, hd * spec.n_heads, 2 * _ATTN_OUT_SCALE, writes=True)),
+                (p + "attn_q_norm.weight", g.const(hd, _QK_SCALE)),
+                (p + "attn_k_norm.weight", g.const(hd, _QK_SCALE)),
+            ]
+        out += g.ffn(p, spec.ff_length)
+    out += [("output_norm.weight", g.const(d, 1.0)), ("output.weight", g.head())]
+    return out
+
+
+def _lfm2_attention_layers(spec: TinyModelSpec) -> list[bool]:
+    """Which layers are attention layers (every third, at least the last one)."""
+    if spec.n_layers < _LFM2_ATTN_EVERY:
+        return [i == spec.n_layers - 1 for i in range(spec.n_layers)]
+    return [i % _LFM2_ATTN_EVERY == _LFM2_ATTN_EVERY - 1 for i in range(spec.n_layers)]
+
+
+def _weights_lfm2(spec: TinyModelSpec) -> list[tuple[str, np.ndarray[Any, Any]]]:
+    g = _Init(spec)
+    d, hd = spec.width, spec.head_dim
+    kv = hd * spec.n_kv_heads
+    attention = _lfm2_attention_layers(spec)
+
+    out: list[tuple[str, np.ndarray[Any, Any]]] = [("token_embd.weight", g.embeddings())]
+    for i in range(spec.n_layers):
+        p = f"blk.{i}."
+        out.append((p + "attn_norm.weight", g.in_norm()))  # operator_norm
+        if attention[i]:
+            out += [
+                (p + "attn_q.weight", g.proj(d, d)),
+                (p + "attn_k.weight", g.proj(kv, d)),
+                (p + "attn_v.weight", g.proj(kv, d)),
+                (p + "attn_output.weight", g.proj(d, d, _ATTN_OUT_SCALE, writes=True)),
+                (p + "attn_q_norm.weight", g.const(hd, _QK_SCALE)),
+                (p + "attn_k_norm.weight", g.const(hd, _QK_SCALE)),
+            ]
+        else:
+            # in_proj -> (b, c, x); y = c * conv(b * x) over the last l_cache tokens.
+            out += [
+                (p + "shortconv.conv.weight", g.f32(g.normal((d, _LFM2_CONV_L_CACHE), _LFM2_CONV_L_CACHE**-0.5))),
+                (p + "shortconv.in_proj.weight", g.proj(3 * d, d)),
+                (p + "shortconv.out_proj.weight", g.proj(d, d, _ATTN_OUT_SCALE, writes=True)),
+            ]
+        out.append((p + "ffn_norm.weight", g.in_norm()))
+        out += g.ffn(p, spec.ff_length)
+    # LFM2's final norm is stored as "token_embd_norm" (llama.cpp's LLM_TENSOR_OUTPUT_NORM_LFM2).
+    out += [("token_embd_norm.weight", g.const(d, 1.0)), ("output.weight", g.head())]
+    return out
+
+
+def _gemma3_swa_layers(spec: TinyModelSpec) -> list[bool]:
+    """Gemma 3's 5 local : 1 global pattern; the last layer is always global."""
+    n, k = spec.n_layers, _GEMMA3_SWA_PERIOD
+    return [i % k != k - 1 and i != n - 1 for i in range(n)]
+
+
+def _weights_gemma3(spec: TinyModelSpec) -> list[tuple[str, np.ndarray[Any, Any]]]:
+    g = _Init(spec)
+    d, hd = spec.width, spec.head_dim
+    q, kv = hd * spec.n_heads, hd * spec.n_kv_heads
+
+    # llama.cpp multiplies the embeddings by sqrt(width): store them that much smaller, so
+    # the residual holds ~1 per dimension and exactly 1 in the constant dimension.
+    out: list[tuple[str, np.ndarray[Any, Any]]] = [("token_embd.weight", g.embeddings(1.0 / d**0.5))]
+    for i in range(spec.n_layers):
+        p = f"blk.{i}."
+        # Post-norms set how much each block writes: attention ~1.5 per dimension, FFN ~0.5.
+        out += [
+            (p + "attn_norm.weight", g.in_norm()),
+            (p + "attn_q.weight", g.proj(q, d)),
+            (p + "attn_k.weight", g.proj(kv, d)),
+            (p + "attn_v.weight", g.proj(kv, d)),
+            (p + "attn_output.weight", g.proj(d, q, writes=True)),
+            (p + "attn_q_norm.weight", g.const(hd, _QK_SCALE)),
+            (p + "attn_k_norm.weight", g.const(hd, _QK_SCALE)),
+            (p + "post_attention_norm.weight", g.in_norm(_ATTN_OUT_SCALE)),
+            (p + "ffn_norm.weight", g.in_norm()),
+        ]
+        out += g.ffn(p, spec.ff_length)
+        out.append((p + "post_ffw_norm.weight", g.in_norm(_FFN_DOWN_SCALE)))
+    out += [("output_norm.weight", g.const(d, 1.0)), ("output.weight", g.head())]
+    return out
+
+
+_ARCH_WEIGHTS = {"qwen35": _weights_qwen35, "lfm2": _weights_lfm2, "gemma3": _weights_gemma3}
+
+
 def _add_metadata(w: Any, spec: TinyModelSpec) -> None:
     """Write the hyperparameters and tokenizer keys (explicit key names and types)."""
-    tokens, types, merges, _ = vocab_tokens()
+    if spec.arch != "llama":
+        _add_arch_metadata(w, spec)
+        _add_tokenizer(w, spec)
+        return
     a = ARCH
+    tokens = _family_vocab(_family(spec))[0]
     w.add_string("general.name", spec.name)
     w.add_uint32("general.file_type", 1 if spec.f16 else 0)  # MOSTLY_F16 / ALL_F32
     w.add_uint32(f"{a}.vocab_size", len(tokens))
@@ -294,16 +647,85 @@ def _add_metadata(w: Any, spec: TinyModelSpec) -> None:
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_uint32(f"{a}.rope.dimension_count", spec.head_dim)
     w.add_float32(f"{a}.rope.freq_base", 10000.0)
+    _add_tokenizer(w, spec)
 
+
+def _add_arch_metadata(w: Any, spec: TinyModelSpec) -> None:
+    """Hyperparameters of qwen35 / lfm2 / gemma3 (the keys their llama.cpp loaders read)."""
+    a = spec.arch
+    w.add_string("general.name", spec.name)
+    w.add_uint32("general.file_type", 1 if spec.f16 else 0)
+    w.add_uint32(f"{a}.vocab_size", spec.n_vocab)
+    w.add_uint32(f"{a}.context_length", spec.context_length)
+    w.add_uint32(f"{a}.embedding_length", spec.width)
+    w.add_uint32(f"{a}.block_count", spec.n_layers)
+    w.add_uint32(f"{a}.feed_forward_length", spec.ff_length)
+    w.add_uint32(f"{a}.attention.head_count", spec.n_heads)
+    if a == "qwen35":
+        interval, _ = _qwen35_layout(spec)
+        n_rot, sections = _qwen35_rope(spec)
+        w.add_uint32(f"{a}.attention.head_count_kv", spec.n_kv_heads)
+        w.add_uint32(f"{a}.attention.key_length", spec.head_dim)
+        w.add_uint32(f"{a}.attention.value_length", spec.head_dim)
+        w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
+        w.add_uint32(f"{a}.rope.dimension_count", n_rot)
+        w.add_array(f"{a}.rope.dimension_sections", sections)
+        w.add_float32(f"{a}.rope.freq_base", 10_000_000.0)
+        w.add_uint32(f"{a}.ssm.conv_kernel", _QWEN35_CONV_KERNEL)
+        w.add_uint32(f"{a}.ssm.state_size", spec.head_dim)
+        w.add_uint32(f"{a}.ssm.group_count", spec.n_kv_heads)
+        w.add_uint32(f"{a}.ssm.time_step_rank", spec.n_heads)
+        w.add_uint32(f"{a}.ssm.inner_size", spec.head_dim * spec.n_heads)
+        w.add_uint32(f"{a}.full_attention_interval", interval)
+    elif a == "lfm2":
+        # LFM2 marks its conv layers by head_count_kv == 0.
+        kv = [spec.n_kv_heads if att else 0 for att in _lfm2_attention_layers(spec)]
+        w.add_array(f"{a}.attention.head_count_kv", kv)
+        w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
+        w.add_float32(f"{a}.rope.freq_base", 1_000_000.0)
+        w.add_uint32(f"{a}.shortconv.l_cache", _LFM2_CONV_L_CACHE)
+    elif a == "gemma3":
+        swa = _gemma3_swa_layers(spec)
+        w.add_uint32(f"{a}.attention.head_count_kv", spec.n_kv_heads)
+        w.add_uint32(f"{a}.attention.key_length", spec.head_dim)
+        w.add_uint32(f"{a}.attention.value_length", spec.head_dim)
+        w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
+        w.add_float32(f"{a}.rope.freq_base", 1_000_000.0)  # global layers
+        w.add_float32(f"{a}.rope.freq_base_swa", 10_000.0)  # local layers
+        w.add_uint32(f"{a}.attention.sliding_window", spec.sliding_window)
+        # llama.cpp's default is the 6-layer period; write the pattern only when it differs
+        # (fewer or a non-multiple of 6 layers, where the last layer is made global).
+        k = _GEMMA3_SWA_PERIOD
+        if swa != [i % k < k - 1 for i in range(spec.n_layers)]:
+            w.add_array(f"{a}.attention.sliding_window_pattern", swa)
+    else:  # pragma: no cover - guarded by TinyModelSpec
+        raise AssertionError(a)
+
+
+def _add_tokenizer(w: Any, spec: TinyModelSpec) -> None:
+    family = _family(spec)
+    tokens, types, merges, _ = _family_vocab(family)
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", "gpt-2")
     w.add_array("tokenizer.ggml.tokens", list(tokens))
     w.add_array("tokenizer.ggml.token_type", list(types))  # int32 array, as llama.cpp reads it
     w.add_array("tokenizer.ggml.merges", list(merges))
-    w.add_uint32("tokenizer.ggml.bos_token_id", BOS_ID)
-    w.add_uint32("tokenizer.ggml.eos_token_id", EOS_ID)
-    w.add_bool("tokenizer.ggml.add_bos_token", True)
-    w.add_bool("tokenizer.ggml.add_eos_token", False)
+    if family is None:
+        w.add_uint32("tokenizer.ggml.bos_token_id", BOS_ID)
+        w.add_uint32("tokenizer.ggml.eos_token_id", EOS_ID)
+        w.add_bool("tokenizer.ggml.add_bos_token", True)
+        w.add_bool("tokenizer.ggml.add_eos_token", False)
+    else:
+        bos, eos, eot, pad, add_bos = _FAMILY_IDS[family]
+        w.add_uint32("tokenizer.ggml.bos_token_id", tokens.index(bos))
+        w.add_uint32("tokenizer.ggml.eos_token_id", tokens.index(eos))
+        w.add_uint32("tokenizer.ggml.eot_token_id", tokens.index(eot))
+        w.add_uint32("tokenizer.ggml.padding_token_id", tokens.index(pad))
+        w.add_bool("tokenizer.ggml.add_bos_token", add_bos)
+        w.add_bool("tokenizer.ggml.add_eos_token", False)
+    tmpl = spec.chat_template
+    if tmpl is not None:
+        w.add_string("tokenizer.chat_template", chat_template_text(tmpl))
 
 
 def write_tiny_model(path: str | os.PathLike[str], spec: TinyModelSpec = TinyModelSpec()) -> Path:
@@ -322,7 +744,7 @@ def write_tiny_model(path: str | os.PathLike[str], spec: TinyModelSpec = TinyMod
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        writer = gguf.GGUFWriter(tmp, ARCH)
+        writer = gguf.GGUFWriter(tmp, spec.arch)
         try:
             _add_metadata(writer, spec)
             for name, arr in _weights(spec):
@@ -346,8 +768,10 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[Path, TinyModelSpec]:
         description="Write a tiny random-weight GGUF model that llama-server can load.",
     )
     p.add_argument("out", type=Path, help="output .gguf path")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                   help="start from a named spec (other options override its fields)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="start from a named spec (other options override its fields); "
+                        "default: the --arch preset if there is one, else 'tiny'")
+    p.add_argument("--arch", choices=ARCHS, help="model architecture")
     p.add_argument("--layers", type=int, dest="n_layers")
     p.add_argument("--width", type=int)
     p.add_argument("--heads", type=int, dest="n_heads")
@@ -357,14 +781,21 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[Path, TinyModelSpec]:
     p.add_argument("--seed", type=int)
     p.add_argument("--ctx", type=int, dest="context_length", help="context_length written to the file")
     p.add_argument("--name", type=str)
+    p.add_argument("--sliding-window", type=int, dest="sliding_window",
+                   help="gemma3 sliding-window size in tokens (default 128)")
+    p.add_argument("--template", choices=TEMPLATES,
+                   help="embedded chat template (default: the arch's; llama has none)")
     ns = p.parse_args(argv)
+    preset = ns.preset
+    if preset is None:
+        preset = ns.arch if ns.arch in PRESETS else "tiny"
     overrides = {
         f.name: getattr(ns, f.name)
         for f in dataclasses.fields(TinyModelSpec)
         if getattr(ns, f.name, None) is not None
     }
     try:
-        spec = dataclasses.replace(PRESETS[ns.preset], **overrides)
+        spec = dataclasses.replace(PRESETS[preset], **overrides)
     except ValueError as e:
         p.error(str(e))
     return ns.out, spec

@@ -20,7 +20,7 @@ from .fingerprint import build_fingerprint, kv_flags, model_identity, namespace_
 from .llama_client import LlamaClient
 from .log import fmt_bytes, fmt_ms, log
 from .metrics import Metrics
-from .modelinfo import ModelInfoError, ModelMemory, kv_cache_bytes, llama_server_slots, read_model_memory
+from .modelinfo import MemoryKind, ModelInfoError, ModelMemory, kv_cache_bytes, llama_server_slots, read_model_memory
 from .placement import Placement
 from .policy import CachePolicy, cache_policy
 from .proxy import Gate, Proxy, Reply
@@ -125,6 +125,7 @@ class Daemon:
             "extend_only": {
                 "hits": self.metrics.extend_hits, "misses": dict(self.metrics.extend_misses),
                 "boundaries_reached": self.metrics.boundaries_reached,
+                "boundaries_settled": self.metrics.boundaries_settled,
                 "boundary_prefill_tokens": self.metrics.boundary_prefill_tokens,
                 "boundary_ms": round(self.metrics.boundary_seconds * 1000, 1),
                 "boundary_unknown": self.metrics.boundary_unknown,
@@ -296,7 +297,8 @@ class Daemon:
         self.metrics.store_entries = lambda: len(store.entries)
         self.metrics.store_bytes = lambda: store.total_bytes
         self.placement = Placement(store, client, self.total_slots, min_tokens=self.options.min_save_tokens,
-                                   metrics=self.metrics, policy=self.policy)
+                                   metrics=self.metrics, policy=self.policy,
+                                   settle=self.memory is None or self.memory.kind is MemoryKind.RECURRENT)
         if self.options.remote_store:
             self.attach_remote(store, self.placement, fingerprint)
         other = f"; {len(store.skipped)} kept but not used (see above)" if store.skipped else ""

@@ -56,6 +56,7 @@ class Metrics:
     extend_hits: int = 0  # extend-only models: requests that extend a saved boundary exactly
     extend_misses: collections.Counter[str] = field(default_factory=collections.Counter)  # by placement.Miss
     boundaries_reached: int = 0  # slots brought to a turn boundary before a save
+    boundaries_settled: int = 0  # hybrid chats' idle slots brought to their boundary once a turn was over
     boundary_prefill_tokens: int = 0  # tokens llama-server prefilled to get there
     boundary_seconds: float = 0.0
     boundary_unknown: int = 0  # saves of a chat whose last reply could not be read (only its fallback saved)
@@ -79,8 +80,9 @@ class Metrics:
         self.saved_bytes += nbytes
         self.saved_tokens += tokens
 
-    def boundary_reached(self, prefilled: int, seconds: float) -> None:
-        self.boundaries_reached += 1
+    def boundary_reached(self, prefilled: int, seconds: float, settled: bool = False) -> None:
+        self.boundaries_settled += settled
+        self.boundaries_reached += not settled
         self.boundary_prefill_tokens += prefilled
         self.boundary_seconds += seconds
 
@@ -144,6 +146,8 @@ class _Collector:
                       "reason", dict(m.extend_misses))
         yield counter("boundaries_reached", "Slots brought to a turn boundary before a save",
                       values=m.boundaries_reached)
+        yield counter("boundaries_settled", "Hybrid chats' idle slots brought to their turn boundary after a turn",
+                      values=m.boundaries_settled)
         yield counter("boundary_prefill_tokens", "Tokens prefilled to reach turn boundaries",
                       values=m.boundary_prefill_tokens)
         yield counter("boundary_seconds", "Seconds spent reaching turn boundaries", values=m.boundary_seconds)

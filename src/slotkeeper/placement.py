@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import chatform
-from .boundary import Boundaries, Turn, turns_of
+from .boundary import Boundaries, Reached, Turn, turns_of
 from .llama_client import LlamaClient
 from .log import fmt_bytes, fmt_ms, log
 from .metrics import Metrics
@@ -112,12 +112,18 @@ class Slot:
     reply: ReplyReader | None = None  # ... and that request's response (together: its turn boundaries)
     floor: Entry | None = None  # extend-only models: the restored state it holds; requests must extend it
     floor_checked: bool = False  # a request's tokens were seen to extend the floor (continuations may skip it)
+    exact: str = ""  # prefix.exact_key of its tokens, when it holds exactly known tokens (a boundary it reached)
 
     def hold(self, entry: Entry | None, keys: list[str], tokens: int) -> None:
         """It now holds exactly `keys`/`tokens` (saved as `entry`, when that is not None)."""
-        self.entry, self.keys, self.tokens, self.dirty = entry, keys, tokens, False
+        self.entry, self.keys, self.tokens, self.dirty, self.exact = entry, keys, tokens, False, ""
         if entry is not None:
             self.label = entry.short
+
+    def may_reach(self, tokens: list[int]) -> bool:
+        """The slot may be brought to hold exactly these tokens: they do not go back before its restored state."""
+        floor = self.floor
+        return floor is None or (len(tokens) >= floor.tokens and exact_key(tokens, floor.tokens) == floor.exact)
 
     def extended_by(self, tokens: list[int]) -> bool:
         """A request with these tokens may run here: it extends the restored state, if there is one."""
@@ -201,12 +207,13 @@ class Placement:
 
     def __init__(
         self, store: ConversationStore, client: LlamaClient, n_slots: int, *, min_tokens: int = DEFAULT_MIN_TOKENS,
-        metrics: Metrics | None = None, policy: CachePolicy = CachePolicy.PREFIX,
+        metrics: Metrics | None = None, policy: CachePolicy = CachePolicy.PREFIX, settle: bool = False,
     ) -> None:
         self.store = store
         self.client = client
         self.policy = policy
         self.extend_only = policy is CachePolicy.EXTEND_ONLY
+        self.settle = settle and self.extend_only  # bring hybrid chats to their boundary once a turn is over
         self.boundaries = Boundaries(client)
         self.slots = [Slot(i) for i in range(n_slots)]
         self.min_tokens = min_tokens
@@ -216,6 +223,7 @@ class Placement:
         self.remote: Any = None  # remote.RemoteTier: asked when a chat is in no slot and not in the store
         self._prefill: tuple[float, float | None] = (-PREFILL_RATE_MAX_AGE_S, None)  # (when, tokens/s)
         self._background: set[asyncio.Future[None]] = set()
+        self._settling: set[asyncio.Future[None]] = set()  # slots being brought to their boundary (_settle)
 
     # ---- the proxy's hook ---------------------------------------------------------------------------------
 
@@ -463,19 +471,24 @@ class Placement:
         tokens = await self.boundaries.tokens(chat, turn)
         if tokens is None or len(tokens) < self.min_tokens:
             return None, False
-        if slot.floor is not None and not (len(tokens) >= slot.floor.tokens
-                                           and exact_key(tokens, slot.floor.tokens) == slot.floor.exact):
+        if not slot.may_reach(tokens):
             return None, False  # before the restored state: the slot cannot go back there
-        existing = self.store.find_exact(exact_key(tokens))
+        key = exact_key(tokens)
+        existing = self.store.find_exact(key)
         if existing is not None:
             self.store.touch(existing)
             return existing, False
-        reached = await self.boundaries.reach(slot.id, tokens)
-        if reached is None:
-            log.warning("slot %d not saved (%s): llama-server did not take it to its turn boundary", slot.id, why)
-            return None, False
+        if slot.exact == key:  # brought there once its turn was over
+            reached = Reached(len(tokens), 0, 0.0)
+        else:
+            reached = await self.boundaries.reach(slot.id, tokens)
+            if reached is None:
+                log.warning("slot %d not saved (%s): llama-server did not take it to its turn boundary", slot.id,
+                            why)
+                return None, False
+            self.metrics.boundary_reached(reached.prefilled, reached.seconds)
         slot.hold(None, block_keys(tokens), len(tokens))
-        self.metrics.boundary_reached(reached.prefilled, reached.seconds)
+        slot.exact = key
         units = chat_units(chat, turn.history)
         result = await self.store.save_slot(slot.id, self._expected_bytes(slot), units, boundary=tokens,
                                             supersedes=self._older_boundary)
@@ -508,6 +521,7 @@ class Placement:
                         result.reason)
             return False
         slot.hold(entry, entry.keys, entry.tokens)
+        slot.exact = entry.exact
         slot.fast = FastKey(units=tuple(entry.units))
         slot.chat = slot.reply = None
         if self.extend_only:
@@ -566,9 +580,7 @@ class Placement:
             if fetched is not None and match.entry_id not in self.store.entries:
                 self.store.adopt(fetched[1])
 
-        task = asyncio.ensure_future(adopt())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background_task(adopt())
 
     async def _prefill_rate(self) -> float | None:
         """This server's prompt tokens per second, refreshed at most every PREFILL_RATE_MAX_AGE_S."""
@@ -600,7 +612,40 @@ class Placement:
             slot.fast, slot.entry, slot.dirty, slot.last_used = fast, None, True, self._tick()
             if plan.outcome != "resident" or not slot.label:
                 slot.label = fast.units[-1][:4] if fast.units else f"s{slot.id}"
+            slot.exact = ""
+            if self.settle and status == 200 and chat is not None and reader is not None:
+                settle = asyncio.ensure_future(self._settle(slot, chat, reader))  # the slot stays reserved for it
+                self._settling.add(settle)
+                settle.add_done_callback(self._settling.discard)
+                return
         self._release(slot)
+
+    def _background_task(self, work: Any) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _settle(self, slot: Slot, chat: dict[str, Any], reader: ReplyReader) -> None:
+        """Once a hybrid chat's turn is over, bring its idle slot to the turn boundary (nothing is written).
+
+        The next turn extends the boundary, so this prefill is one it would pay anyway (the reply as the
+        template re-renders it, after a rollback to the checkpoint at the last user message): done here, it
+        leaves the turn's critical path while the user reads and types, and a later save needs no prefill.
+        The slot is reserved from the turn's end, so the chat's next request waits for this and then extends
+        the boundary."""
+        try:
+            current, _ = turns_of(chat.get("messages") or [], reader.message())
+            tokens = None if current is None else await self.boundaries.tokens(chat, current)
+            if tokens is None or not slot.may_reach(tokens):
+                return
+            reached = await self.boundaries.reach(slot.id, tokens)
+            if reached is not None:
+                slot.keys, slot.tokens, slot.exact = block_keys(tokens), len(tokens), exact_key(tokens)
+                self.metrics.boundary_reached(reached.prefilled, reached.seconds, settled=True)
+        except (ConnectionError, ValueError, KeyError, TypeError) as exc:
+            log.debug("slot %d not brought to its turn boundary: %r", slot.id, exc)
+        finally:
+            self._release(slot)
 
     def _tick(self) -> float:
         self._clock = max(self._clock + 1e-6, time.monotonic())
@@ -659,6 +704,8 @@ class Placement:
     async def save_dirty(self, why: str, deadline: float | None = None, *, live: bool = False) -> tuple[int, int]:
         """Write back every idle changed slot, each reserved while it is saved; (saved, attempted)."""
         saved = attempted = 0
+        if self._settling:  # those slots are reserved until their boundary is reached: then they are saved
+            await asyncio.gather(*list(self._settling), return_exceptions=True)
         for slot in self.dirty_slots():
             if slot.busy:
                 continue

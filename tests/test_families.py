@@ -309,5 +309,35 @@ def test_more_chats_than_slots_on_the_hybrid_stay_warm_on_one_slot(family_start)
     for _ in range(2):
         results = [chat.turn(sk.port) for chat in chats]
         assert not cold_ones(chats, results), (cold_ones(chats, results), sk.logs()[-4000:])
-    saves = [line for line in sk.logs().splitlines() if "at its turn boundary" in line]
-    assert saves and all("prefilled to reach it" in line for line in saves)
+    saves = [line for line in sk.logs().splitlines() if " saved from slot " in line]
+    assert saves and all("at its turn boundary" in line for line in saves), saves
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]}
+
+
+def test_a_chat_with_tool_calls_comes_back_warm_and_its_tool_result_is_a_boundary(family_start):
+    """A hybrid chat with tools, a tool call and its result: after a swap its next turn is warm, and a request
+    with another tool result reuses everything before the result (the boundary before a tool message)."""
+    family = FAMILIES["qwen35-thinking-off"]
+    sk = family_start(family)
+    chat = Chat(0, {**family.request, "tools": TOOLS})
+    chat.messages += [CALL, {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C, light wind."}]
+    chat.turn(sk.port)
+    swap_out(sk)
+    sk2 = family_start(family)
+    asked = chat.messages[:-2]  # the request that got the last reply
+    other = [*asked[:-1], {"role": "tool", "tool_call_id": "call_1", "content": "Rain all day."}]
+    boundary = common_prefix(tokens_of(sk2.port, chat, asked), tokens_of(sk2.port, chat, other))
+    timings = chat.send(sk2.port, other)["timings"]
+    assert timings["cache_n"] >= boundary, (timings, boundary, sk2.logs()[-4000:])
+    chat.last_prompt_tokens = chat.previous_prompt_tokens = 0
+    timings = chat.turn(sk2.port)
+    swap_out(sk2)
+    sk3 = family_start(family)
+    timings = chat.turn(sk3.port)
+    assert chat.reused_enough(timings), (timings, chat.previous_prompt_tokens, sk3.logs()[-4000:])

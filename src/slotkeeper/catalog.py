@@ -731,6 +731,7 @@ def row_record(row: Row, now: float, expectation: Expectation | None) -> dict[st
         "last_used": row.last_used,
         "age_s": round(max(0.0, now - row.last_used), 1),
         "save_ms": entry.save_ms if entry else None,
+        "boundary": entry.boundary if entry else None,  # saved at a turn boundary (hybrid, sliding-window)
         "model": row.model,
         "model_name": Path(row.model).name if row.model else None,
         "fingerprint": (entry.fingerprint or None) if entry else None,

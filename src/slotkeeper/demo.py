@@ -80,10 +80,12 @@ class Turn:
         return self.cache_n + self.prompt_n
 
 
-def stream_chat(port: int, messages: list[dict[str, str]], max_tokens: int, timeout: float = 600.0) -> Turn:
-    """POST /v1/chat/completions with stream: time to the first content, and the final timings."""
+def stream_chat(port: int, messages: list[dict[str, str]], max_tokens: int, timeout: float = 600.0,
+                request: dict[str, Any] | None = None) -> Turn:
+    """POST /v1/chat/completions with stream: time to the first content (or reasoning), and the final timings.
+    `request`: more fields of the body (e.g. chat_template_kwargs)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True, **(request or {})}
     started = time.monotonic()
     first: float | None = None
     content: list[str] = []
@@ -99,10 +101,11 @@ def stream_chat(port: int, messages: list[dict[str, str]], max_tokens: int, time
                 continue
             event = json.loads(line[6:])
             for choice in event.get("choices") or ():
-                text = (choice.get("delta") or {}).get("content")
+                delta = choice.get("delta") or {}
+                text = delta.get("content")
+                if (text or delta.get("reasoning_content")) and first is None:
+                    first = time.monotonic() - started
                 if text:
-                    if first is None:
-                        first = time.monotonic() - started
                     content.append(text)
             timings = event.get("timings", timings)
     finally:
@@ -121,6 +124,7 @@ class Chat:
     messages: list[dict[str, str]] = field(default_factory=list)
     last_prompt_tokens: int = 0  # the previous turn's whole prompt: a warm turn reuses at least that much
     notes: int = NOTES_PER_CHAT  # the length of its opening message
+    request: dict[str, Any] = field(default_factory=dict)  # more fields of each request (chat_template_kwargs)
 
     def __post_init__(self) -> None:
         if not self.messages:
@@ -136,11 +140,11 @@ class Chat:
         return f"chat {self.n + 1}"
 
     def copy(self) -> Chat:
-        return Chat(self.n, [dict(m) for m in self.messages], self.last_prompt_tokens, self.notes)
+        return Chat(self.n, [dict(m) for m in self.messages], self.last_prompt_tokens, self.notes, self.request)
 
     def turn(self, port: int, max_tokens: int = TURN_TOKENS) -> tuple[Turn, bool]:
         """Send the next turn and grow the chat; returns it and whether it was warm."""
-        turn = stream_chat(port, self.messages, max_tokens)
+        turn = stream_chat(port, self.messages, max_tokens, request=self.request)
         warm = self.last_prompt_tokens > 0 and turn.cache_n >= self.last_prompt_tokens
         self.last_prompt_tokens = turn.prompt_tokens
         self.messages.append({"role": "assistant", "content": turn.content})
@@ -150,7 +154,8 @@ class Chat:
     def title(self, port: int) -> None:
         """The front end's title request after a turn: a short prompt of its own, on the same model."""
         excerpt = self.messages[1]["content"][:80]
-        stream_chat(port, [{"role": "user", "content": f"Write a 3-word title for this chat: {excerpt}"}], TITLE_TOKENS)
+        stream_chat(port, [{"role": "user", "content": f"Write a 3-word title for this chat: {excerpt}"}], TITLE_TOKENS,
+                    request=self.request)
 
 
 class PlainServer:
@@ -206,7 +211,14 @@ def main(argv: list[str]) -> int:
         "swap: each chat's next turn on plain llama-server restarted (cold) vs through slotkeeper (warm).")
     parser.add_argument("--chats", type=int, default=DEMO_CHATS, help=f"chats (default {DEMO_CHATS})")
     parser.add_argument("--keep", action="store_true", help="keep the working directory (logs, caches) and say where")
-    options = parser.parse_args(argv)
+    parser.add_argument("--model", type=Path, help="your own GGUF instead of the small random-weight one; any "
+                        "other arguments go to llama-server as they are (e.g. --swa-full, -c 8192)")
+    parser.add_argument("--no-thinking", action="store_true",
+                        help="send chat_template_kwargs enable_thinking: false (reasoning models)")
+    options, llama_args = parser.parse_known_args(argv)
+    if options.model is not None and not options.model.is_file():
+        print(f"slotkeeper demo: no such model file: {options.model}", file=sys.stderr)
+        return 2
     try:
         binary = find_llama_server(None, os.environ)
     except ConfigError as exc:
@@ -225,17 +237,22 @@ def main(argv: list[str]) -> int:
         "then each chat's next turn on plain llama-server restarted (cold) vs through slotkeeper (warm)\n")
     cache = demo_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
-    model = cache / "model-e.gguf"
-    say(f"[1/7] demo model ({BENCH_MODEL_E.n_layers} layers x {BENCH_MODEL_E.width}, random weights) ... ", end="")
-    started = time.monotonic()
-    if not model.exists():
-        write_tiny_model(model, BENCH_MODEL_E)
-    say(f"{fmt_bytes(model.stat().st_size)} in {time.monotonic() - started:.1f} s")
+    if options.model is not None:
+        model = options.model.resolve()
+        say(f"[1/7] your model: {model.name}, {fmt_bytes(model.stat().st_size)}")
+    else:
+        model = cache / "model-e.gguf"
+        say(f"[1/7] demo model ({BENCH_MODEL_E.n_layers} layers x {BENCH_MODEL_E.width}, random weights) ... ", end="")
+        started = time.monotonic()
+        if not model.exists():
+            write_tiny_model(model, BENCH_MODEL_E)
+        say(f"{fmt_bytes(model.stat().st_size)} in {time.monotonic() - started:.1f} s")
 
     work = Path(tempfile.mkdtemp(prefix="slotkeeper-demo-"))
     env = clean_env(binary[0])
     port = free_port()
-    server_args = ["-m", str(model), "-c", "24576", "-t", str(min(os.cpu_count() or 2, 4))]  # default slots (-np auto)
+    server_args = ["-m", str(model), "-c", "24576", "-t", str(min(os.cpu_count() or 2, 4)),  # default slots
+                   *llama_args]
     args = [*server_args, "--port", str(port), "--slot-save-path", str(work / "cache")]
 
     def start(n: int) -> tuple[Slotkeeper, float]:
@@ -244,13 +261,16 @@ def main(argv: list[str]) -> int:
         sk.wait_ready(120)
         return sk, time.monotonic() - t0
 
-    chats = [Chat(i) for i in range(n_chats)]
+    request = {"chat_template_kwargs": {"enable_thinking": False}} if options.no_thinking else {}
+    chats = [Chat(i, request=request) for i in range(n_chats)]
     sk: Slotkeeper | None = None
     try:
         say("[2/7] starting slotkeeper around llama-server ... ", end="")
         sk, ready_s = start(1)
-        n_slots = http_call(port, "GET", "/slotkeeper/status").body["total_slots"]
-        say(f"ready in {ready_s:.2f} s; llama-server has {n_slots} slots")
+        status = http_call(port, "GET", "/slotkeeper/status").body
+        n_slots, memory = status["total_slots"], status["model_memory"]
+        say(f"ready in {ready_s:.2f} s; llama-server has {n_slots} slots; {memory['architecture']}: "
+            f"{memory['kind']} memory, cache policy {memory['policy']}")
 
         for t in range(DEMO_TURNS_BEFORE_SWAP):
             say("[3/7] each chat's first turn (a new chat: a cold prefill):" if t == 0 else

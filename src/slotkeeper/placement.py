@@ -498,9 +498,10 @@ class Placement:
         entry = result.entry
         slot.hold(entry, entry.keys, entry.tokens)
         superseding = f", superseding {result.superseded}" if result.superseded else ""
-        log.info("chat %s saved from slot %d at its turn boundary (%s): %s tokens (%s prefilled to reach it in %s), "
-                 "%s in %s%s", entry.short, slot.id, why, f"{entry.tokens:,}", f"{reached.prefilled:,}",
-                 fmt_ms(reached.seconds), fmt_bytes(entry.nbytes), fmt_ms(result.seconds), superseding)
+        how = (f"{reached.prefilled:,} prefilled to reach it in {fmt_ms(reached.seconds)}" if reached.seconds
+               else "the slot was there already")
+        log.info("chat %s saved from slot %d at its turn boundary (%s): %s tokens (%s), %s in %s%s", entry.short,
+                 slot.id, why, f"{entry.tokens:,}", how, fmt_bytes(entry.nbytes), fmt_ms(result.seconds), superseding)
         return entry, True
 
     def _older_boundary(self, new: Entry, old: Entry) -> bool:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slotkeeper.proxy import Gate, Proxy
+from slotkeeper.proxy.server import Gate, Proxy
 
 # ---- a scripted child ----------------------------------------------------------------------------------------
 

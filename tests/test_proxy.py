@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import http.client
+import itertools
 import json
 import socket
 import subprocess
@@ -33,7 +34,9 @@ from proxy_helpers import (
     read_response,
     request_bytes,
 )
-from slotkeeper.proxy import Gate, Proxy, Reply
+
+from slotkeeper.proxy.messages import Reply
+from slotkeeper.proxy.server import Gate, Proxy
 from slotkeeper.supervisor import ChildEndpoint
 from slotkeeper.testing.harness import free_port, http_call, stream_lines, wait_until
 
@@ -628,7 +631,7 @@ def test_daemon_streams_sse_with_a_slow_generation(stub_slotkeeper):
                                               {"prompt": "hi", "max_tokens": 8, "stream": True})
                 if line.startswith(b"data: {")]
     assert len(arrivals) >= 8
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     assert sum(g > 0.05 for g in gaps) >= 6, f"events arrived in bursts: {gaps}"
 
 

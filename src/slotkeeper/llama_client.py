@@ -1,7 +1,7 @@
 """slotkeeper's own HTTP calls to its llama-server child, over the proxy's pool of connections.
 
 One client to the child: health, props, tokenize and slot actions go through the same keep-alive pool as
-proxied requests (proxy.ChildPool), so a call on the request path (placing a completion) costs what a
+proxied requests (proxy.upstream.ChildPool), so a call on the request path (placing a completion) costs what a
 proxied request costs, and no second HTTP stack is imported.
 """
 
@@ -13,11 +13,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
 if TYPE_CHECKING:
-    from .proxy import ChildPool
-
-# Bound only what is safe to bound: reaching the child. Slot saves of large caches and long generations
-# legitimately take minutes, so callers bound their own waits.
-CONNECT_TIMEOUT_S = 10.0
+    from .proxy.upstream import ChildPool
 
 
 @dataclass(frozen=True)

@@ -22,16 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from stub import encode_slot_file
 
-from slotkeeper import catalog
 from slotkeeper.catalog import ls_main, parse_duration, parse_size, plan_prune, prune_main, scan_dir
+from slotkeeper.catalog import prune as catalog  # prune looks remove_pair up where the tests patch it
 from slotkeeper.fingerprint import build_fingerprint, model_identity, namespace_key
 from slotkeeper.layout import lock_store, prepare_layout
 from slotkeeper.log import fmt_bytes
 from slotkeeper.store import TRANSIENT_PREFIX, ConversationStore, Entry, read_json, write_json_atomic
 from slotkeeper.testing.harness import free_port, wait_until
 from slotkeeper.testing.s3server import S3Server
-from slotkeeper.testing.stub import encode_slot_file
 
 NOW = 1_750_000_000.0
 MIN, HOUR, DAY = 60, 3600, 86400
@@ -347,7 +347,7 @@ def test_ls_reads_what_the_store_writes(capsys, tmp_path):
     assert (row.id, row.status, row.tokens, row.model) == (entry.id, "usable", 321, str(model.resolve()))
     assert (slot_row.name, slot_row.status, slot_row.tokens) == ("3", "slot_file", 64)
     ConversationStore(d, None, fp, fsync=False).open()  # takes the slot file over
-    code, out, _ = run(ls_main, capsys, str(d), "--", "-m", str(model), "-ctk", "q8_0", "-np", "2")
+    _, out, _ = run(ls_main, capsys, str(d), "--", "-m", str(model), "-ctk", "q8_0", "-np", "2")
     rows = table_rows(out)
     assert len(rows) == 2 and [r[-1] for r in rows.values()] == ["yes", "yes"]
     assert sorted(r[1] for r in rows.values()) == ["321", "64"]
@@ -556,9 +556,9 @@ def test_prune_max_total_keeps_a_directory_exactly_at_the_limit(capsys, tmp_path
     write_entry(tmp_path, age=2 * HOUR)
     newer = write_entry(tmp_path, age=1 * HOUR)
     total = sum(p.stat().st_size for p in (tmp_path / "entries").iterdir())  # both .bin and both .json count
-    code, out, _ = run(prune_main, capsys, str(tmp_path), "--max-total", str(total))
+    _, out, _ = run(prune_main, capsys, str(tmp_path), "--max-total", str(total))
     assert out.strip() == "nothing to remove" and len(names(tmp_path / "entries")) == 4
-    code, out, _ = run(prune_main, capsys, str(tmp_path), "--max-total", str(total - 1))
+    _, out, _ = run(prune_main, capsys, str(tmp_path), "--max-total", str(total - 1))
     assert names(tmp_path / "entries") == {f"{newer.id}.bin", f"{newer.id}.json"}
 
 
@@ -655,7 +655,7 @@ def test_prune_deletes_the_manifest_before_the_bin(capsys, tmp_path, monkeypatch
         real_unlink(self, missing_ok=missing_ok)
 
     monkeypatch.setattr(Path, "unlink", recording_unlink)
-    code, out, err = run(prune_main, capsys, str(d), "--older-than", "1h")
+    code, _, err = run(prune_main, capsys, str(d), "--older-than", "1h")
     assert order == [manifest_path.name, bin_path.name]
     assert names(d / "entries") == {bin_path.name}  # an entry file without a manifest is removed at the next start
     assert code == 1 and err.count("\n") == 1 and f"{bin_path.name}: Permission denied" in err

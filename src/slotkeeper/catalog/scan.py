@@ -1,0 +1,191 @@
+"""Reading a save directory without a running server: every pair of files slotkeeper owns in it, as a row.
+
+An entry's status is entries.judge()'s, the very rule ConversationStore.open applies at the next start, asked
+against the configuration and state format of the directory's most recently used entry (the last run's).
+Slot files of the old layout are judged as the store's take-over treats them. Nothing is changed here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..entries import (
+    BIN_SUFFIX,
+    MANIFEST_SUFFIX,
+    PARTIAL_SUFFIX,
+    TRANSIENT_NAME,
+    Entry,
+    Status,
+    Verdict,
+    is_slot_name,
+    is_state_file,
+    judge,
+    parse_entry,
+    read_json,
+    read_manifest,
+)
+from ..layout import ENTRIES_DIR, LOCK_NAME, QUARANTINE_DIR, SNAPSHOTS_DIR
+from ..statefile import StateFileError, read_header
+from .dirs import LockState, list_names, lock_state
+from .formats import CatalogError
+from .rows import FileStat, Kind, Row, assign_short_ids
+
+Pair = tuple[FileStat | None, FileStat | None]  # (the .bin, the manifest)
+
+
+@dataclass
+class SaveDir:
+    path: Path
+    rows: list[Row] = field(default_factory=list)  # entries (most recently used first), quarantined, slot files
+    partials: list[FileStat] = field(default_factory=list)  # interrupted manifest writes: finished at next start
+    client_files: list[FileStat] = field(default_factory=list)  # clients' own slot files (snapshots/)
+    clients_in_root: int = 0  # of those, still in the directory itself: moved to snapshots/ at the next start
+    reference: Row | None = None  # the most recently used entry: the last run's configuration
+    lock: LockState = field(default_factory=LockState)
+
+    def of_kind(self, kind: Kind) -> list[Row]:
+        return [r for r in self.rows if r.kind is kind]
+
+    @property
+    def entries(self) -> list[Row]:
+        return self.of_kind(Kind.ENTRY)
+
+    @property
+    def entry_bytes(self) -> int:
+        return sum(r.disk_bytes for r in self.entries)
+
+
+def scan_dir(path: Path) -> SaveDir:
+    """Everything slotkeeper owns in one save directory (nothing is changed, nothing else is looked at)."""
+    result = SaveDir(path)
+    try:
+        names = sorted(os.listdir(path))
+    except OSError as exc:
+        raise CatalogError(f"cannot read {path}: {exc.strerror or exc}") from None
+    _scan_entries(result)
+    result.rows.sort(key=lambda r: (-r.last_used, r.name))
+    _scan_quarantine(result)
+    _scan_slot_files(result, names)
+    snapshots = path / SNAPSHOTS_DIR
+    if snapshots.is_dir() and not snapshots.is_symlink():
+        for name in list_names(snapshots):
+            if not TRANSIENT_NAME.fullmatch(name) and (stat := FileStat.maybe(snapshots / name)):
+                result.client_files.append(stat)
+    assign_short_ids(result.rows)
+    result.lock = lock_state(path)
+    return result
+
+
+def _pairs(folder: Path, names: Iterable[str]) -> dict[str, Pair]:
+    """`<stem>.bin` / `<stem>.json` files of a folder, by stem: (bin, manifest)."""
+    found: dict[str, list[FileStat | None]] = {}
+    for name in names:
+        for slot, suffix in ((0, BIN_SUFFIX), (1, MANIFEST_SUFFIX)):
+            if name.endswith(suffix) and len(name) > len(suffix):
+                stat = FileStat.maybe(folder / name)
+                if stat is not None:
+                    found.setdefault(name.removesuffix(suffix), [None, None])[slot] = stat
+    return {stem: (pair[0], pair[1]) for stem, pair in found.items()}
+
+
+def _scan_entries(save_dir: SaveDir) -> None:
+    """entries/, judged twice: alone, to find the reference (the most recently used usable entry), then against
+    the reference's fingerprint and state format, as the next start judges against its own."""
+    folder = save_dir.path / ENTRIES_DIR
+    names = list_names(folder)
+    save_dir.partials += [s for n in names if n.endswith(PARTIAL_SUFFIX) and (s := FileStat.maybe(folder / n))]
+    pairs = {stem: (pair, read_manifest(pair[1].path) if pair[1] else None)
+             for stem, pair in _pairs(folder, names).items()}
+
+    def judged(stem: str, against: Entry | None) -> Verdict:
+        (bin_stat, manifest_stat), manifest = pairs[stem]
+        return judge(manifest, bin_stat.size if bin_stat else None, against.fingerprint if against else None,
+                     (against.seq_version, against.layout) if against else None, committed=manifest_stat is not None)
+
+    alone = {stem: judged(stem, None) for stem in pairs}
+    usable = {stem: v.entry for stem, v in alone.items() if v.status is Status.USABLE and v.entry is not None}
+    last = max(usable, key=lambda stem: (usable[stem].last_used, usable[stem].saved_at), default=None)
+    reference = usable[last] if last is not None else None
+    for stem, (pair, _) in pairs.items():
+        verdict = judged(stem, reference) if reference else alone[stem]
+        row = Row(Kind.ENTRY, save_dir.path, folder, stem, *pair, verdict.entry, verdict.status)
+        row.reason, row.note = _described(verdict, reference)
+        save_dir.rows.append(row)
+        if stem == last:
+            save_dir.reference = row
+
+
+def _described(verdict: Verdict, reference: Entry | None) -> tuple[str, str]:
+    """The row's reason and status column for a verdict: what the next start does about it."""
+    entry = verdict.entry
+    if verdict.status is Status.OTHER_CONFIGURATION:
+        return verdict.reason, f"other configuration ({verdict.difference.split(':', 1)[0]})"
+    if verdict.status is Status.OTHER_FORMAT and entry is not None and reference is not None:
+        return (f"state format v{entry.seq_version} ({entry.layout}); the last run's is "
+                f"v{reference.seq_version} ({reference.layout})", f"other state format (v{entry.seq_version})")
+    if verdict.status is Status.WRONG_SIZE:
+        return f"{verdict.reason}: quarantined at the next start", ""
+    return "", ""
+
+
+def _scan_quarantine(save_dir: SaveDir) -> None:
+    folder = save_dir.path / QUARANTINE_DIR
+    if not folder.is_dir() or folder.is_symlink():
+        return
+    quarantined = []
+    for stem, (bin_stat, manifest_stat) in _pairs(folder, list_names(folder)).items():
+        manifest = read_manifest(manifest_stat.path) if manifest_stat else None
+        entry = parse_entry(manifest)[0] if manifest is not None else None
+        quarantined.append(Row(Kind.QUARANTINED, save_dir.path, folder, stem, bin_stat, manifest_stat, entry,
+                               Status.QUARANTINED))
+    save_dir.rows += sorted(quarantined, key=lambda r: r.name, reverse=True)  # newest first (by its stamp)
+
+
+def _scan_slot_files(save_dir: SaveDir, names: list[str]) -> None:
+    """The slot-file layout in the directory itself, judged as ConversationStore._take_over_slot_files would."""
+    root = save_dir.path
+    save_dir.partials += [s for n in names if n.endswith(PARTIAL_SUFFIX) and is_slot_name(n.split(".", 1)[0])
+                          and (s := FileStat.maybe(root / n))]
+    pairs = {stem: pair for stem, pair in _pairs(root, names).items() if is_slot_name(stem)}
+    for stem, (bin_stat, manifest_stat) in sorted(pairs.items(), key=lambda p: (int(p[0]), p[0])):
+        old = read_json(manifest_stat.path) if manifest_stat else None
+        header = None
+        if bin_stat is not None:
+            with contextlib.suppress(OSError, StateFileError):
+                header = read_header(bin_stat.path)
+        entry = None
+        if header is not None and bin_stat is not None:
+            saved_at = _number((old or {}).get("saved_at"), bin_stat.mtime)
+            fingerprint = (old or {}).get("fingerprint")
+            entry = Entry(
+                id=stem, tokens=header.n_tokens, nbytes=bin_stat.size, keys=[], saved_at=saved_at,
+                last_used=saved_at, fingerprint=fingerprint if isinstance(fingerprint, dict) else {},
+                seq_version=header.version, layout=header.layout, save_ms=(old or {}).get("save_ms"),
+            )
+        if bin_stat is None:
+            status = Status.SLOT_MANIFEST_ONLY
+        elif old is None:
+            if header is None:
+                continue  # a file with a slot's name that is neither a slot file nor described: not ours
+            status = Status.SLOT_FILE_UNVERIFIED
+        else:
+            status = Status.SLOT_FILE_UNREADABLE if header is None else Status.SLOT_FILE
+        save_dir.rows.append(Row(Kind.SLOT_FILE, root, root, stem, bin_stat, manifest_stat, entry, status))
+    for name in names:  # clients' own slot files, moved to snapshots/ at the next start
+        path = root / name
+        stem = name.removesuffix(BIN_SUFFIX)
+        if name == LOCK_NAME or name.endswith(MANIFEST_SUFFIX) or (name.endswith(BIN_SUFFIX) and is_slot_name(stem)):
+            continue
+        stat = FileStat.maybe(path)
+        if stat is not None and is_state_file(path):
+            save_dir.client_files.append(stat)
+            save_dir.clients_in_root += 1
+
+
+def _number(value: Any, default: float) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default

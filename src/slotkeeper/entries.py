@@ -1,0 +1,251 @@
+"""Entries: a saved conversation state as a pair of files, and the one rule for what slotkeeper makes of a pair.
+
+An entry is `<id>.bin` (llama-server's slot file, byte for byte) and `<id>.json` (its manifest, written last:
+the commit). The store writes and opens them, the shared tier uploads and adopts them, and `slotkeeper ls` /
+`prune` look at them without a running server. All three read pairs through this module, so that `ls` says of
+an entry exactly what the next start does with it: `judge()` is the store's rule itself, not a copy of it.
+
+Only the stdlib and slotkeeper's stdlib-only modules are imported here: the command line (`cmdline`) needs the
+cache root before llama-server starts, and `slotkeeper ls` needs no HTTP stack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .fingerprint import first_difference, shareable
+from .prefix import BLOCK_TOKENS
+from .statefile import SEQ_MAGIC
+
+BIN_SUFFIX = ".bin"
+MANIFEST_SUFFIX = ".json"
+PARTIAL_SUFFIX = ".partial"  # a file being written (manifest, download): finished or removed, never read
+MANIFEST_VERSION = 2
+TRANSIENT_PREFIX = "slotkeeper-"  # + 32 random hex digits: unguessable, so no client can name it either
+TRANSIENT_NAME = re.compile(rf"{TRANSIENT_PREFIX}[0-9a-f]{{32}}\{BIN_SUFFIX}")  # only these are slotkeeper's
+
+
+# ---- where entries live -----------------------------------------------------------------------------------------
+
+
+def cache_root(env: Mapping[str, str]) -> Path:
+    """$XDG_CACHE_HOME/slotkeeper or ~/.cache/slotkeeper: where the per-model default save directories live."""
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slotkeeper"
+
+
+def pair_paths(folder: Path, name: str) -> tuple[Path, Path]:
+    """`<name>.bin` and `<name>.json` in `folder` (entries, quarantined pairs and slot files are all named so)."""
+    return folder / f"{name}{BIN_SUFFIX}", folder / f"{name}{MANIFEST_SUFFIX}"
+
+
+def is_slot_name(stem: str) -> bool:
+    """The slot-file layout's names (`<digits>.bin` / `<digits>.json`), which the store takes over as entries."""
+    return stem.isascii() and stem.isdigit()
+
+
+def is_state_file(path: Path) -> bool:
+    """Whether a file starts with llama.cpp's seq-state magic: a client's own slot file, under any name."""
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        return int.from_bytes(f.read(4), "little") == SEQ_MAGIC
+    return False
+
+
+def file_size(path: Path) -> int | None:
+    """The size of a file, None when it cannot be looked at (gone, most likely)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
+
+
+# ---- durable writes ---------------------------------------------------------------------------------------------
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory by name (a directory after a rename in it, so the rename survives a crash)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object from a file, or None when it is missing or unreadable."""
+    with contextlib.suppress(OSError, ValueError):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(data, dict):
+            return data
+    return None
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    """A manifest of this slotkeeper's version, or None (missing, damaged, or another version's: never used)."""
+    data = read_json(path)
+    return data if data is not None and data.get("version") == MANIFEST_VERSION else None
+
+
+def write_json_atomic(path: Path, data: dict[str, Any], fsync: bool) -> None:
+    """Write to `<name>.partial`, fsync, rename over `path`, fsync the directory: a reader sees all or nothing."""
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    with open(partial, "w", encoding="utf-8") as f:
+        json.dump(data, f, separators=(",", ":"))
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(partial, path)
+    if fsync:
+        fsync_path(path.parent)
+
+
+def remove_pair(directory: Path, name: str) -> None:
+    """Remove `<name>.json`, then `<name>.bin` (either may be missing; other errors raise).
+
+    Manifest first: a crash in between leaves an uncommitted file, removed at the next start, never a manifest
+    naming a file that is gone. Used by the store and by `slotkeeper prune` (entries, quarantined pairs and
+    slot-file pairs are all named this way).
+    """
+    bin_path, manifest_path = pair_paths(directory, name)
+    manifest_path.unlink(missing_ok=True)
+    bin_path.unlink(missing_ok=True)
+
+
+# ---- the manifest -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Entry:
+    """One saved conversation state and what its manifest says about it."""
+
+    id: str
+    tokens: int
+    nbytes: int
+    keys: list[str]
+    saved_at: float
+    last_used: float
+    fingerprint: dict[str, Any]
+    seq_version: int
+    layout: str
+    server: dict[str, Any] = field(default_factory=dict)
+    units: list[str] = field(default_factory=list)  # the request units that led to it (placement's fast path)
+    save_ms: float | None = None
+    exact: str = ""  # prefix.exact_key of all its tokens ("" in manifests older than this field)
+    boundary: bool = False  # saved at a turn boundary: a prefix of what its chat's next request sends
+
+    def manifest(self) -> dict[str, Any]:
+        return {
+            "version": MANIFEST_VERSION, "id": self.id, "tokens": self.tokens, "bytes": self.nbytes,
+            "saved_at": self.saved_at, "last_used": self.last_used, "save_ms": self.save_ms,
+            "fingerprint": self.fingerprint, "format": {"seq_version": self.seq_version, "layout": self.layout},
+            "llama_server": self.server, "block_tokens": BLOCK_TOKENS, "blocks": self.keys, "units": self.units,
+            "exact": self.exact, "boundary": self.boundary,
+        }
+
+    @classmethod
+    def from_manifest(cls, data: Mapping[str, Any]) -> Entry:
+        if data.get("block_tokens", BLOCK_TOKENS) != BLOCK_TOKENS:
+            raise ValueError(f"prefix keys of {data.get('block_tokens')}-token blocks, not {BLOCK_TOKENS}")
+        fmt = data.get("format") or {}
+        return cls(
+            id=str(data["id"]), tokens=int(data["tokens"]), nbytes=int(data["bytes"]), keys=list(data["blocks"]),
+            saved_at=float(data.get("saved_at", 0)), last_used=float(data.get("last_used", data.get("saved_at", 0))),
+            fingerprint=dict(data.get("fingerprint") or {}), seq_version=int(fmt.get("seq_version", 0)),
+            layout=str(fmt.get("layout", "")), server=dict(data.get("llama_server") or {}),
+            units=list(data.get("units") or []), save_ms=data.get("save_ms"), exact=str(data.get("exact") or ""),
+            boundary=bool(data.get("boundary", False)),
+        )
+
+    @property
+    def short(self) -> str:
+        return self.id[:4]
+
+
+def parse_entry(data: Mapping[str, Any]) -> tuple[Entry | None, str]:
+    """The entry a manifest describes, or None and why not (in words)."""
+    try:
+        return Entry.from_manifest(data), ""
+    except (KeyError, TypeError, ValueError) as exc:
+        return None, f"its manifest is not usable ({exc!r})"
+
+
+def compatible_format(entry: Entry, current: tuple[int, str] | None) -> bool:
+    """Can this llama-server read the file? (seq-state version equal; b11434 also reads plain token lists)."""
+    if current is None:
+        return True  # unknown: llama-server will say
+    version, layout = current
+    return entry.seq_version == version and (entry.layout == "plain" or entry.layout == layout)
+
+
+# ---- the judgement ----------------------------------------------------------------------------------------------
+
+
+class Status(enum.StrEnum):
+    """What slotkeeper makes of a pair of files it finds; the values are `slotkeeper ls --json`'s status codes."""
+
+    # judge(): a pair in entries/, as the next start (or the adoption of a download) treats it
+    USABLE = "usable"
+    OTHER_CONFIGURATION = "other_configuration"  # kept, not used: its fingerprint is not this configuration's
+    OTHER_FORMAT = "other_format"  # kept, not used: this llama-server cannot read its state format
+    WRONG_SIZE = "size_mismatch"  # quarantined
+    NO_BIN = "no_bin"  # a manifest whose file is gone: the manifest is dropped
+    BAD_MANIFEST = "bad_manifest"  # kept as it is, never used (damaged, or another slotkeeper version's)
+    INTERRUPTED_SAVE = "interrupted_save"  # a file without a manifest: removed
+    # the other places a pair may lie
+    QUARANTINED = "quarantined"  # quarantine/: moved aside, never used again
+    SLOT_FILE = "slot_file"  # <n>.bin + <n>.json of the slot-file layout: taken over at the next start
+    SLOT_FILE_UNVERIFIED = "slot_file_unverified"  # <n>.bin without a manifest: only with --restore-unverified
+    SLOT_FILE_UNREADABLE = "slot_file_unreadable"  # left as it is
+    SLOT_MANIFEST_ONLY = "slot_manifest_only"  # left as it is
+    SHARED = "shared"  # a valid entry of the shared tier, in the namespace its fingerprint names
+    REMOTE_BAD_MANIFEST = "remote_bad_manifest"  # never fetched
+    OTHER_NAMESPACE = "other_namespace"  # in another namespace than its fingerprint's: a fetch rejects it
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """judge()'s answer: the status, the reason in words (as the store logs it), and the entry when readable."""
+
+    status: Status
+    reason: str = ""
+    entry: Entry | None = None
+    difference: str = ""  # OTHER_CONFIGURATION: the first field that differs, `field: saved -> current`
+
+
+def judge(
+    manifest: Mapping[str, Any] | None, size: int | None, fingerprint: dict[str, Any] | None = None,
+    current_format: tuple[int, str] | None = None, *, committed: bool = True,
+) -> Verdict:
+    """What slotkeeper makes of the pair `entries/<id>.bin` + `entries/<id>.json`; pure, so that every reader
+    of a store (ConversationStore.open and adopt, `slotkeeper ls`) judges alike.
+
+    `manifest` is read_manifest()'s answer (None: unreadable), `committed` whether there is a manifest file at
+    all, `size` the .bin's (None: missing). `fingerprint` and `current_format` are the configuration and the
+    state format it is judged against; None leaves that check out (not known yet).
+    """
+    if not committed:
+        return Verdict(Status.INTERRUPTED_SAVE, "a file without a manifest: an interrupted save")
+    if manifest is None:
+        return Verdict(Status.BAD_MANIFEST, "a manifest this slotkeeper cannot read")
+    entry, problem = parse_entry(manifest)
+    if size is None:
+        return Verdict(Status.NO_BIN, "a manifest without its file", entry)
+    if entry is None:
+        return Verdict(Status.BAD_MANIFEST, problem)
+    if size != entry.nbytes:
+        return Verdict(Status.WRONG_SIZE, f"size {size} differs from its manifest's {entry.nbytes}", entry)
+    if fingerprint is not None:
+        difference = first_difference(shareable(entry.fingerprint), shareable(fingerprint))
+        if difference:
+            return Verdict(Status.OTHER_CONFIGURATION, f"saved for another configuration: {difference}", entry,
+                           difference)
+    if not compatible_format(entry, current_format):
+        return Verdict(Status.OTHER_FORMAT, "saved in another state format", entry)
+    return Verdict(Status.USABLE, "", entry)

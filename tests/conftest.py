@@ -1,15 +1,18 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from slotkeeper.cmdline import ConfigError, find_llama_server
-from slotkeeper.testing.harness import STUB_COMMAND, Slotkeeper, free_port
+from slotkeeper.testing.harness import Slotkeeper, free_port
 
 Starter = Callable[..., Slotkeeper]
+# The stub llama-server (faults on demand) lives with the tests: it is no part of the install.
+STUB_COMMAND = f"{sys.executable} {Path(__file__).resolve().parent / 'stub.py'}"
 
 
 def clean_env(tmp_path: Path) -> dict[str, str]:

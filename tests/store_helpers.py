@@ -13,10 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from stub import decode_slot_file
+
 from slotkeeper.layout import ENTRIES_DIR, QUARANTINE_DIR, SNAPSHOTS_DIR
 from slotkeeper.statefile import read_header
 from slotkeeper.store import TRANSIENT_PREFIX
-from slotkeeper.testing.stub import decode_slot_file
 
 RESTORED = re.compile(r"chat ([0-9a-f]{4}) restored into slot (\d+): ")
 SAVED = re.compile(r"chat ([0-9a-f]{4}) saved from slot (\d+) \(([^)]*)\): ")

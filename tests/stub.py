@@ -10,7 +10,7 @@ prompt, and the "model" answers with a run of letters fixed by the prompt (see :
 
 Run it exactly like llama-server::
 
-    python -m slotkeeper.testing.stub --host /tmp/x/llama.sock --slot-save-path /tmp/x/slots -np 2 -m m.gguf
+    python tests/stub.py --host /tmp/x/llama.sock --slot-save-path /tmp/x/slots -np 2 -m m.gguf
 
 Behaviour copied from llama-server b11434 (tools/server, common/arg.cpp, src/llama-context.cpp):
 
@@ -1005,7 +1005,7 @@ class StubServer:
             tokens = [] if self.knobs.save_zero else list(slot.tokens)
             data = encode_slot_file(tokens, self.args.model, self.knobs.bytes_per_token, self.knobs.state_version)
             try:
-                with open(path, "wb") as f:  # noqa: ASYNC230  (blocking, as llama-server's task loop)
+                with open(path, "wb") as f:
                     half = len(data) // 2
                     f.write(data[:half])
                     f.flush()
@@ -1038,7 +1038,7 @@ class StubServer:
                 await asyncio.sleep(self.knobs.restore_seconds)
             try:
                 try:
-                    with open(path, "rb") as f:  # noqa: ASYNC230
+                    with open(path, "rb") as f:
                         data = f.read()
                 except OSError:
                     raise SlotFileError(RESTORE_INVALID) from None

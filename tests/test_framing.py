@@ -30,9 +30,11 @@ import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from proxy_helpers import FakeChild, RawRequest, RawResponse, raw_response, read_body, read_response
-from slotkeeper.proxy import BODY_BUFFER_HIGH, MAX_REQUEST_HEAD, SMALL_BODY, Gate, Placed, Proxy
+from target_model import Target, read_target
+
+from slotkeeper.proxy.hook import Placed
+from slotkeeper.proxy.server import BODY_BUFFER_HIGH, MAX_REQUEST_HEAD, SMALL_BODY, Gate, Proxy
 from slotkeeper.supervisor import ChildEndpoint
-from slotkeeper.target import Target, read_target
 
 # What llama-server b11434 routes as a completion (tools/server/server.cpp); the hook must see exactly these.
 COMPLETION_PATHS = frozenset({"/completion", "/completions", "/v1/completions", "/chat/completions",
@@ -62,7 +64,7 @@ class RecordingHook:
 class Sent:
     """One request as the client writes it, and what the child must get for it."""
 
-    __slots__ = ("method", "target", "body", "data")
+    __slots__ = ("body", "data", "method", "target")
 
     def __init__(self, method: bytes, target: bytes, body: bytes, data: bytes) -> None:
         self.method, self.target, self.body, self.data = method, target, body, data

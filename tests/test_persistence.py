@@ -16,12 +16,27 @@ import time
 from pathlib import Path
 
 import pytest
-from store_helpers import (assert_entry_sound, assert_store_sound, bins_snapshot, edit_manifest, entries_dir,
-                           entry_bin, entry_ids, manifest_path, only_entry, only_files_of, quarantine_dir,
-                           read_manifest, restored, saved, transients, uncommitted)
+from store_helpers import (
+    assert_entry_sound,
+    assert_store_sound,
+    bins_snapshot,
+    edit_manifest,
+    entries_dir,
+    entry_bin,
+    entry_ids,
+    manifest_path,
+    only_entry,
+    only_files_of,
+    quarantine_dir,
+    read_manifest,
+    restored,
+    saved,
+    transients,
+    uncommitted,
+)
+from stub import encode_slot_file, tokenize
 
 from slotkeeper.testing.harness import pid_alive, read_events, wait_until
-from slotkeeper.testing.stub import encode_slot_file, tokenize
 
 # 360 bytes (the stub's tokens are bytes): over --min-save-tokens' 256, so it is worth an entry
 PROMPT = "Every token of this conversation is kept in the slot cache. " * 6

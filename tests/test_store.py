@@ -8,11 +8,23 @@ import json
 import signal
 import time
 
-from store_helpers import (assert_entry_sound, bins_snapshot, edit_manifest, entries_snapshot, entry_bin, entry_ids,
-                           only_entry, quarantine_dir, read_manifest, restored, saved, snapshots_dir)
+from store_helpers import (
+    assert_entry_sound,
+    bins_snapshot,
+    edit_manifest,
+    entries_snapshot,
+    entry_bin,
+    entry_ids,
+    only_entry,
+    quarantine_dir,
+    read_manifest,
+    restored,
+    saved,
+    snapshots_dir,
+)
+from stub import encode_slot_file, tokenize
 
 from slotkeeper.testing.harness import read_events
-from slotkeeper.testing.stub import encode_slot_file, tokenize
 
 PROMPT = "A conversation the store must keep, whatever its layout or its neighbours. " * 5  # 375 tokens
 MODEL = "stub-model.gguf"  # the conftest's -m

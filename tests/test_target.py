@@ -15,7 +15,6 @@ import json
 import socket
 import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote_from_bytes
 
@@ -23,17 +22,9 @@ import httptools
 import pytest
 from hypothesis import HealthCheck, event, example, given, note, settings
 from hypothesis import strategies as st
-from slotkeeper.target import (
-    REFUSED_ESCAPE,
-    REFUSED_FRAGMENT,
-    REFUSED_NUL,
-    SlotRequest,
-    Target,
-    c_stoi,
-    read_params,
-    read_target,
-    slot_request,
-)
+from target_model import SlotRequest, Target, c_stoi, read_params, read_target, slot_request
+
+from slotkeeper.target import REFUSED_ESCAPE, REFUSED_FRAGMENT, REFUSED_NUL
 from slotkeeper.testing.harness import free_port, http_call, wait_until
 
 # ---- target.py on its own --------------------------------------------------------------------------------------
@@ -339,7 +330,7 @@ def test_slotkeeper_reads_targets_as_llama_server_does(servers, raw, framing):
         return
     if isinstance(target, str):  # refused: slotkeeper's 400 where llama-server answered, then the connection closes
         event(f"refused: {target}")
-        assert through == direct[:-1] + [(400, f"bad request: {target}")]
+        assert through == [*direct[:-1], (400, f"bad request: {target}")]
         return
     # llama-server read the target as target.py did: it answers it as it answers an unambiguous spelling of that
     # reading, and as target.py predicts for a slot action

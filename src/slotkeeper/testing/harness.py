@@ -10,36 +10,36 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-STUB_COMMAND = f"{sys.executable} -m slotkeeper.testing.stub"
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def pid_alive(pid: int) -> bool:
     """True while the process exists and is not a zombie."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            state: str = f.read().rsplit(")", 1)[1].split()[0]
+            return state != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.01) -> bool:
+def wait_until(predicate: Callable[[], object], timeout: float, interval: float = 0.01) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return True
         time.sleep(interval)
-    return predicate()
+    return bool(predicate())
 
 
 @dataclass
@@ -88,7 +88,7 @@ class Slotkeeper:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def start(self) -> Slotkeeper:
-        self.log_file = open(self.log_path, "ab")
+        self.log_file = open(self.log_path, "ab")  # noqa: SIM115 - slotkeeper's output, open until stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "slotkeeper.cli", *self.args],
             cwd=self.cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=self.log_file, stderr=subprocess.STDOUT,
@@ -120,13 +120,16 @@ class Slotkeeper:
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Until this slotkeeper says it is ready (its own log line: a 200 alone could come from a process that
         took the port first) or exits."""
+        proc = self.proc
+        assert proc is not None, "start() first"
+
         def ready() -> bool:
-            return self.proc.poll() is not None or (self.health() == 200 and "after starting llama-server" in self.logs())
+            return proc.poll() is not None or (self.health() == 200 and "after starting llama-server" in self.logs())
 
         if not wait_until(ready, timeout):
             raise AssertionError(f"slotkeeper not ready after {timeout}s:\n{self.logs()}")
-        if self.proc.poll() is not None:
-            raise AssertionError(f"slotkeeper exited with {self.proc.returncode}:\n{self.logs()}")
+        if proc.poll() is not None:
+            raise AssertionError(f"slotkeeper exited with {proc.returncode}:\n{self.logs()}")
 
     def call(self, method: str, path: str, body: Any = None, **kw: Any) -> Reply:
         return http_call(self.port, method, path, body, **kw)

@@ -11,7 +11,8 @@ demand), a swap (SIGTERM to the process group), and a third round through slotke
 llama-server started again with the chats as they stood (cold). Prints:
   - the warm fraction after the swap (turns that reused at least the previous turn's whole prompt);
   - first token after the swap, cold vs warm (medians);
-  - tokens llama-server prefilled, and ms spent, to bring slots to turn boundaries, per save;
+  - tokens llama-server prefilled, and ms spent, to bring slots to turn boundaries, per save, and per turn
+    on hybrids (where idle slots go to their boundary once a turn is over, off its critical path);
   - bytes per entry.
 Then, on the hybrid: a resident chat's turn latency through slotkeeper / plain llama-server, back to back and
 with a pause between turns (when slotkeeper brings the slot to its boundary off the critical path), and the
@@ -37,6 +38,7 @@ from typing import Any
 
 from slotkeeper.cmdline import find_llama_server
 from slotkeeper.demo import Chat, PlainServer, Turn, clean_env, fmt_s
+from slotkeeper.entries import cache_root
 from slotkeeper.testing.harness import Slotkeeper, free_port, http_call
 from slotkeeper.testing.tinymodel import BENCH_MODEL_E, PRESETS, TinyModelSpec, write_tiny_model
 
@@ -92,6 +94,9 @@ class FamilyResult:
     entries: int
     entry_bytes: int
     policy: str
+    settles: int = 0
+    settle_tokens: int = 0
+    settle_ms: float = 0.0
 
 
 def converse(chats: list[Chat], port: int) -> list[tuple[Turn, bool]]:
@@ -130,8 +135,8 @@ def run_family(family: Family, model: Path, binary: str, work: Path, chats_n: in
     finally:
         sk.stop()
     extend = status["extend_only"]
-    reached = [REACHED.search(line) for line in sk.logs().splitlines() if "(at stop)" in line]
-    stops = [m for m in reached if m is not None]
+    stop_saves = [line for line in sk.logs().splitlines() if " saved from slot " in line and "(at stop)" in line]
+    stops = [m for m in map(REACHED.search, stop_saves) if m is not None]
     stop_tokens = sum(int(m[1].replace(",", "")) for m in stops)
     stop_ms = sum(float(m[2].replace(",", "")) * (1000 if m[3] == "s" else 1) for m in stops)
     entries = [p.stat().st_size for p in (work / "cache" / "entries").glob("*.bin")]  # as the stop left them
@@ -154,7 +159,9 @@ def run_family(family: Family, model: Path, binary: str, work: Path, chats_n: in
         warm=sum(w for _, w in warm_turns), chats=chats_n,
         cold_first=statistics.median(t.first_token_s for t, _ in cold_turns),
         warm_first=statistics.median(t.first_token_s for t, _ in warm_turns),
-        saves=saves_before_stop + len(stops),
+        saves=saves_before_stop + len(stop_saves),
+        settles=extend.get("boundaries_settled", 0), settle_tokens=extend.get("settle_prefill_tokens", 0),
+        settle_ms=extend.get("settle_ms", 0.0),
         boundary_tokens=extend["boundary_prefill_tokens"] + stop_tokens,
         boundary_ms=extend["boundary_ms"] + stop_ms,
         entries=len(entries), entry_bytes=sum(entries),
@@ -206,7 +213,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true")
     args = parser.parse_args()
     binary = find_llama_server(None, os.environ)[0]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slotkeeper" / "bench"
+    cache = cache_root(os.environ) / "bench"
     cache.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="slotkeeper-bench-families-"))
     results: dict[str, FamilyResult] = {}
@@ -231,12 +238,13 @@ def main() -> None:
           f"{time.monotonic() - started:.0f} s in all")
     print()
     print(f"  {'family':<22} {'policy':<12} {'warm after swap':>16} {'first token cold':>17} {'warm':>8} "
-          f"{'boundary per save':>22} {'bytes per entry':>16}")
+          f"{'boundary per save':>22} {'settle per turn':>20} {'bytes per entry':>16}")
     for name, r in results.items():
         per_save = (f"{r.boundary_tokens / r.saves:,.0f} tok, {r.boundary_ms / r.saves:.0f} ms" if r.saves else "-")
         per_entry = f"{r.entry_bytes / r.entries / 1e6:.1f} MB" if r.entries else "-"
+        per_settle = f"{r.settle_tokens / r.settles:,.0f} tok, {r.settle_ms / r.settles:.0f} ms" if r.settles else "-"
         print(f"  {name:<22} {r.policy:<12} {f'{r.warm} of {r.chats}':>16} {fmt_s(r.cold_first):>17} "
-              f"{fmt_s(r.warm_first):>8} {per_save:>22} {per_entry:>16}")
+              f"{fmt_s(r.warm_first):>8} {per_save:>22} {per_settle:>20} {per_entry:>16}")
     print()
     for pause, (plain, sk, written) in latency.items():
         what = "back to back" if not pause else f"{pause:.0f} s between turns"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ BASE = ["-c", "16384", "-t", "2", "--no-warmup"]
 SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: answer briefly and kindly." for i in range(14))
 COLOURS = ("red", "blue", "green", "amber", "violet")
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+PAUSE_S = 0.6  # a user reading the reply: longer than placement.SETTLE_AFTER_S
 LOGPROB_TOLERANCE = 0.05  # batch splits differ between a warm and a cold run: f32 sums differ slightly
 TEMPLATES = Path(__file__).resolve().parent.parent / "src" / "slotkeeper" / "testing" / "templates"
 
@@ -280,7 +282,9 @@ def test_sliding_window_without_swa_full_says_so_saves_nothing_and_keeps_chats_a
 
 
 def test_resident_turns_on_the_hybrid_write_nothing_and_reach_no_boundary(family_start):
-    """A hybrid chat's back-to-back turns in its own slot: no file written, no boundary reached, no tokenize."""
+    """A hybrid chat's turns in its own slot, the user pausing between them: no file written, no save-time
+    boundary reached, no tokenize; and each turn reuses the whole previous one (the slot was brought to its
+    boundary while the user paused: plain llama-server rolls back to its checkpoint at the last user message)."""
     family = FAMILIES["qwen35-thinking-off"]
     sk = family_start(family, "-np", "2", own=("--autosave-idle", "0"))
     chat = Chat(0, family.request)
@@ -289,13 +293,15 @@ def test_resident_turns_on_the_hybrid_write_nothing_and_reach_no_boundary(family
     before = sorted(p.name for p in entries.iterdir())
     asked = http_call(sk.port, "GET", "/slotkeeper/status").body
     for _ in range(4):
+        time.sleep(PAUSE_S)
         timings = chat.turn(sk.port)
         assert chat.reused_enough(timings), timings
     status = http_call(sk.port, "GET", "/slotkeeper/status").body
     assert sorted(p.name for p in entries.iterdir()) == before
     assert status["placements"].get("resident", 0) >= 4, status
     assert status["prompt_tokenizations"] == asked["prompt_tokenizations"], status
-    assert status["extend_only"]["boundaries_reached"] == 0, status  # (settling once a turn is over: no save)
+    assert status["extend_only"]["boundaries_reached"] == 0, status
+    assert status["extend_only"]["boundaries_settled"] >= 4, status
 
 
 def test_more_chats_than_slots_on_the_hybrid_stay_warm_on_one_slot(family_start):

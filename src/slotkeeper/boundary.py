@@ -15,6 +15,7 @@ its in-memory checkpoint and prefills the tail), and the slot is saved.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -73,25 +74,25 @@ class Boundaries:
 
     async def tokens(self, chat: dict[str, Any], turn: Turn) -> list[int] | None:
         """The boundary's tokens, or None when llama-server cannot render the chat."""
-        rendered: list[list[int]] = []
-        for text in PLACEHOLDERS:
-            body = {**chat, "messages": [*turn.history, _placeholder(turn.next_role, text, turn.history)]}
-            body.pop("id_slot", None)
-            status, raw = await self.client.call_raw(
-                "POST", "/apply-template", json.dumps(body, separators=(",", ":")).encode())
-            if status != 200:
-                return None
-            tokens = await self.client.tokenize(json.loads(raw)["prompt"])
-            if tokens is None:
-                return None
-            rendered.append(tokens)
-        first, second = rendered
+        first, second = await asyncio.gather(*(self._render(chat, turn, text) for text in PLACEHOLDERS))
+        if first is None or second is None:
+            return None
         n = 0
         for a, b in zip(first, second):
             if a != b:
                 break
             n += 1
         return first[:n]
+
+    async def _render(self, chat: dict[str, Any], turn: Turn, placeholder: str) -> list[int] | None:
+        """The tokens of the chat's history followed by one placeholder message (both renders run at once)."""
+        body = {**chat, "messages": [*turn.history, _placeholder(turn.next_role, placeholder, turn.history)]}
+        body.pop("id_slot", None)
+        status, raw = await self.client.call_raw("POST", "/apply-template",
+                                                 json.dumps(body, separators=(",", ":")).encode())
+        if status != 200:
+            return None
+        return await self.client.tokenize(json.loads(raw)["prompt"])
 
     async def reach(self, slot_id: int, tokens: list[int]) -> Reached | None:
         """Make the (idle, reserved) slot hold exactly `tokens`: prefill without generating anything."""

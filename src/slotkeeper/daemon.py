@@ -23,7 +23,8 @@ from .metrics import Metrics
 from .modelinfo import MemoryKind, ModelInfoError, ModelMemory, kv_cache_bytes, llama_server_slots, read_model_memory
 from .placement import Placement
 from .policy import CachePolicy, cache_policy
-from .proxy import Gate, Proxy, Reply
+from .proxy.messages import Reply
+from .proxy.server import Gate, Proxy
 from .store import ConversationStore, default_cap, server_identity
 from .supervisor import ChildProcess
 
@@ -126,6 +127,8 @@ class Daemon:
                 "hits": self.metrics.extend_hits, "misses": dict(self.metrics.extend_misses),
                 "boundaries_reached": self.metrics.boundaries_reached,
                 "boundaries_settled": self.metrics.boundaries_settled,
+                "settle_prefill_tokens": self.metrics.settle_prefill_tokens,
+                "settle_ms": round(self.metrics.settle_seconds * 1000, 1),
                 "boundary_prefill_tokens": self.metrics.boundary_prefill_tokens,
                 "boundary_ms": round(self.metrics.boundary_seconds * 1000, 1),
                 "boundary_unknown": self.metrics.boundary_unknown,
@@ -138,10 +141,10 @@ class Daemon:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.on_signal, sig)
-        for sig in self._early_signals:
-            self.on_signal(sig)
+        for handled in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(handled, self.on_signal, handled)
+        for early in self._early_signals:
+            self.on_signal(early)
         child_exited = self.child.watch(loop)
         # Hash the model file while llama-server loads it (hashlib releases the GIL): ready for the restore.
         self._identity = asyncio.ensure_future(asyncio.to_thread(model_identity, self.config.model))
@@ -243,7 +246,8 @@ class Daemon:
         if outcome == "interrupted":
             log.info("stop requested during %s: stopping llama-server without saving", self.state.value)
             return EXIT_OK
-        log.error("startup timed out after %.0f s (--startup-timeout) in state %s", self.options.startup_timeout, self.state.value)
+        log.error("startup timed out after %.0f s (--startup-timeout) in state %s", self.options.startup_timeout,
+                  self.state.value)
         return EXIT_STARTUP_FAILED
 
     async def wait_healthy(self, client: LlamaClient) -> None:
@@ -422,7 +426,7 @@ class Daemon:
         assert self.placement is not None
         if not self.config.slots_endpoint:  # --no-slots: nothing to ask; every slot may have changed
             for slot in self.placement.slots:
-                slot.dirty, slot.keys, slot.tokens = True, [], 0
+                slot.changed_unseen()
             return
         try:
             reply = await self._client.slots()
@@ -431,11 +435,11 @@ class Daemon:
             reply = None
         entries = reply.body if reply is not None and reply.ok and isinstance(reply.body, list) else None
         for slot in self.placement.slots:
-            info = next((e for e in entries or () if e.get("id") == slot.id), None)
-            task = None if info is None else info.get("id_task")
+            info: dict[str, Any] = next((e for e in entries or () if e.get("id") == slot.id), {})
+            task = info.get("id_task")
             if entries is None or (task is not None and info.get("n_prompt_tokens", 0) > 0
                                    and self._seen_tasks.get(slot.id) != task):
-                slot.dirty, slot.keys, slot.tokens = True, [], 0
+                slot.changed_unseen()
                 if task is not None:
                     self._seen_tasks[slot.id] = task
 
@@ -444,6 +448,8 @@ class Daemon:
         budget_end = time.monotonic() + self.options.save_timeout
         self.set_state(State.DRAINING)
         proxy.accepting = False
+        if self.placement is not None:
+            self.placement.stop_settling()
         drain = min(self.options.drain_timeout, self.options.save_timeout)
         outcome, idle = await self._race(proxy.wait_idle(drain), self.force_requested)
         if not idle:
@@ -503,7 +509,7 @@ class Daemon:
         per_token = store.bytes_per_token() or 0.0
         largest = max((e.nbytes for e in store.entries.values()), default=0)
         # a restore at start marks its slot used too: "a request ran" is a placed request
-        if self.state is State.READY and sum(self.metrics.placements.values()):
+        if self.state is State.READY and any(self.metrics.placements.values()):
             nbytes = sum(int(s.tokens * per_token) if s.tokens else largest for s in placement.dirty_slots())
         else:  # before any request: what the slots could hold, the largest entries' sizes
             nbytes = sum(sorted((e.nbytes for e in store.entries.values()), reverse=True)[: self.total_slots])

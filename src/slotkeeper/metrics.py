@@ -57,6 +57,8 @@ class Metrics:
     extend_misses: collections.Counter[str] = field(default_factory=collections.Counter)  # by placement.Miss
     boundaries_reached: int = 0  # slots brought to a turn boundary before a save
     boundaries_settled: int = 0  # hybrid chats' idle slots brought to their boundary once a turn was over
+    settle_prefill_tokens: int = 0  # tokens prefilled for those (off the turns' critical path)
+    settle_seconds: float = 0.0
     boundary_prefill_tokens: int = 0  # tokens llama-server prefilled to get there
     boundary_seconds: float = 0.0
     boundary_unknown: int = 0  # saves of a chat whose last reply could not be read (only its fallback saved)
@@ -80,11 +82,15 @@ class Metrics:
         self.saved_bytes += nbytes
         self.saved_tokens += tokens
 
-    def boundary_reached(self, prefilled: int, seconds: float, settled: bool = False) -> None:
-        self.boundaries_settled += settled
-        self.boundaries_reached += not settled
+    def boundary_reached(self, prefilled: int, seconds: float) -> None:
+        self.boundaries_reached += 1
         self.boundary_prefill_tokens += prefilled
         self.boundary_seconds += seconds
+
+    def boundary_settled(self, prefilled: int, seconds: float) -> None:
+        self.boundaries_settled += 1
+        self.settle_prefill_tokens += prefilled
+        self.settle_seconds += seconds
 
     def save_failed(self, reason: str) -> None:
         self.saves["failed"] += 1
@@ -108,7 +114,7 @@ class _Collector:
 
         m = self.metrics
 
-        def counter(name: str, doc: str, label: str | None = None, values: dict[Any, int] | int = 0) -> Any:
+        def counter(name: str, doc: str, label: str | None = None, values: dict[Any, int] | float = 0) -> Any:
             family = CounterMetricFamily(f"slotkeeper_{name}", doc, labels=[label] if label else None)
             if isinstance(values, dict):
                 for key, value in sorted(values.items()):
@@ -148,6 +154,10 @@ class _Collector:
                       values=m.boundaries_reached)
         yield counter("boundaries_settled", "Hybrid chats' idle slots brought to their turn boundary after a turn",
                       values=m.boundaries_settled)
+        yield counter("settle_prefill_tokens", "Tokens prefilled to bring idle hybrid slots to their boundary",
+                      values=m.settle_prefill_tokens)
+        yield counter("settle_seconds", "Seconds spent bringing idle hybrid slots to their boundary",
+                      values=m.settle_seconds)
         yield counter("boundary_prefill_tokens", "Tokens prefilled to reach turn boundaries",
                       values=m.boundary_prefill_tokens)
         yield counter("boundary_seconds", "Seconds spent reaching turn boundaries", values=m.boundary_seconds)

@@ -28,7 +28,6 @@ import asyncio
 import enum
 import json
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,9 +38,9 @@ from .log import fmt_bytes, fmt_ms, log
 from .metrics import Metrics
 from .policy import CachePolicy
 from .prefix import BLOCK_TOKENS, block_keys, common_keys, exact_key, extends_exactly, unit_keys
-from .proxy import Placed
+from .proxy.hook import Placed
 from .replies import ReplyReader
-from .store import ConversationStore, Entry
+from .store import ConversationStore, Entry, SaveFailure
 
 CHAT_PATHS = frozenset({"/chat/completions", "/v1/chat/completions", "/v1/responses", "/responses", "/v1/messages"})
 PROMPT_PATHS = frozenset({"/completion", "/completions", "/v1/completions", "/infill"})
@@ -62,6 +61,7 @@ NOT_PROMPT_FIELDS = frozenset({
     "t_max_predict_ms", "n_indent", "return_tokens", "post_sampling_probs", "response_fields", "lora",
 })
 DEFAULT_MIN_TOKENS = 256
+SETTLE_AFTER_S = 0.25  # a hybrid chat's slot goes to its boundary once its turn has been over this long
 BRANCH_SHARE = (3, 4)  # a request sharing 3/4 of a slot's blocks branches that chat (an edited message)
 RESTORE_MIN_GAIN_BLOCKS = 2  # restore an entry only when it covers this many more blocks than the best slot
 SLOT_PROMPT_SIMILARITY = 0.1  # llama-server's --slot-prompt-similarity default (for unpinnable requests)
@@ -69,6 +69,23 @@ TOKENIZE_TIMEOUT_S = 30.0
 PREFILL_RATE_MAX_AGE_S = 10.0
 DEFAULT_PREFILL_TOKENS_PER_S = 500.0  # until llama-server has measured its own prompt speed (a modest CPU)
 PREFILL_RATE_TIMEOUT_S = 1.0
+
+
+class Outcome(enum.StrEnum):
+    """How a request was placed (the values label slotkeeper_placements)."""
+
+    RESIDENT = "resident"  # its chat was in the slot: a hit
+    RESTORED = "restored"  # restored from the store first
+    BRANCH = "branch"  # an edit of the chat in the slot: a miss, after that chat was saved
+    NEW = "new"  # a new chat, on a victim
+    PINNED = "pinned"  # the client chose the slot (id_slot)
+    UNPLACED = "unplaced"  # its tokens are unknown: a victim
+
+
+class Miss(enum.Enum):
+    """Why a request on an extend-only model found no entry to restore, though one shares its opening."""
+
+    DIVERGED = "diverged inside an entry"
 
 
 @dataclass(frozen=True)
@@ -114,6 +131,15 @@ class Slot:
     floor_checked: bool = False  # a request's tokens were seen to extend the floor (continuations may skip it)
     exact: str = ""  # prefix.exact_key of its tokens, when it holds exactly known tokens (a boundary it reached)
 
+    def clear(self) -> None:
+        """It holds nothing known (erased, or a restore into it failed)."""
+        self.keys, self.fast, self.tokens, self.entry, self.dirty, self.label = [], NO_KEY, 0, None, False, ""
+        self.floor, self.floor_checked, self.chat, self.reply, self.exact = None, False, None, None, ""
+
+    def changed_unseen(self) -> None:
+        """A request slotkeeper did not place ran here: what it holds is unknown, and worth a save to find out."""
+        self.dirty, self.keys, self.tokens = True, [], 0
+
     def hold(self, entry: Entry | None, keys: list[str], tokens: int) -> None:
         """It now holds exactly `keys`/`tokens` (saved as `entry`, when that is not None)."""
         self.entry, self.keys, self.tokens, self.dirty, self.exact = entry, keys, tokens, False, ""
@@ -138,7 +164,7 @@ class Plan:
     slot: Slot
     restore: Entry | None = None
     write_back: bool = False
-    outcome: str = "new"  # resident | restored | branch | new | pinned (the client chose) | unplaced
+    outcome: Outcome = Outcome.NEW
     keys: list[str] | None = None  # the prompt's block keys, when it was tokenized
     erase: bool = False  # the slot's restored state is not extended by the request: erased first
 
@@ -186,12 +212,6 @@ def _strict_prefix(a: list[str], b: list[str]) -> bool:
     return len(a) < len(b) and b[: len(a)] == a
 
 
-class Miss(enum.Enum):
-    """Why a request on an extend-only model found no entry to restore, though one shares its opening."""
-
-    DIVERGED = "diverged inside an entry"
-
-
 def _canonical(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
@@ -224,6 +244,8 @@ class Placement:
         self._prefill: tuple[float, float | None] = (-PREFILL_RATE_MAX_AGE_S, None)  # (when, tokens/s)
         self._background: set[asyncio.Future[None]] = set()
         self._settling: set[asyncio.Future[None]] = set()  # slots being brought to their boundary (_settle)
+        self._settle_timers: dict[int, asyncio.TimerHandle] = {}  # per slot: its settle, not started yet
+        self._stopping = False
 
     # ---- the proxy's hook ---------------------------------------------------------------------------------
 
@@ -268,7 +290,7 @@ class Placement:
         if pinned is None:
             while (resident := self._resident(fast)) is not None:
                 if not resident.busy:
-                    return Plan(self._reserve(resident), outcome="resident")
+                    return Plan(self._reserve(resident), outcome=Outcome.RESIDENT)
                 await self._wait_freed()  # its own previous request: this one goes after it, as in llama-server
         tokens = await self._tokens(path, body, data, chat)
         keys = block_keys(tokens) if tokens is not None else None
@@ -326,30 +348,30 @@ class Placement:
             if slot.busy:
                 return None
             shared = self._shared(slot, keys, tokens) if keys else 0
-            return Plan(self._reserve(slot), write_back=not self._holds(slot, shared), outcome="pinned")
+            return Plan(self._reserve(slot), write_back=not self._holds(slot, shared), outcome=Outcome.PINNED)
         idle = [s for s in self.slots if not s.busy]
         if not idle:
             return None
         if keys is None:  # tokens unknown: a victim, whose content then is unknown too
-            return Plan(self._reserve(self._victim(idle)), write_back=True, outcome="unplaced")
+            return Plan(self._reserve(self._victim(idle)), write_back=True, outcome=Outcome.UNPLACED)
         best, shared = max(((s, self._shared(s, keys, tokens)) for s in idle), key=lambda p: (p[1], p[0].last_used))
         entry, in_store = self._stored(keys, tokens)
         if (entry is not None and not self._in_a_slot(entry) and in_store >= shared + RESTORE_MIN_GAIN_BLOCKS
                 and in_store * BLOCK_TOKENS >= self.min_tokens):
             victim = self._llama_choice(idle, keys, n_tokens) if unpinnable else self._victim(idle)
-            return Plan(self._reserve(victim), restore=entry, write_back=True, outcome="restored")
+            return Plan(self._reserve(victim), restore=entry, write_back=True, outcome=Outcome.RESTORED)
         if shared and self._holds(best, shared):
-            return Plan(self._reserve(best), outcome="resident")
+            return Plan(self._reserve(best), outcome=Outcome.RESIDENT)
         if shared * BLOCK_TOKENS >= self.min_tokens and shared * BRANCH_SHARE[1] >= len(best.keys) * BRANCH_SHARE[0]:
-            return Plan(self._reserve(best), write_back=True, outcome="branch")  # an edit of this chat's past
+            return Plan(self._reserve(best), write_back=True, outcome=Outcome.BRANCH)  # an edit of this chat's past
         if unpinnable:
-            return Plan(self._reserve(self._llama_choice(idle, keys, n_tokens)), write_back=True, outcome="new")
+            return Plan(self._reserve(self._llama_choice(idle, keys, n_tokens)), write_back=True, outcome=Outcome.NEW)
         # A new chat: where its opening (a shared system prompt) already is, if that costs no write-back.
         reusable = [(s, n) for s, n in ((s, self._shared(s, keys, tokens)) for s in idle)
                     if n * BLOCK_TOKENS >= self.min_tokens and not self._worth_keeping(s)]
         if reusable:
-            return Plan(self._reserve(max(reusable, key=lambda p: p[1])[0]), outcome="new")
-        return Plan(self._reserve(self._victim(idle)), write_back=True, outcome="new")
+            return Plan(self._reserve(max(reusable, key=lambda p: p[1])[0]), outcome=Outcome.NEW)
+        return Plan(self._reserve(self._victim(idle)), write_back=True, outcome=Outcome.NEW)
 
     @staticmethod
     def _holds(slot: Slot, shared: int) -> bool:
@@ -412,27 +434,25 @@ class Placement:
         reply = await self.client.slot_action(slot.id, "erase")
         if not reply.ok:
             raise ConnectionError(f"erasing slot {slot.id} failed: {reply.status} {reply.error}")
-        slot.floor, slot.floor_checked, slot.fast = None, False, NO_KEY
-        slot.hold(None, [], 0)
+        slot.clear()
         log.info("slot %d erased: the request does not extend the chat restored there", slot.id)
 
     async def write_back(self, slot: Slot, why: str, deadline: float | None = None, *, live: bool = False) -> bool:
         """Save a (reserved) slot's content as an entry (extend-only models: at its turn boundaries); True when
         something was saved. `live`: the slot goes on serving its chat afterwards (an idle save)."""
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         if self.extend_only:
-            work = self._save_boundaries(slot, why, live)
-            return await (work if deadline is None else
-                          asyncio.wait_for(work, max(0.0, deadline - time.monotonic())))
-        work = self.store.save_slot(slot.id, self._expected_bytes(slot), list(slot.fast.units))
-        result = await (work if deadline is None else asyncio.wait_for(work, max(0.0, deadline - time.monotonic())))
+            return await asyncio.wait_for(self._save_boundaries(slot, why, live), timeout)
+        save = self.store.save_slot(slot.id, self._expected_bytes(slot), list(slot.fast.units))
+        result = await asyncio.wait_for(save, timeout)
         if result.entry is None:
-            if result.reason == "0 tokens":
+            if result.failure is SaveFailure.EMPTY:
                 slot.dirty = False
                 return False
             log.warning("slot %d not saved (%s): %s; its previous entries are kept", slot.id, why, result.reason)
             return False
         entry = result.entry
-        slot.entry, slot.dirty, slot.keys, slot.tokens, slot.label = entry, False, entry.keys, entry.tokens, entry.short
+        slot.hold(entry, entry.keys, entry.tokens)
         superseding = f", superseding {result.superseded}" if result.superseded else ""
         log.info("chat %s saved from slot %d (%s): %s tokens, %s in %s%s", entry.short, slot.id, why,
                  f"{entry.tokens:,}", fmt_bytes(entry.nbytes), fmt_ms(result.seconds), superseding)
@@ -481,11 +501,12 @@ class Placement:
         if slot.exact == key:  # brought there once its turn was over
             reached = Reached(len(tokens), 0, 0.0)
         else:
-            reached = await self.boundaries.reach(slot.id, tokens)
-            if reached is None:
+            went = await self.boundaries.reach(slot.id, tokens)
+            if went is None:
                 log.warning("slot %d not saved (%s): llama-server did not take it to its turn boundary", slot.id,
                             why)
                 return None, False
+            reached = went
             self.metrics.boundary_reached(reached.prefilled, reached.seconds)
         slot.hold(None, block_keys(tokens), len(tokens))
         slot.exact = key
@@ -516,8 +537,7 @@ class Placement:
         """Restore an entry into a (reserved) slot; the slot then holds it, unchanged since saved."""
         result = await self.store.restore(entry, slot.id)
         if not result.ok:
-            slot.keys, slot.fast, slot.tokens, slot.entry, slot.dirty, slot.label = [], NO_KEY, 0, None, False, ""
-            slot.floor, slot.floor_checked, slot.chat, slot.reply = None, False, None, None
+            slot.clear()
             log.warning("chat %s not restored into slot %d (%s); the request starts cold", entry.short, slot.id,
                         result.reason)
             return False
@@ -606,20 +626,38 @@ class Placement:
             if plan.keys is not None:
                 self.metrics.prefill_tokens_saved += common_keys(slot.keys, plan.keys) * BLOCK_TOKENS
                 slot.keys, slot.tokens = plan.keys, len(plan.keys) * BLOCK_TOKENS
-            elif plan.outcome == "resident":
+            elif plan.outcome is Outcome.RESIDENT:
                 self.metrics.prefill_tokens_saved += slot.tokens
             else:  # unplaced: what it holds is unknown
                 slot.keys, slot.tokens = [], 0
             slot.fast, slot.entry, slot.dirty, slot.last_used = fast, None, True, self._tick()
-            if plan.outcome != "resident" or not slot.label:
+            if plan.outcome is not Outcome.RESIDENT or not slot.label:
                 slot.label = fast.units[-1][:4] if fast.units else f"s{slot.id}"
             slot.exact = ""
             if self.settle and status == 200 and chat is not None and reader is not None:
-                settle = asyncio.ensure_future(self._settle(slot, chat, reader))  # the slot stays reserved for it
-                self._settling.add(settle)
-                settle.add_done_callback(self._settling.discard)
-                return
+                old = self._settle_timers.pop(slot.id, None)
+                if old is not None:
+                    old.cancel()
+                self._settle_timers[slot.id] = asyncio.get_running_loop().call_later(
+                    SETTLE_AFTER_S, self._start_settle, slot, chat, reader, fast)
         self._release(slot)
+
+    def _start_settle(self, slot: Slot, chat: dict[str, Any], reader: ReplyReader, fast: FastKey) -> None:
+        """The chat's turn ended SETTLE_AFTER_S ago and its slot is still idle: bring it to the boundary."""
+        self._settle_timers.pop(slot.id, None)
+        if self._stopping or slot.busy or slot.fast is not fast:
+            return  # the chat went on already (it pays what plain llama-server pays), or slotkeeper is stopping
+        self._reserve(slot)
+        task = asyncio.ensure_future(self._settle(slot, chat, reader))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    def stop_settling(self) -> None:
+        """At stop: no slot is brought to its boundary any more but by the saves themselves."""
+        self._stopping = True
+        for handle in self._settle_timers.values():
+            handle.cancel()
+        self._settle_timers.clear()
 
     def _background_task(self, work: Any) -> None:
         task = asyncio.ensure_future(work)
@@ -632,8 +670,9 @@ class Placement:
         The next turn extends the boundary, so this prefill is one it would pay anyway (the reply as the
         template re-renders it, after a rollback to the checkpoint at the last user message): done here, it
         leaves the turn's critical path while the user reads and types, and a later save needs no prefill.
-        The slot is reserved from the turn's end, so the chat's next request waits for this and then extends
-        the boundary."""
+        It starts SETTLE_AFTER_S after the turn, so a request that comes back at once (a script, an agent's
+        quick tool call) finds the slot as plain llama-server leaves it; one that comes while this runs waits
+        for it, then extends the boundary."""
         try:
             current, _ = turns_of(chat.get("messages") or [], reader.message())
             tokens = None if current is None else await self.boundaries.tokens(chat, current)
@@ -642,7 +681,7 @@ class Placement:
             reached = await self.boundaries.reach(slot.id, tokens)
             if reached is not None:
                 slot.keys, slot.tokens, slot.exact = block_keys(tokens), len(tokens), exact_key(tokens)
-                self.metrics.boundary_reached(reached.prefilled, reached.seconds, settled=True)
+                self.metrics.boundary_settled(reached.prefilled, reached.seconds)
         except (ConnectionError, ValueError, KeyError, TypeError) as exc:
             log.debug("slot %d not brought to its turn boundary: %r", slot.id, exc)
         finally:
@@ -654,7 +693,8 @@ class Placement:
 
     # ---- tokens -------------------------------------------------------------------------------------------
 
-    async def _tokens(self, path: str, body: bytes, data: dict[str, Any], chat: dict[str, Any] | None) -> list[int] | None:
+    async def _tokens(self, path: str, body: bytes, data: dict[str, Any],
+                      chat: dict[str, Any] | None) -> list[int] | None:
         """The prompt's tokens, as llama-server will see them (template applied); None when it cannot say."""
         try:
             return await asyncio.wait_for(self._ask_tokens(path, body, data, chat), TOKENIZE_TIMEOUT_S)
@@ -662,7 +702,8 @@ class Placement:
             log.debug("tokens of a %s request unknown: %r", path, exc)
             return None
 
-    async def _ask_tokens(self, path: str, body: bytes, data: dict[str, Any], chat: dict[str, Any] | None) -> list[int] | None:
+    async def _ask_tokens(self, path: str, body: bytes, data: dict[str, Any],
+                          chat: dict[str, Any] | None) -> list[int] | None:
         self.metrics.prompt_tokenizations += 1
         if path in CHAT_PATHS:
             if chat is None:
@@ -684,17 +725,21 @@ class Placement:
         """At start, before /health says ready: the most recently used entries, one per slot."""
         if self.policy is CachePolicy.NONE:
             return
-        skip: Callable[[Entry], bool] = lambda e: False
-        if self.extend_only:  # chats' latest boundaries only (not a fallback, an opening, an older kind of entry)
-            deeper = {tuple(e.units[:k]) for e in self.store.entries.values() for k in range(1, len(e.units))}
-            skip = lambda e: not e.boundary or tuple(e.units) in deeper  # noqa: E731
+        deeper = {tuple(e.units[:k]) for e in self.store.entries.values() for k in range(1, len(e.units))}
+
+        def skip(entry: Entry) -> bool:
+            """Extend-only models: chats' latest boundaries only (not a fallback, an opening, an older kind)."""
+            return self.extend_only and (not entry.boundary or tuple(entry.units) in deeper)
+
         for slot, entry in zip(self.slots, self.store.most_recent(len(self.slots), skip)):
             self._reserve(slot)
             try:
-                await self.restore_into(slot, entry)
+                await self.restore_into(slot, entry, on_demand=False)
             finally:
                 self._release(slot)
-        self.metrics.on_demand_restores = 0  # those were the start's, not on demand
+        # Each restore marks its entry used; those manifest writes end before ready, so that what a start
+        # leaves in the store is settled when it says so (a manifest's .partial is never seen after ready).
+        await self.store.flush()
 
     def dirty_slots(self) -> list[Slot]:
         """Slots changed since their last save and worth a file, most recently used first."""
@@ -712,14 +757,14 @@ class Placement:
                 continue
             if deadline is not None and deadline - time.monotonic() <= 0:
                 log.warning("slot %d not saved: the save budget ran out; its previous entries are kept", slot.id)
-                self.metrics.save_failed("budget")
+                self.metrics.save_failed(SaveFailure.BUDGET.value)
                 continue
             self._reserve(slot)
             attempted += 1
             try:
                 saved += await self.write_back(slot, why, deadline, live=live)
             except TimeoutError:
-                self.metrics.save_failed("budget")
+                self.metrics.save_failed(SaveFailure.BUDGET.value)
                 log.warning("slot %d save abandoned: the save budget (--save-timeout) ran out; "
                             "its previous entries are kept", slot.id)
             finally:

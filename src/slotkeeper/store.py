@@ -3,7 +3,8 @@
 An *entry* is one llama-server slot file (`entries/<id>.bin`) and its manifest (`entries/<id>.json`): the
 fingerprint of the configuration that can use it, token count, bytes, last use, llama-server's identity and
 the file's format version, and the prefix keys of its tokens (`prefix.block_keys`). Entries are keyed by
-content, not by slot: the placement policy restores one into whichever slot it chooses.
+content, not by slot: the placement policy restores one into whichever slot it chooses. The pair, its manifest
+and the rule for what an entry found on disk is good for are entries.py's (`slotkeeper ls` reads them there too).
 
 The mechanism lives here; what to save, restore or evict, and when, is the caller's (placement, daemon).
 
@@ -20,69 +21,58 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import errno
-import json
 import os
-import re
 import secrets
 import shutil
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .fingerprint import first_difference, shareable
+from .entries import (
+    BIN_SUFFIX,
+    MANIFEST_SUFFIX,
+    PARTIAL_SUFFIX,
+    TRANSIENT_NAME,
+    TRANSIENT_PREFIX,
+    Entry,
+    Status,
+    compatible_format,
+    file_size,
+    fsync_path,
+    is_slot_name,
+    is_state_file,
+    judge,
+    pair_paths,
+    read_json,
+    read_manifest,
+    remove_pair,
+    write_json_atomic,
+)
 from .layout import ENTRIES_DIR, LOCK_NAME, QUARANTINE_DIR, SNAPSHOTS_DIR, prepare_layout
 from .log import fmt_bytes, log
 from .metrics import Metrics
-from .prefix import BLOCK_TOKENS, block_keys, common_keys, exact_key, extends_exactly
-from .statefile import SEQ_MAGIC, StateFileError, read_header
+from .prefix import block_keys, common_keys, exact_key, extends_exactly
+from .statefile import StateFileError, read_header
 
 if TYPE_CHECKING:  # `slotkeeper ls` reads a store without the client
     from .llama_client import LlamaClient
 
-BIN_SUFFIX = ".bin"
-TRANSIENT_PREFIX = "slotkeeper-"  # + 32 random hex digits: unguessable, so no client can name it either
-TRANSIENT_NAME = re.compile(rf"{TRANSIENT_PREFIX}[0-9a-f]{{32}}\{BIN_SUFFIX}")  # only these are slotkeeper's
-MANIFEST_SUFFIX = ".json"
-PARTIAL_SUFFIX = ".partial"
-MANIFEST_VERSION = 2
+# Entries and their files are entries.py's; these stay importable from here for the store's callers.
+__all__ = [
+    "BIN_SUFFIX", "MANIFEST_SUFFIX", "TRANSIENT_PREFIX", "ConversationStore", "Entry", "RestoreResult",
+    "SaveFailure", "SaveResult", "compatible_format", "default_cap", "extends", "format_entry", "fsync_path",
+    "read_json", "remove_pair", "server_identity", "write_json_atomic",
+]
+
 QUARANTINE_KEEP = 8  # newest pairs kept in quarantine/
 FREE_SPACE_HEADROOM = 1.1  # a save needs the expected size plus 10% free
 SUPERSEDE_SLACK_BLOCKS = 1  # an entry whose blocks but this many a new save repeats is superseded by it
 DEFAULT_CAP_SHARE = 0.5  # without --max-cache-bytes: half of what the store could use when it opened
 PROGRESS_INTERVAL_S = 2.0
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def read_json(path: Path) -> dict[str, Any] | None:
-    """A manifest, or None when it is missing or unreadable."""
-    with contextlib.suppress(OSError, ValueError):
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if isinstance(data, dict):
-            return data
-    return None
-
-
-def write_json_atomic(path: Path, data: dict[str, Any], fsync: bool) -> None:
-    """Write to `<name>.partial`, fsync, rename over `path`, fsync the directory."""
-    partial = path.with_name(path.name + PARTIAL_SUFFIX)
-    with open(partial, "w", encoding="utf-8") as f:
-        json.dump(data, f, separators=(",", ":"))
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(partial, path)
-    if fsync:
-        fsync_path(path.parent)
 
 
 def server_identity(binary: str | None) -> dict[str, Any]:
@@ -96,57 +86,23 @@ def server_identity(binary: str | None) -> dict[str, Any]:
     return {"path": binary}
 
 
-@dataclass
-class Entry:
-    """One saved conversation state and what its manifest says about it."""
+class SaveFailure(enum.StrEnum):
+    """Why a save made no entry (the values label slotkeeper_save_failures; EMPTY counts as an outcome)."""
 
-    id: str
-    tokens: int
-    nbytes: int
-    keys: list[str]
-    saved_at: float
-    last_used: float
-    fingerprint: dict[str, Any]
-    seq_version: int
-    layout: str
-    server: dict[str, Any] = field(default_factory=dict)
-    units: list[str] = field(default_factory=list)  # the request units that led to it (placement's fast path)
-    save_ms: float | None = None
-    exact: str = ""  # prefix.exact_key of all its tokens ("" in manifests older than this field)
-    boundary: bool = False  # saved at a turn boundary: a prefix of what its chat's next request sends
-
-    def manifest(self) -> dict[str, Any]:
-        return {
-            "version": MANIFEST_VERSION, "id": self.id, "tokens": self.tokens, "bytes": self.nbytes,
-            "saved_at": self.saved_at, "last_used": self.last_used, "save_ms": self.save_ms,
-            "fingerprint": self.fingerprint, "format": {"seq_version": self.seq_version, "layout": self.layout},
-            "llama_server": self.server, "block_tokens": BLOCK_TOKENS, "blocks": self.keys, "units": self.units,
-            "exact": self.exact, "boundary": self.boundary,
-        }
-
-    @classmethod
-    def from_manifest(cls, data: dict[str, Any]) -> Entry:
-        if data.get("block_tokens", BLOCK_TOKENS) != BLOCK_TOKENS:
-            raise ValueError(f"prefix keys of {data.get('block_tokens')}-token blocks, not {BLOCK_TOKENS}")
-        fmt = data.get("format") or {}
-        return cls(
-            id=str(data["id"]), tokens=int(data["tokens"]), nbytes=int(data["bytes"]), keys=list(data["blocks"]),
-            saved_at=float(data.get("saved_at", 0)), last_used=float(data.get("last_used", data.get("saved_at", 0))),
-            fingerprint=dict(data.get("fingerprint") or {}), seq_version=int(fmt.get("seq_version", 0)),
-            layout=str(fmt.get("layout", "")), server=dict(data.get("llama_server") or {}),
-            units=list(data.get("units") or []), save_ms=data.get("save_ms"), exact=str(data.get("exact") or ""),
-            boundary=bool(data.get("boundary", False)),
-        )
-
-    @property
-    def short(self) -> str:
-        return self.id[:4]
+    EMPTY = "empty"  # the slot held no tokens: nothing to keep
+    DISK_SPACE = "disk_space"
+    LLAMA_SERVER_ERROR = "llama_server_error"
+    SIZE_MISMATCH = "size_mismatch"
+    COMMIT_FAILED = "commit_failed"
+    REQUEST_FAILED = "request_failed"
+    BUDGET = "budget"  # the caller's time ran out
 
 
 @dataclass
 class SaveResult:
     entry: Entry | None
-    reason: str = ""  # why not, when entry is None
+    failure: SaveFailure | None = None  # when entry is None
+    reason: str = ""  # the failure in words
     seconds: float = 0.0
     superseded: int = 0
 
@@ -158,14 +114,6 @@ class RestoreResult:
     tokens: int = 0
     nbytes: int = 0
     seconds: float = 0.0
-
-
-def compatible_format(entry: Entry, current: tuple[int, str] | None) -> bool:
-    """Can this llama-server read the file? (seq-state version equal; b11434 also reads plain token lists)."""
-    if current is None:
-        return True  # unknown: llama-server will say
-    version, layout = current
-    return entry.seq_version == version and (entry.layout == "plain" or entry.layout == layout)
 
 
 class ConversationStore:
@@ -212,21 +160,18 @@ class ConversationStore:
         self._take_over_slot_files()
         for partial in sorted(self.entries_dir.glob(f"*{PARTIAL_SUFFIX}")):  # manifests, downloads
             partial.unlink(missing_ok=True)
-        manifests: dict[str, dict[str, Any]] = {}
-        unreadable = 0
-        for manifest_path in self.entries_dir.glob(f"*{MANIFEST_SUFFIX}"):
-            data = read_json(manifest_path)
-            if data is None or data.get("version") != MANIFEST_VERSION:
-                unreadable += 1  # another slotkeeper version's, or damaged: kept as it is, not used
-                continue
-            manifests[manifest_path.name.removesuffix(MANIFEST_SUFFIX)] = data
         for bin_path in self.entries_dir.glob(f"*{BIN_SUFFIX}"):
             entry_id = bin_path.name.removesuffix(BIN_SUFFIX)
-            if not bin_path.with_suffix(MANIFEST_SUFFIX).exists():  # saved, never committed: an interrupted save
+            if not pair_paths(self.entries_dir, entry_id)[1].exists():  # saved, never committed: an interrupted save
                 bin_path.unlink(missing_ok=True)
                 log.info("removed entry %s left by an interrupted save", entry_id[:4])
-        for entry_id, data in manifests.items():
-            self._admit(entry_id, data)
+        unreadable = 0
+        for manifest_path in list(self.entries_dir.glob(f"*{MANIFEST_SUFFIX}")):
+            data = read_manifest(manifest_path)
+            if data is None:
+                unreadable += 1  # another slotkeeper version's, or damaged: kept as it is, not used
+            else:
+                self._admit(manifest_path.name.removesuffix(MANIFEST_SUFFIX), data)
         if unreadable:
             log.warning("%d entr%s with a manifest this slotkeeper cannot read: kept, not used", unreadable,
                         "y" if unreadable == 1 else "ies")
@@ -237,24 +182,20 @@ class ConversationStore:
             log.warning("%d entr%s kept but not used: %s", count, "y" if count == 1 else "ies", reason)
 
     def _admit(self, entry_id: str, data: dict[str, Any]) -> None:
-        bin_path = self.entries_dir / f"{entry_id}{BIN_SUFFIX}"
-        if not bin_path.exists():  # a manifest whose file is gone (removed by hand): nothing to keep
-            (self.entries_dir / f"{entry_id}{MANIFEST_SUFFIX}").unlink(missing_ok=True)
-            return
-        try:
-            entry = Entry.from_manifest(data)
-            size = bin_path.stat().st_size
-        except (KeyError, TypeError, ValueError, OSError) as exc:
-            log.warning("entry %s: its manifest is not usable (%r); kept, not used", entry_id[:4], exc)
-            return
-        if size != entry.nbytes:
-            self._quarantine(entry, f"size {size} differs from its manifest's {entry.nbytes}")
-            return
-        difference = first_difference(shareable(entry.fingerprint), shareable(self.fingerprint))
-        if difference:
-            self._keep_unused(entry, f"saved for another configuration: {difference}")
-            return
-        self._index(entry)
+        """Index a committed entry, or set it aside, as entries.judge() says (`slotkeeper ls` asks it too)."""
+        bin_path, manifest_path = pair_paths(self.entries_dir, entry_id)
+        verdict = judge(data, file_size(bin_path), self.fingerprint)
+        match verdict.status, verdict.entry:
+            case Status.NO_BIN, _:  # a manifest whose file is gone (removed by hand): nothing to keep
+                manifest_path.unlink(missing_ok=True)
+            case Status.USABLE, Entry() as entry:
+                self._index(entry)
+            case Status.WRONG_SIZE, Entry() as entry:
+                self._quarantine(entry, verdict.reason)
+            case _, Entry() as entry:  # another configuration's
+                self._keep_unused(entry, verdict.reason)
+            case _:
+                log.warning("entry %s: %s; kept, not used", entry_id[:4], verdict.reason)
 
     def _keep_unused(self, entry: Entry, reason: str) -> None:
         self.skipped[entry.id] = reason
@@ -299,9 +240,9 @@ class ConversationStore:
             if not path.is_file() or path.name == LOCK_NAME:
                 continue
             stem = path.name.removesuffix(BIN_SUFFIX)
-            if path.suffix == BIN_SUFFIX and stem.isascii() and stem.isdigit():
+            if path.suffix == BIN_SUFFIX and is_slot_name(stem):
                 self._take_over_one(path, read_json(path.with_suffix(MANIFEST_SUFFIX)))
-            elif path.suffix != MANIFEST_SUFFIX and _is_state_file(path):
+            elif path.suffix != MANIFEST_SUFFIX and is_state_file(path):
                 os.replace(path, self.snapshots_dir / path.name)
                 log.info("moved %s (a client's own slot file) to %s/", path.name, SNAPSHOTS_DIR)
 
@@ -454,25 +395,27 @@ class ConversationStore:
         started = time.monotonic()
         low_space = self._check_free_space(expected_bytes)
         if low_space:
-            self.metrics.save_failed("disk_space")
-            return SaveResult(None, low_space)
+            self.metrics.save_failed(SaveFailure.DISK_SPACE.value)
+            return SaveResult(None, SaveFailure.DISK_SPACE, low_space)
         transient = self._transient()
         progress = asyncio.ensure_future(self._report_progress(f"slot {slot_id}", transient, expected_bytes))
         committed = False
         try:
             reply = await self.client.slot_action(slot_id, "save", transient.name)
             if not reply.ok:
-                self.metrics.save_failed("llama_server_error")
-                return SaveResult(None, f"llama-server answered {reply.status}: {reply.error}")
+                self.metrics.save_failed(SaveFailure.LLAMA_SERVER_ERROR.value)
+                return SaveResult(None, SaveFailure.LLAMA_SERVER_ERROR,
+                                  f"llama-server answered {reply.status}: {reply.error}")
             tokens = int(reply.body.get("n_saved", 0))
             written = int(reply.body.get("n_written", -1))
             if tokens == 0:
-                self.metrics.saves["empty"] += 1
-                return SaveResult(None, "0 tokens")
+                self.metrics.saves[SaveFailure.EMPTY.value] += 1
+                return SaveResult(None, SaveFailure.EMPTY, "0 tokens")
             size = transient.stat().st_size if transient.exists() else -1
             if size != written:
-                self.metrics.save_failed("size_mismatch")
-                return SaveResult(None, f"file has {size} bytes, llama-server reported {written}")
+                self.metrics.save_failed(SaveFailure.SIZE_MISMATCH.value)
+                return SaveResult(None, SaveFailure.SIZE_MISMATCH,
+                                  f"file has {size} bytes, llama-server reported {written}")
             progress.cancel()
             entry = Entry(
                 id=secrets.token_hex(8), tokens=tokens, nbytes=written, keys=[], saved_at=time.time(),
@@ -491,11 +434,11 @@ class ConversationStore:
                 raise
             committed = True
         except (OSError, StateFileError) as exc:
-            self.metrics.save_failed("commit_failed")
-            return SaveResult(None, str(getattr(exc, "strerror", None) or exc))
+            self.metrics.save_failed(SaveFailure.COMMIT_FAILED.value)
+            return SaveResult(None, SaveFailure.COMMIT_FAILED, str(getattr(exc, "strerror", None) or exc))
         except ConnectionError as exc:
-            self.metrics.save_failed("request_failed")
-            return SaveResult(None, str(exc))
+            self.metrics.save_failed(SaveFailure.REQUEST_FAILED.value)
+            return SaveResult(None, SaveFailure.REQUEST_FAILED, str(exc))
         finally:
             progress.cancel()
             if not committed:
@@ -535,28 +478,23 @@ class ConversationStore:
     def adopt(self, manifest: dict[str, Any]) -> Entry | None:
         """Take in an entry whose file was just downloaded to entries/<id>.bin (the shared tier): it joins the
         index only if its manifest is whole, its size right, and it was saved for this configuration and format;
-        else the file is removed (one line) and None returned."""
-        try:
-            entry = Entry.from_manifest(manifest)
-            size = (self.entries_dir / f"{entry.id}{BIN_SUFFIX}").stat().st_size
-        except (KeyError, TypeError, ValueError, OSError) as exc:
-            log.warning("remote entry not used: its manifest or file is unusable (%r)", exc)
-            with contextlib.suppress(KeyError, TypeError):
-                remove_pair(self.entries_dir, str(manifest["id"]))
-            return None
-        difference = first_difference(shareable(entry.fingerprint), shareable(self.fingerprint))
-        problem = (f"size {size} differs from its manifest's {entry.nbytes}" if size != entry.nbytes
-                   else f"saved for another configuration: {difference}" if difference
-                   else "saved in another state format" if not compatible_format(entry, self.current_format)
-                   else None)
-        if problem:
-            log.warning("remote entry %s not used and removed: %s", entry.short, problem)
-            remove_pair(self.entries_dir, entry.id)
-            return None
-        entry.last_used = time.time()
-        write_json_atomic(self.entries_dir / f"{entry.id}{MANIFEST_SUFFIX}", entry.manifest(), self.fsync)
-        self._index(entry)
-        return entry
+        else the file is removed (one line) and None returned. Judged as open() judges what it finds."""
+        name = str(manifest.get("id"))
+        bin_path, manifest_path = pair_paths(self.entries_dir, name)
+        verdict = judge(manifest, file_size(bin_path), self.fingerprint, self.current_format)
+        entry = verdict.entry
+        if verdict.status is Status.USABLE and entry is not None:
+            entry.last_used = time.time()
+            write_json_atomic(manifest_path, entry.manifest(), self.fsync)
+            self._index(entry)
+            return entry
+        if entry is None or verdict.status is Status.NO_BIN:
+            log.warning("remote entry not used: %s", verdict.reason)
+        else:
+            log.warning("remote entry %s not used and removed: %s", entry.short, verdict.reason)
+        if "id" in manifest:
+            remove_pair(self.entries_dir, name)
+        return None
 
     async def restore(self, entry: Entry, slot_id: int) -> RestoreResult:
         """Load `entry` into slot `slot_id` through a transient hard link (the entry itself stays out of reach)."""
@@ -660,17 +598,6 @@ class ConversationStore:
             old.unlink(missing_ok=True)
 
 
-def remove_pair(directory: Path, name: str) -> None:
-    """Remove `<name>.json`, then `<name>.bin` (either may be missing; other errors raise).
-
-    Manifest first: a crash in between leaves an uncommitted file, removed at the next start, never a manifest
-    naming a file that is gone. Used by the store and by `slotkeeper prune` (entries, quarantined pairs and
-    slot-file pairs are all named this way).
-    """
-    (directory / f"{name}{MANIFEST_SUFFIX}").unlink(missing_ok=True)
-    (directory / f"{name}{BIN_SUFFIX}").unlink(missing_ok=True)
-
-
 def extends(new: Entry, old: Entry) -> bool:
     """`new` holds `old`'s conversation and more (a chat that grew): `old` is superseded.
 
@@ -683,13 +610,6 @@ def extends(new: Entry, old: Entry) -> bool:
         return False
     shared = common_keys(old.keys, new.keys)
     return shared >= len(old.keys) - SUPERSEDE_SLACK_BLOCKS and shared * 2 >= len(old.keys)
-
-
-def _is_state_file(path: Path) -> bool:
-    with contextlib.suppress(OSError):
-        with open(path, "rb") as f:
-            return int.from_bytes(f.read(4), "little") == SEQ_MAGIC
-    return False
 
 
 def default_cap(root: Path, store_bytes: int) -> int:

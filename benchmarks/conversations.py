@@ -30,6 +30,7 @@ from pathlib import Path
 
 from slotkeeper.cmdline import find_llama_server
 from slotkeeper.demo import NOTES_PER_CHAT, Chat, PlainServer, Turn, clean_env, fmt_s, reuse
+from slotkeeper.entries import cache_root
 from slotkeeper.testing.harness import Slotkeeper, free_port, http_call
 from slotkeeper.testing.tinymodel import BENCH_MODEL_E, write_tiny_model
 
@@ -57,14 +58,15 @@ def main() -> None:
     parser.add_argument("--parallel", "-np", type=int, default=None,
                         help="llama-server's -np (default: its own, 4 slots)")
     parser.add_argument("--notes", type=int, default=NOTES_PER_CHAT,
-                        help=f"length of each chat's opening message, in notes of ~48 tokens (default {NOTES_PER_CHAT})")
+                        help="length of each chat's opening message, in notes of ~48 tokens "
+                        f"(default {NOTES_PER_CHAT})")
     parser.add_argument("--seed", type=int, default=1, help="seed of the per-round chat order")
     parser.add_argument("--model", type=Path, help="any GGUF instead of benchmark model E")
     parser.add_argument("--keep", action="store_true", help="keep the working directory (logs, caches)")
     args = parser.parse_args()
 
     binary = find_llama_server(None, os.environ)[0]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slotkeeper" / "bench"
+    cache = cache_root(os.environ) / "bench"
     cache.mkdir(parents=True, exist_ok=True)
     model = args.model or cache / "model-e.gguf"
     if not model.exists():

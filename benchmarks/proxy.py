@@ -132,7 +132,7 @@ def byte_pipe(argv: list[str]) -> None:
             self.transport = transport
             self.pending: list[bytes] = []
             self.upstream: Upstream | None = None
-            asyncio.ensure_future(self.connect())
+            self.connecting = asyncio.ensure_future(self.connect())
 
         async def connect(self) -> None:
             loop = asyncio.get_running_loop()
@@ -313,7 +313,9 @@ def main() -> None:
     USE_WRK = USE_WRK and not ns.python_loadgen
 
     from slotkeeper.cmdline import find_llama_server
-    from slotkeeper.testing.harness import STUB_COMMAND, Slotkeeper, free_port
+    from slotkeeper.testing.harness import Slotkeeper, free_port
+
+    STUB_COMMAND = f"{sys.executable} {Path(__file__).resolve().parent.parent / 'tests' / 'stub.py'}"
     from slotkeeper.testing.tinymodel import TinyModelSpec, write_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="slotkeeper-bench-proxy-"))
@@ -345,8 +347,8 @@ def main() -> None:
         script = work / "tokenize.lua"
         script.write_text(f"wrk.method = \"POST\"\nwrk.body = '{TOKENIZE_BODY}'\n"
                           "wrk.headers[\"Content-Type\"] = \"application/json\"\n")
-        generator = "wrk" if USE_WRK else "python" + (
-            " (--python-loadgen)" if shutil.which("wrk") else " (wrk not found; for reference numbers: apt-get install wrk)")
+        missing = " (wrk not found; for reference numbers: apt-get install wrk)"
+        generator = "wrk" if USE_WRK else "python" + (" (--python-loadgen)" if shutil.which("wrk") else missing)
         print(f"load generator: {generator}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}")
 
         llama_args = ["-m", str(model), *server_args(2)]
@@ -354,7 +356,7 @@ def main() -> None:
         proxied_sk = keeper(binary, llama_args)
         proxied = proxied_sk.port
         stub_env = {"STUB_LOAD_SECONDS": "0", "STUB_TOKEN_SECONDS": "0"}
-        stub_direct = plain(STUB_COMMAND.split() + ["-m", "stub.gguf", "-np", "1"], stub_env)
+        stub_direct = plain([*STUB_COMMAND.split(), "-m", "stub.gguf", "-np", "1"], stub_env)
         stub_sk = keeper(STUB_COMMAND, ["-m", "stub.gguf", "-np", "1"], stub_env)
         stub_proxied = stub_sk.port
 
@@ -429,7 +431,8 @@ def main() -> None:
                     p_rates.append(p_rate)
                     ratios.append(p_rate / d_rate)
                     assert d_events == p_events > 1000, (d_events, p_events)
-                print(f"[3] llama-server {label} SSE, {body['n_predict']} tokens: direct {median(d_rates):.0f} tokens/s, "
+                print(f"[3] llama-server {label} SSE, {body['n_predict']} tokens: "
+                      f"direct {median(d_rates):.0f} tokens/s, "
                       f"proxied {median(p_rates):.0f} tokens/s, ratio {median(ratios):.3f} (target >= 0.98); runs "
                       f"{[round(r, 3) for r in ratios]}; slotkeeper CPU {cpu / events * 1e6:.0f} us/event")
             stub_body = {"prompt": "x", "n_predict": 50000}

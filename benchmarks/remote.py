@@ -42,6 +42,7 @@ from typing import Any
 from slotkeeper.cmdline import find_llama_server
 from slotkeeper.demo import DEMO_SEED_TEXT, Turn
 from slotkeeper.demo import stream_chat as demo_stream_chat
+from slotkeeper.entries import cache_root
 from slotkeeper.placement import PREFILL_RATE_MAX_AGE_S
 from slotkeeper.prefix import BLOCK_TOKENS, block_keys, common_keys
 from slotkeeper.testing.harness import Slotkeeper, free_port, http_call, wait_until
@@ -253,7 +254,7 @@ def main() -> None:
     started = time.monotonic()
 
     binary = find_llama_server(None, os.environ)[0]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slotkeeper" / "bench"
+    cache = cache_root(os.environ) / "bench"
     cache.mkdir(parents=True, exist_ok=True)
     model = cache / "model-e.gguf"
     if not model.exists():
@@ -347,7 +348,8 @@ def main() -> None:
             f"{'vs cold':>7}  placement's estimate: fetch (bytes / W's speed) vs prefill (tokens / rate)")
     print(head)
     print("-" * len(head))
-    print(f"{'cold (C)':<13} {'prefill':<10} {'-':>9} {'-':>8} {med([c.timings['prompt_ms'] for c in colds]) / 1000:>7.2f} s "
+    cold_prefill_s = med([c.timings["prompt_ms"] for c in colds]) / 1000
+    print(f"{'cold (C)':<13} {'prefill':<10} {'-':>9} {'-':>8} {cold_prefill_s:>7.2f} s "
           f"{cold_ft:>9.2f} s {1.0:>6.2f}x")
     for label, _ in links:
         rs = runs[label]

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -26,6 +26,7 @@ from pathlib import Path
 
 from slotkeeper.cmdline import find_llama_server
 from slotkeeper.demo import DEMO_SEED_TEXT
+from slotkeeper.entries import cache_root
 from slotkeeper.testing.harness import Slotkeeper, free_port, http_call, stream_completion, wait_until
 from slotkeeper.testing.tinymodel import BENCH_MODEL_E, write_tiny_model
 
@@ -66,7 +67,7 @@ def main() -> None:
     args = parser.parse_args()
 
     binary = find_llama_server(None, os.environ)[0]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slotkeeper" / "bench"
+    cache = cache_root(os.environ) / "bench"
     cache.mkdir(parents=True, exist_ok=True)
     model = args.model or cache / "model-e.gguf"
     if not model.exists():
@@ -76,7 +77,7 @@ def main() -> None:
     try:
         port = free_port()
         stop_plain(plain_ready_time(binary, model, port)[1])  # warm the page cache once
-        plain_ready, proc = plain_ready_time(binary, model, port)
+        _, proc = plain_ready_time(binary, model, port)
         prompt = build_prompt(port, args.tokens)
         n_prompt = len(http_call(port, "POST", "/tokenize", {"content": prompt}).body["tokens"])
         cold = stream_completion(port, {"prompt": prompt, **body})

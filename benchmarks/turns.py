@@ -48,10 +48,10 @@ from typing import Any
 
 from slotkeeper.cmdline import find_llama_server
 from slotkeeper.demo import Chat, clean_env, stream_chat
+from slotkeeper.entries import cache_root
 from slotkeeper.llama_client import LlamaClient
 from slotkeeper.placement import Placement, fast_key
-from slotkeeper.prefix import block_keys
-from slotkeeper.proxy import ChildPool
+from slotkeeper.proxy.upstream import ChildPool
 from slotkeeper.store import ConversationStore
 from slotkeeper.testing.harness import free_port, http_call, wait_until
 from slotkeeper.testing.tinymodel import TinyModelSpec, write_tiny_model
@@ -171,7 +171,7 @@ async def in_process(port: int, store_root: Path, chat: Chat, long_chat: Chat, r
     previous_fast, _ = fast_key(CHAT_PATH, json.loads(previous))
     slot = placement.slots[0]
     times = []
-    for i in range(repeat * 5):
+    for _ in range(repeat * 5):
         slot.fast, slot.tokens, slot.dirty, slot.last_used = previous_fast, chat.last_prompt_tokens, True, 1.0
         started = time.perf_counter()
         placed = await placement.place(CHAT_PATH, body)
@@ -290,14 +290,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=7500, help="the chat's length at the start (default 7500 tokens; "
                         "each turn adds about 100)")
-    parser.add_argument("--turns", type=int, default=24, help="back-to-back turns per side for (a) and (b) (default 24)")
+    parser.add_argument("--turns", type=int, default=24,
+                        help="back-to-back turns per side for (a) and (b) (default 24)")
     parser.add_argument("--generate", type=int, default=16, help="tokens generated per turn (default 16)")
     parser.add_argument("--repeat", type=int, default=60, help="repeats for (c) (the in-process hook: 5x this)")
     parser.add_argument("--keep", action="store_true", help="keep the working directory (logs, caches)")
     args = parser.parse_args()
 
     binary = find_llama_server(None, os.environ)[0]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slotkeeper" / "bench"
+    cache = cache_root(os.environ) / "bench"
     cache.mkdir(parents=True, exist_ok=True)
     model = cache / "model-turns.gguf"
     if not model.exists():
@@ -395,11 +396,13 @@ def main() -> None:
     ratios = [s / p for s, p in zip(lat["slotkeeper"], lat["plain"])]
     print()
     print(f"model {TURNS_MODEL.n_layers} layers x {TURNS_MODEL.width}, {TURNS_MODEL.n_kv_heads} KV heads, f16 KV "
-          f"({model.stat().st_size / 1e6:.0f} MB); llama-server {' '.join(server_args[2:])} (n_ctx per slot {n_ctx:,}); "
+          f"({model.stat().st_size / 1e6:.0f} MB); llama-server {' '.join(server_args[2:])} "
+          f"(n_ctx per slot {n_ctx:,}); "
           f"{time.monotonic() - started:.0f} s in all")
     print(f"(a) turn latency, {args.turns} turns per side of a {first_len:,}-{last_len:,}-token chat ({args.generate} "
           f"tokens generated, streamed): plain median {statistics.median(lat['plain']) * 1000:.0f} ms, slotkeeper "
-          f"{statistics.median(lat['slotkeeper']) * 1000:.0f} ms; first token {statistics.median(ttft['plain']) * 1000:.0f}"
+          f"{statistics.median(lat['slotkeeper']) * 1000:.0f} ms; "
+          f"first token {statistics.median(ttft['plain']) * 1000:.0f}"
           f" vs {statistics.median(ttft['slotkeeper']) * 1000:.0f} ms")
     controls = [c / p for c, p in zip(lat["control"], lat["plain"])]
     versus_control = [s / c for s, c in zip(lat["slotkeeper"], lat["control"])]
@@ -419,10 +422,12 @@ def main() -> None:
           f"{statistics.median(added):+.2f} ms, i.e. a ratio of {1 + statistics.median(added) / plain_median:.4f} "
           f"on the {plain_median:.0f} ms turn")
     print(f"    llama-server's own time per turn (prompt_ms + predicted_ms), slotkeeper's child / plain: median of "
-          f"paired ratios {statistics.median(server_ratios):.3f} (control / plain {statistics.median(control_ratios):.3f});"
+          f"paired ratios {statistics.median(server_ratios):.3f} "
+          f"(control / plain {statistics.median(control_ratios):.3f});"
           f" prompt tokens computed: plain {new_tokens['plain']:,}, slotkeeper's child {new_tokens['slotkeeper']:,}")
-    print(f"    CPU time per turn (schedstat): plain llama-server {cpu['plain'] / args.turns * 1000:.0f} ms, slotkeeper's "
-          f"child {cpu['child'] / args.turns * 1000:.0f} ms, slotkeeper {cpu['slotkeeper'] / args.turns * 1000:.2f} ms; "
+    print(f"    CPU time per turn (schedstat): plain llama-server {cpu['plain'] / args.turns * 1000:.0f} ms, "
+          f"slotkeeper's child {cpu['child'] / args.turns * 1000:.0f} ms, "
+          f"slotkeeper {cpu['slotkeeper'] / args.turns * 1000:.2f} ms; "
           f"(child + slotkeeper) / plain = {(cpu['child'] + cpu['slotkeeper']) / cpu['plain']:.3f}; control "
           f"{cpu['control'] / args.turns * 1000:.0f} ms")
     written = {pid: io_after[pid] - io_before[pid] for pid in io_before}
@@ -441,7 +446,8 @@ def main() -> None:
           f"p90 {pct(tok, 0.9):.1f} ms")
     diffs = [(s - p) * 1000 for s, p in zip(e2e["slotkeeper"], e2e["plain"])]
     print(f"    end to end, the chat's request with max_tokens 1 repeated: plain median "
-          f"{statistics.median(e2e['plain']) * 1000:.1f} ms, slotkeeper {statistics.median(e2e['slotkeeper']) * 1000:.1f} ms; "
+          f"{statistics.median(e2e['plain']) * 1000:.1f} ms, "
+          f"slotkeeper {statistics.median(e2e['slotkeeper']) * 1000:.1f} ms; "
           f"paired difference median {statistics.median(diffs):+.2f} ms (IQR {pct(diffs, 0.25):+.1f} to "
           f"{pct(diffs, 0.75):+.1f}): proxy and placement together")
     diffs = [(s - p) * 1000 for s, p in zip(e2e_outside["slotkeeper"], e2e_outside["plain"])]

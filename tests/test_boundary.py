@@ -75,7 +75,7 @@ def test_a_chat_has_its_latest_boundary_and_the_one_before_its_last_message():
 
 
 def test_the_first_turns_fallback_is_the_opening():
-    current, previous = turns_of([SYSTEM, U1], REPLY)
+    _, previous = turns_of([SYSTEM, U1], REPLY)
     assert previous is not None and previous.history == [SYSTEM]
     assert turns_of([U1], REPLY)[1] is None  # no opening to fall back to
 

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from slotkeeper.chatform import _dump, _dump_float, anthropic_to_chat, responses_to_chat, to_chat_form
 from slotkeeper.testing.harness import free_port

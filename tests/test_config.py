@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from slotkeeper.cmdline import ConfigError
+from slotkeeper.cmdline import ConfigError, parse_llama_args, plan_launch
 from slotkeeper.config import build_run_config
-from slotkeeper.cmdline import parse_llama_args, plan_launch
 
 
 def env_for(tmp_path: Path, **extra: str) -> dict[str, str]:

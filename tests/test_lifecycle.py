@@ -10,8 +10,18 @@ import signal
 import threading
 import time
 
-from store_helpers import (assert_entry_sound, bins_snapshot, entry_files, entry_ids, only_entry, only_files_of,
-                           read_manifest, restored, saved, transients)
+from store_helpers import (
+    assert_entry_sound,
+    bins_snapshot,
+    entry_files,
+    entry_ids,
+    only_entry,
+    only_files_of,
+    read_manifest,
+    restored,
+    saved,
+    transients,
+)
 
 from slotkeeper.testing.harness import pid_alive, read_events, stream_lines, wait_until
 

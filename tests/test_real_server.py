@@ -66,7 +66,7 @@ def test_1_cache_survives_a_restart(real):
 
 def test_2_first_request_never_races_the_restore(real):
     """2. A request fired the moment the public port accepts still finds the cache restored."""
-    sk = cache_from(real)
+    cache_from(real)
     sk2 = real("-np", "1", wait=False)
     assert wait_until(sk2.accepting, 30, interval=0.001), sk2.logs()
     first = complete(sk2)
@@ -119,7 +119,7 @@ def test_5a_truncated_file_starts_cold(real):
 
 def test_5b_file_from_other_dimensions_starts_cold(real):
     """5. A cache from a model with other dimensions is refused: ready, cold, one line naming the difference."""
-    sk = cache_from(real, "W")
+    cache_from(real, "W")
     sk2 = real("-np", "1")
     assert complete(sk2)["timings"]["cache_n"] == 0
     assert "1 entry kept but not used: saved for another configuration: model" in sk2.logs()
@@ -138,7 +138,7 @@ def test_5c_unverified_foreign_file_is_refused_by_llama_server(real):
 
 def test_issue4_2_same_shape_foreign_model_never_restored(real):
     """Issue 4, 2: model A's cache is not restored into model B of the same shape (which llama-server accepts)."""
-    sk = cache_from(real, "A")
+    cache_from(real, "A")
     sk2 = real("-np", "1", model="B")
     assert complete(sk2)["timings"]["cache_n"] == 0
     assert "saved for another configuration: model" in sk2.logs()

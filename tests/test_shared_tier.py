@@ -15,8 +15,8 @@ from pathlib import Path
 import obstore
 import pytest
 
-from slotkeeper.testing.harness import http_call, wait_until
 from slotkeeper.remote import RemoteConfig
+from slotkeeper.testing.harness import http_call, wait_until
 from slotkeeper.testing.s3server import S3Server
 
 BASE = ["-c", "16384", "-t", "2", "--no-warmup", "-np", "2"]

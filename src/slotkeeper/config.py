@@ -29,11 +29,13 @@ class Options(BaseModel):
         False, description="keep llama-server's --cache-idle-slots default (idle slots leave the KV cache)"
     )
     restore_unverified: bool = Field(
-        False, description="also take over slot files of the old layout (<n>.bin) that have no slotkeeper manifest (llama-server still checks shape)"
+        False, description="also take over slot files of the old layout (<n>.bin) that have no slotkeeper manifest "
+        "(llama-server still checks shape)"
     )
     fsync: bool = Field(True, description="fsync each saved cache file and its directory before renaming it in place")
     autosave_idle: float = Field(
-        5.0, ge=0, description="save changed slots after this many idle seconds, so a crash or SIGKILL loses little (0: off)"
+        5.0, ge=0,
+        description="save changed slots after this many idle seconds, so a crash or SIGKILL loses little (0: off)"
     )
     max_cache_bytes: ByteSize | None = Field(
         None, gt=0, description="cap on the conversation store (e.g. 20GB; default: half the disk space it could use); "
@@ -48,7 +50,8 @@ class Options(BaseModel):
         "and profiles); entries are uploaded in the background and fetched when a chat is missing here"
     )
     min_save_tokens: int = Field(
-        256, ge=1, description="prompts shorter than this are not saved (title and tag requests are cheaper to recompute)"
+        256, ge=1,
+        description="prompts shorter than this are not saved (title and tag requests are cheaper to recompute)"
     )
     model_memory: Literal["auto", "full", "sliding-window", "recurrent"] = Field(
         "auto", description="the model's memory, which decides what llama-server reuses of a restored chat: auto "
@@ -98,18 +101,18 @@ def validate(plan: LaunchPlan) -> RunConfig:
         raise ConfigError(describe_validation_error(exc)) from None
     llama = plan.llama
     try:
-        return RunConfig(
-            options=options,
-            hosts=[h.strip() for h in llama.host.split(",") if h.strip()],
-            port=llama.port,
-            save_dir=plan.save_dir,
-            api_key=plan.api_key,
-            total_slots_hint=llama.parallel,
-            slots_endpoint=llama.slots_endpoint,
-            child_args=plan.child_args,
-            model=llama.model or llama.hf_repo,
-            llama_binary=plan.binary[0] if plan.binary else None,
-        )
+        return RunConfig.model_validate({  # llama-server's raw strings (the port, -np) are validated here
+            "options": options,
+            "hosts": [h.strip() for h in llama.host.split(",") if h.strip()],
+            "port": llama.port,
+            "save_dir": plan.save_dir,
+            "api_key": plan.api_key,
+            "total_slots_hint": llama.parallel,
+            "slots_endpoint": llama.slots_endpoint,
+            "child_args": plan.child_args,
+            "model": llama.model or llama.hf_repo,
+            "llama_binary": plan.binary[0] if plan.binary else None,
+        })
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc, LLAMA_FLAG_NAMES)) from None
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .cmdline import ConfigError, find_llama_server
+from .entries import cache_root
 from .log import fmt_bytes
 
 DEMO_CHATS = 6
@@ -56,8 +57,7 @@ def fmt_s(seconds: float) -> str:
 
 
 def demo_cache_dir() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "slotkeeper" / "demo"
+    return cache_root(os.environ) / "demo"
 
 
 # ---- the traffic --------------------------------------------------------------------------------------------
@@ -148,7 +148,8 @@ class Chat:
         warm = self.last_prompt_tokens > 0 and turn.cache_n >= self.last_prompt_tokens
         self.last_prompt_tokens = turn.prompt_tokens
         self.messages.append({"role": "assistant", "content": turn.content})
-        self.messages.append({"role": "user", "content": f"Thanks. Now go on about note {len(self.messages) // 2}, please."})
+        self.messages.append({"role": "user",
+                              "content": f"Thanks. Now go on about note {len(self.messages) // 2}, please."})
         return turn, warm
 
     def title(self, port: int) -> None:
@@ -164,7 +165,7 @@ class PlainServer:
     def __init__(self, binary: str, args: list[str], port: int, log_path: Path, env: dict[str, str]) -> None:
         self.port = port
         self.log_path = log_path
-        self._log = open(log_path, "ab")
+        self._log = open(log_path, "ab")  # noqa: SIM115 - the server's output, open for its whole life (stop() closes it)
         self.proc = subprocess.Popen([binary, *args, "--host", "127.0.0.1", "--port", str(port)], env=env,
                                      stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -342,16 +343,17 @@ def main(argv: list[str]) -> int:
 
     say("")
     say("  chat    prompt   cold: first token   reused       warm: first token   reused")
-    for chat, cold, (warm, _) in zip(chats, cold_turns, warm_turns):
-        say(f"  {chat.n + 1:>4}  {warm.prompt_tokens:>8,}   {fmt_s(cold.first_token_s):>17}   {reuse(cold):<11}"
-            f"  {fmt_s(warm.first_token_s):>17}   {reuse(warm)}")
+    for chat, cold, (hot, _) in zip(chats, cold_turns, warm_turns, strict=True):
+        say(f"  {chat.n + 1:>4}  {hot.prompt_tokens:>8,}   {fmt_s(cold.first_token_s):>17}   {reuse(cold):<11}"
+            f"  {fmt_s(hot.first_token_s):>17}   {reuse(hot)}")
     n_warm = sum(warm for _, warm in warm_turns)
     cold_median = statistics.median(t.first_token_s for t in cold_turns)
     warm_median = statistics.median(t.first_token_s for t, _ in warm_turns)
     say("")
     say("  cold: plain llama-server started again after the swap, with the same arguments. It kept nothing: it")
     say("  recomputes each chat, reusing at most what it computed since it started (the shared system prompt).")
-    say(f"  warm: slotkeeper restored the {n_slots} most recent chats before it reported ready; {on_demand} restores on")
+    say(f"  warm: slotkeeper restored the {n_slots} most recent chats before it reported ready; "
+        f"{on_demand} restores on")
     say("  demand followed, as chats came back to a slot holding another (that one saved first if it had changed).")
     say("")
     say(f"{n_warm} of {n_chats} chats came back warm; first token {fmt_s(cold_median)} cold vs {fmt_s(warm_median)} "

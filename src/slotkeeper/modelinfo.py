@@ -35,16 +35,16 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "ModelInfoError",
-    "MemoryKind",
     "KvLayer",
+    "MemoryKind",
+    "ModelInfoError",
     "ModelMemory",
     "SkippedArray",
-    "read_gguf_metadata",
-    "model_memory_from_metadata",
-    "read_model_memory",
     "kv_cache_bytes",
     "llama_server_slots",
+    "model_memory_from_metadata",
+    "read_gguf_metadata",
+    "read_model_memory",
 ]
 
 
@@ -580,9 +580,7 @@ def model_memory_from_metadata(meta: dict[str, Any]) -> ModelMemory:
         if arch == "gemma4" and il >= n_layer_all - _get_int(meta, p + "attention.shared_kv_layers", 0):
             return False
         # MTP layers are not attended by the trunk (unless graniteswitch repurposes them as its router layer).
-        if n_nextn > 0 and n_layer > 0 and arch != "graniteswitch" and il >= n_layer:
-            return False
-        return True
+        return not (n_nextn > 0 and n_layer > 0 and arch != "graniteswitch" and il >= n_layer)
 
     kv_layers = []
     for il in range(n_layer_all):

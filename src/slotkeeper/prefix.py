@@ -29,7 +29,7 @@ def _chain(pieces: Iterable[bytes]) -> list[str]:
     return keys
 
 
-def block_keys(tokens: Sequence[int] | array, block: int = BLOCK_TOKENS) -> list[str]:
+def block_keys(tokens: Sequence[int] | array[int], block: int = BLOCK_TOKENS) -> list[str]:
     """One key per *full* block of `tokens` (a partial last block has none)."""
     words = tokens if isinstance(tokens, array) and tokens.typecode == "i" else array("i", tokens)
     raw = memoryview(words.tobytes())
@@ -37,7 +37,7 @@ def block_keys(tokens: Sequence[int] | array, block: int = BLOCK_TOKENS) -> list
     return _chain(raw[i : i + step].tobytes() for i in range(0, (len(words) // block) * step, step))
 
 
-def exact_key(tokens: Sequence[int] | array, n: int | None = None) -> str:
+def exact_key(tokens: Sequence[int] | array[int], n: int | None = None) -> str:
     """A key of exactly the first `n` tokens (all of them by default), partial last block included: what a
     state that llama-server reuses only when a request extends *all* of it is matched by."""
     words = tokens if isinstance(tokens, array) and tokens.typecode == "i" else array("i", tokens)
@@ -45,7 +45,7 @@ def exact_key(tokens: Sequence[int] | array, n: int | None = None) -> str:
     return hashlib.blake2b(view[: (len(words) if n is None else n) * 4], digest_size=2 * KEY_BYTES).hexdigest()
 
 
-def extends_exactly(tokens: Sequence[int] | array, n: int, key: str) -> bool:
+def extends_exactly(tokens: Sequence[int] | array[int], n: int, key: str) -> bool:
     """`tokens` open with the `n` tokens keyed by `key`, and go on past them (llama-server needs one new token)."""
     return len(tokens) > n and exact_key(tokens, n) == key
 

@@ -28,7 +28,7 @@ class StateFileError(ValueError):
 class StateHeader:
     version: int  # LLAMA_STATE_SEQ_VERSION of the llama.cpp that wrote it
     layout: str  # "plain", or "packed-<n>" for server_tokens' packed payload version n
-    tokens: array  # array('i'); media positions are TOKEN_NULL
+    tokens: array[int]  # array('i'); media positions are TOKEN_NULL
     media_chunks: int = 0
 
     @property
@@ -54,7 +54,7 @@ def read_header(path: Path) -> StateHeader:
     return _unpack(version, words)
 
 
-def _unpack(version: int, words: array) -> StateHeader:
+def _unpack(version: int, words: array[int]) -> StateHeader:
     """server_tokens::serialize: NULL marker, u32 payload version, u32 n, n tokens, u32 m, m media keys, chunks."""
     if len(words) < 3:
         raise StateFileError("packed token payload too short")

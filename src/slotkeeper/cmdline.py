@@ -61,6 +61,13 @@ _VALUE_FLAGS = (
     | MODEL_FLAGS | HF_REPO_FLAGS
 )
 _REMOVED_FLAGS = HOST_FLAGS | PORT_FLAGS | SAVE_PATH_FLAGS
+# The LlamaArgs field each value flag sets (--api-key, which may repeat and split, aside).
+_FIELD_OF_FLAG = {
+    **dict.fromkeys(HOST_FLAGS, "host"), **dict.fromkeys(PORT_FLAGS, "port"),
+    **dict.fromkeys(SAVE_PATH_FLAGS, "slot_save_path"), **dict.fromkeys(PARALLEL_FLAGS, "parallel"),
+    **dict.fromkeys(API_KEY_FILE_FLAGS, "api_key_file"), **dict.fromkeys(MODEL_FLAGS, "model"),
+    **dict.fromkeys(HF_REPO_FLAGS, "hf_repo"),
+}
 
 # Environment variables llama-server reads for the same settings; the command line wins, as in llama-server.
 ENV_HOST = "LLAMA_ARG_HOST"
@@ -152,23 +159,11 @@ def parse_llama_args(argv: list[str], env: Env) -> LlamaArgs:
                 raise ConfigError(f"llama-server argument {name} needs a value")
             value = argv[i + 1]
             i += 2
-        if name in HOST_FLAGS:
-            args.host = value
-        elif name in PORT_FLAGS:
-            args.port = value
-        elif name in SAVE_PATH_FLAGS:
-            args.slot_save_path = value
+        if name in API_KEY_FLAGS:
+            cli_api_keys = (cli_api_keys or []) + [k.strip() for k in value.split(",") if k.strip()]
         else:
-            if name in PARALLEL_FLAGS:
-                args.parallel = value
-            elif name in API_KEY_FLAGS:
-                cli_api_keys = (cli_api_keys or []) + [k.strip() for k in value.split(",") if k.strip()]
-            elif name in API_KEY_FILE_FLAGS:
-                args.api_key_file = value
-            elif name in MODEL_FLAGS:
-                args.model = value
-            elif name in HF_REPO_FLAGS:
-                args.hf_repo = value
+            setattr(args, _FIELD_OF_FLAG[name], value)
+        if name not in _REMOVED_FLAGS:
             args.passthrough.extend([name, value])
     if cli_api_keys is not None:
         args.api_keys = cli_api_keys

@@ -634,15 +634,7 @@ def _add_metadata(w: Any, spec: TinyModelSpec) -> None:
         _add_tokenizer(w, spec)
         return
     a = ARCH
-    tokens = _family_vocab(_family(spec))[0]
-    w.add_string("general.name", spec.name)
-    w.add_uint32("general.file_type", 1 if spec.f16 else 0)  # MOSTLY_F16 / ALL_F32
-    w.add_uint32(f"{a}.vocab_size", len(tokens))
-    w.add_uint32(f"{a}.context_length", spec.context_length)
-    w.add_uint32(f"{a}.embedding_length", spec.width)
-    w.add_uint32(f"{a}.block_count", spec.n_layers)
-    w.add_uint32(f"{a}.feed_forward_length", spec.ff_length)
-    w.add_uint32(f"{a}.attention.head_count", spec.n_heads)
+    _add_shape(w, spec, a, len(_family_vocab(_family(spec))[0]))
     w.add_uint32(f"{a}.attention.head_count_kv", spec.n_kv_heads)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_uint32(f"{a}.rope.dimension_count", spec.head_dim)
@@ -650,17 +642,22 @@ def _add_metadata(w: Any, spec: TinyModelSpec) -> None:
     _add_tokenizer(w, spec)
 
 
-def _add_arch_metadata(w: Any, spec: TinyModelSpec) -> None:
-    """Hyperparameters of qwen35 / lfm2 / gemma3 (the keys their llama.cpp loaders read)."""
-    a = spec.arch
+def _add_shape(w: Any, spec: TinyModelSpec, a: str, n_vocab: int) -> None:
+    """The keys every architecture's loader reads first, in the order all tiny models write them."""
     w.add_string("general.name", spec.name)
-    w.add_uint32("general.file_type", 1 if spec.f16 else 0)
-    w.add_uint32(f"{a}.vocab_size", spec.n_vocab)
+    w.add_uint32("general.file_type", 1 if spec.f16 else 0)  # MOSTLY_F16 / ALL_F32
+    w.add_uint32(f"{a}.vocab_size", n_vocab)
     w.add_uint32(f"{a}.context_length", spec.context_length)
     w.add_uint32(f"{a}.embedding_length", spec.width)
     w.add_uint32(f"{a}.block_count", spec.n_layers)
     w.add_uint32(f"{a}.feed_forward_length", spec.ff_length)
     w.add_uint32(f"{a}.attention.head_count", spec.n_heads)
+
+
+def _add_arch_metadata(w: Any, spec: TinyModelSpec) -> None:
+    """Hyperparameters of qwen35 / lfm2 / gemma3 (the keys their llama.cpp loaders read)."""
+    a = spec.arch
+    _add_shape(w, spec, a, spec.n_vocab)
     if a == "qwen35":
         interval, _ = _qwen35_layout(spec)
         n_rot, sections = _qwen35_rope(spec)

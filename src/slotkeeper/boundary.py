@@ -88,11 +88,7 @@ class Boundaries:
         """The tokens of the chat's history followed by one placeholder message (both renders run at once)."""
         body = {**chat, "messages": [*turn.history, _placeholder(turn.next_role, placeholder, turn.history)]}
         body.pop("id_slot", None)
-        status, raw = await self.client.call_raw("POST", "/apply-template",
-                                                 json.dumps(body, separators=(",", ":")).encode())
-        if status != 200:
-            return None
-        return await self.client.tokenize(json.loads(raw)["prompt"])
+        return await self.client.chat_tokens(json.dumps(body, separators=(",", ":")).encode())
 
     async def reach(self, slot_id: int, tokens: list[int]) -> Reached | None:
         """Make the (idle, reserved) slot hold exactly `tokens`: prefill without generating anything."""

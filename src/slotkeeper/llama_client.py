@@ -95,6 +95,13 @@ class LlamaClient:
         tokens = json.loads(raw)["tokens"]
         return tokens if isinstance(tokens, list) else None
 
+    async def chat_tokens(self, chat_body: bytes) -> list[int] | None:
+        """A chat-form body's prompt tokens: its template applied (/apply-template), then tokenized."""
+        status, raw = await self.call_raw("POST", "/apply-template", chat_body)
+        if status != 200:
+            return None
+        return await self.tokenize(json.loads(raw)["prompt"])
+
     async def slot_action(self, slot_id: int, action: str, filename: str | None = None) -> ChildReply:
         body = {"filename": filename} if filename is not None else {}
         return await self.call_json("POST", f"/slots/{slot_id}", payload=body, params={"action": action})

@@ -708,15 +708,11 @@ class Placement:
         if path in CHAT_PATHS:
             if chat is None:
                 return None
-            chat_body = body if chat is data else json.dumps(chat, separators=(",", ":")).encode()
-            status, raw = await self.client.call_raw("POST", "/apply-template", chat_body)
-            if status != 200:
-                return None
-            prompt: Any = json.loads(raw)["prompt"]
-        else:
-            prompt = data.get("prompt")
-            if path == "/infill" or prompt is None:
-                return None
+            return await self.client.chat_tokens(
+                body if chat is data else json.dumps(chat, separators=(",", ":")).encode())
+        prompt = data.get("prompt")
+        if path == "/infill" or prompt is None:
+            return None
         return await self.client.tokenize(prompt)
 
     # ---- start, idle and stop -----------------------------------------------------------------------------

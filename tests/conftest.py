@@ -6,9 +6,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from family_helpers import BASE, Family, model_path
 
 from slotkeeper.cmdline import ConfigError, find_llama_server
 from slotkeeper.testing.harness import Slotkeeper, free_port
+from slotkeeper.testing.tinymodel import PRESETS, TinyModelSpec, write_tiny_model
 
 Starter = Callable[..., Slotkeeper]
 # The stub llama-server (faults on demand) lives with the tests: it is no part of the install.
@@ -94,3 +96,37 @@ def models(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture
 def port() -> int:
     return free_port()
+
+
+# ---- model families (real llama-server) ----
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("family-models")
+    models = {"llama": write_tiny_model(root / "llama.gguf", TinyModelSpec(seed=1))}
+    for arch in ("qwen35", "lfm2", "gemma3"):
+        models[arch] = write_tiny_model(root / f"{arch}.gguf", PRESETS[arch])
+    return models
+
+
+@pytest.fixture(scope="session")
+def real_gemma() -> Path:
+    """The real Gemma 3 270M (F16); CI requires it, as it requires llama-server."""
+    from slotkeeper.testing.realmodel import RealModelUnavailable, gemma3_270m
+
+    try:
+        return gemma3_270m()
+    except RealModelUnavailable as exc:
+        if os.environ.get("SLOTKEEPER_REQUIRE_LLAMA_SERVER"):
+            pytest.fail(f"the real Gemma 3 270M is required here: {exc}")
+        pytest.skip(str(exc))
+
+
+@pytest.fixture
+def family_start(starter, llama_server, family_models, request):
+    """family_start(family, *extra, **kw): slotkeeper around the real llama-server with that family's model."""
+    def start(family: Family, *extra: str, **kw):
+        model = model_path(family.model, family_models, request)
+        return starter(llama_server, ["-m", str(model), *BASE, *family.args])(*extra, **kw)
+    return start

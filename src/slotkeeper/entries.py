@@ -139,6 +139,8 @@ class Entry:
     save_ms: float | None = None
     exact: str = ""  # prefix.exact_key of all its tokens ("" in manifests older than this field)
     boundary: bool = False  # saved at a turn boundary: a prefix of what its chat's next request sends
+    opening: bool = False  # a shared opening (system prompt, tools): what new chats start from, not a chat
+    uses: int = 0  # openings: the chats that started from it
 
     def manifest(self) -> dict[str, Any]:
         return {
@@ -146,7 +148,7 @@ class Entry:
             "saved_at": self.saved_at, "last_used": self.last_used, "save_ms": self.save_ms,
             "fingerprint": self.fingerprint, "format": {"seq_version": self.seq_version, "layout": self.layout},
             "llama_server": self.server, "block_tokens": BLOCK_TOKENS, "blocks": self.keys, "units": self.units,
-            "exact": self.exact, "boundary": self.boundary,
+            "exact": self.exact, "boundary": self.boundary, "opening": self.opening, "uses": self.uses,
         }
 
     @classmethod
@@ -160,7 +162,8 @@ class Entry:
             fingerprint=dict(data.get("fingerprint") or {}), seq_version=int(fmt.get("seq_version", 0)),
             layout=str(fmt.get("layout", "")), server=dict(data.get("llama_server") or {}),
             units=list(data.get("units") or []), save_ms=data.get("save_ms"), exact=str(data.get("exact") or ""),
-            boundary=bool(data.get("boundary", False)),
+            boundary=bool(data.get("boundary", False)), opening=bool(data.get("opening", False)),
+            uses=int(data.get("uses") or 0),
         )
 
     @property

@@ -103,8 +103,9 @@ class RemoteTier:
                 if mine != other:
                     break
                 matched += 1
-            if matched and (best is None or matched > best.matched_blocks):
-                best = RemoteMatch(entry_id, manifest, matched)
+            if matched and (best is None or matched > best.matched_blocks or (matched == best.matched_blocks
+                            and int(manifest.get("bytes", 0)) < int(best.manifest.get("bytes", 0)))):
+                best = RemoteMatch(entry_id, manifest, matched)  # of equals, the smallest: an opening, not a chat
         if best is None:
             self.stats.remote_misses += 1
         else:

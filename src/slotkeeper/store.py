@@ -148,6 +148,7 @@ class ConversationStore:
         self._by_key: dict[str, set[str]] = {}
         self._pending: set[asyncio.Future[Any]] = set()  # manifest updates (last use) written in the background
         self.bytes_per_s: float | None = None  # measured save speed
+        self.restore_bytes_per_s: float | None = None  # measured restore speed (the last restore's)
         self._warned_copy = False
         self.on_commit: Callable[[Entry, Path], None] | None = None  # told of each new local save (the remote tier)
 
@@ -277,7 +278,9 @@ class ConversationStore:
         """The usable entry sharing the longest prefix with `keys`, and how many keys it shares.
 
         An entry that holds key i holds every key before it, so the index answers "is key i in some entry?"
-        monotonically in i: a binary search over the request's keys finds the deepest one.
+        monotonically in i: a binary search over the request's keys finds the deepest one. Of the entries that
+        share that many, the smallest: it gives llama-server the same prefix for the fewest bytes read (a new
+        chat gets its opening, not a long chat that happens to start with it).
         """
         by_key = self._by_key
         lo, hi = 0, len(keys)
@@ -290,7 +293,7 @@ class ConversationStore:
         if lo == 0:
             return None, 0
         ids = by_key[keys[lo - 1]]
-        best = max((self.entries[i] for i in ids), key=lambda e: e.last_used)
+        best = min((self.entries[i] for i in ids), key=lambda e: (e.tokens, -e.last_used))
         return best, lo
 
     def lookup_extended(self, tokens: list[int], keys: list[str]) -> Entry | None:
@@ -307,6 +310,20 @@ class ConversationStore:
     def find_exact(self, key: str) -> Entry | None:
         """The entry holding exactly these tokens (by `prefix.exact_key`), if one is saved."""
         return next((e for e in self.entries.values() if e.exact == key), None)
+
+    def openings(self) -> list[Entry]:
+        return [e for e in self.entries.values() if e.opening]
+
+    def started_from(self, entry: Entry) -> None:
+        """A new chat started from this entry, an opening (it is marked one if it was a chat's first boundary)."""
+        entry.opening = True
+        entry.uses += 1
+        self.touch(entry)
+
+    def restore_seconds(self, entry: Entry) -> float | None:
+        """How long restoring this entry is expected to take (None before any restore or save was timed)."""
+        rate = self.restore_bytes_per_s or self.save_rate()
+        return entry.nbytes / rate if rate else None
 
     def most_recent(self, n: int, skip: Callable[[Entry], bool] = lambda e: False) -> list[Entry]:
         usable = [e for e in self.entries.values() if compatible_format(e, self.current_format) and not skip(e)]
@@ -383,6 +400,7 @@ class ConversationStore:
     async def save_slot(
         self, slot_id: int, expected_bytes: int = 0, units: list[str] | None = None, *,
         boundary: list[int] | None = None, supersedes: Callable[[Entry, Entry], bool] | None = None,
+        opening: bool = False,
     ) -> SaveResult:
         """Save what slot `slot_id` holds as a new entry; the entries it supersedes are then removed (by
         default those it extends, `extends`; the caller's policy otherwise).
@@ -421,7 +439,7 @@ class ConversationStore:
                 id=secrets.token_hex(8), tokens=tokens, nbytes=written, keys=[], saved_at=time.time(),
                 last_used=time.time(), fingerprint=self.fingerprint, seq_version=0, layout="",
                 server=self.server, units=list(units or []), save_ms=reply.body.get("timings", {}).get("save_ms"),
-                boundary=boundary is not None,
+                boundary=boundary is not None, opening=opening, uses=int(opening),
             )
             expected_key = None if boundary is None else exact_key(boundary)
             commit = asyncio.ensure_future(asyncio.to_thread(self._commit, transient, entry, expected_key))
@@ -516,6 +534,8 @@ class ConversationStore:
         tokens = int(reply.body.get("n_restored", 0))
         nbytes = int(reply.body.get("n_read", entry.nbytes))
         self.metrics.restored(elapsed, nbytes, tokens)
+        if elapsed > 0:
+            self.restore_bytes_per_s = nbytes / elapsed
         self.touch(entry)
         return RestoreResult(True, tokens=tokens, nbytes=nbytes, seconds=elapsed)
 
@@ -605,8 +625,9 @@ def extends(new: Entry, old: Entry) -> bool:
     next prompt carries re-templated (a longer answer's blocks differ further back, and the older entry stays
     until the cap evicts it: the slack is kept small because a chat sharing only a system prompt must never
     supersede another).
+    An opening is never superseded: the chats that start from it all extend it.
     """
-    if old.id == new.id or not old.keys or old.tokens > new.tokens:
+    if old.id == new.id or old.opening or not old.keys or old.tokens > new.tokens:
         return False
     shared = common_keys(old.keys, new.keys)
     return shared >= len(old.keys) - SUPERSEDE_SLACK_BLOCKS and shared * 2 >= len(old.keys)

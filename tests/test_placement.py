@@ -16,8 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from slotkeeper.openings import Opening
 from slotkeeper.placement import FastKey, Placement, fast_key, with_id_slot
-from slotkeeper.prefix import BLOCK_TOKENS, block_keys, common_keys
+from slotkeeper.prefix import BLOCK_TOKENS, block_keys, common_keys, exact_key
 from slotkeeper.statefile import SEQ_MAGIC, StateFileError, read_header
 from slotkeeper.store import ConversationStore, Entry
 
@@ -208,3 +209,68 @@ def test_a_grown_chat_supersedes_its_older_save_despite_a_re_templated_answer():
     new = Entry("new1", 1300, 1, block_keys(grown), 0, 0, {}, 4, "packed-1")
     other = Entry("oth1", 1300, 1, block_keys(old_tokens[:800] + [-6] * 500), 0, 0, {}, 4, "packed-1")
     assert extends(new, old) and not extends(other, old) and not extends(old, new)
+
+
+# ---- shared openings ----------------------------------------------------------------------------------------
+
+
+def opening_entry(tokens: list[int], entry_id: str = "open") -> Entry:
+    return Entry(entry_id, len(tokens), 1000, block_keys(tokens), 0, 0, {"model": "m"}, 4, "packed-1",
+                 exact=exact_key(tokens), boundary=True, opening=True, uses=1)
+
+
+def test_a_new_chat_gets_its_saved_opening_restored_into_a_victim_not_a_chat_that_shares_it(placement):
+    """The slot holding a changed chat with the same system prompt is kept; the opening (not that chat's longer
+    entry, which shares as much of the request) is restored into the least recently used slot."""
+    system = [7] * 320
+    opening = opening_entry(system)
+    chat = Entry("chat", 640, 9000, block_keys(system + [1] * 320), 0, 5, {"model": "m"}, 4, "packed-1")
+    placement.store._index(opening)
+    placement.store._index(chat)
+    held(placement, 0, chat.keys, last_used=9.0)  # the chat, changed since: worth keeping
+    held(placement, 1, keys_of(640, 1), last_used=2.0)
+    held(placement, 2, keys_of(640, 2), last_used=1.0)
+    request = system + [3] * 320
+    plan = placement._decide(block_keys(request), 640, None, False, request, Opening(system, opening.exact, []))
+    assert (plan.slot.id, plan.restore, plan.outcome, plan.write_back) == (2, opening, "opening", True)
+
+
+def test_an_opening_is_not_restored_when_prefilling_it_is_estimated_faster(placement):
+    system = [7] * 320
+    opening = opening_entry(system)
+    placement.store._index(opening)
+    placement.store.restore_bytes_per_s = 100.0  # 10 s to read its 1,000 bytes; 320 tokens prefill in 0.64 s
+    request = system + [3] * 320
+    plan = placement._decide(block_keys(request), 640, None, False, request, Opening(system, opening.exact, []))
+    assert (plan.restore, plan.outcome) == (None, "new")
+
+
+def test_a_slot_holding_just_the_opening_is_used_first(placement):
+    system = [7] * 320
+    opening = opening_entry(system)
+    placement.store._index(opening)
+    held(placement, 1, opening.keys, dirty=False, last_used=9.0)
+    placement.slots[1].entry = opening
+    request = system + [3] * 320
+    plan = placement._decide(block_keys(request), 640, None, False, request, Opening(system, opening.exact, []))
+    assert (plan.slot.id, plan.restore, plan.write_back) == (1, None, False)
+
+
+def test_an_opening_is_never_superseded_by_the_chats_that_start_from_it():
+    from slotkeeper.store import extends
+
+    system = list(range(640))
+    opening = opening_entry(system)
+    chat = Entry("chat", 660, 1, block_keys(system + [1] * 20), 0, 0, {}, 4, "packed-1")
+    assert not extends(chat, opening)
+    opening.opening = False  # the same pair of files as a chat's earlier save: superseded
+    assert extends(chat, opening)
+
+
+def test_of_the_entries_sharing_a_prefix_the_smallest_is_found(placement):
+    system = [7] * 320
+    long_chat = Entry("long", 4000, 9000, block_keys(system + [1] * 3680), 0, 9, {"model": "m"}, 4, "packed-1")
+    opening = opening_entry(system)
+    for entry in (long_chat, opening):
+        placement.store._index(entry)
+    assert placement.store.lookup(block_keys(system + [3] * 320)) == (opening, 5)

@@ -133,6 +133,13 @@ class Daemon:
                 "boundary_ms": round(self.metrics.boundary_seconds * 1000, 1),
                 "boundary_unknown": self.metrics.boundary_unknown,
             },
+            "openings": {
+                "entries": 0 if store is None else len(store.openings()),
+                "saved": self.metrics.openings_saved, "hits": self.metrics.opening_hits,
+                "tokens_saved": self.metrics.opening_tokens_saved,
+                "prefill_tokens": self.metrics.opening_prefill_tokens,
+                "prefill_ms": round(self.metrics.opening_seconds * 1000, 1),
+            },
             "save_estimate": self.save_estimate(),
             "remote": None if self.remote is None else {"url": self.remote.config.url, **vars(self.remote.stats)},
         })

@@ -62,6 +62,11 @@ class Metrics:
     boundary_prefill_tokens: int = 0  # tokens llama-server prefilled to get there
     boundary_seconds: float = 0.0
     boundary_unknown: int = 0  # saves of a chat whose last reply could not be read (only its fallback saved)
+    openings_saved: int = 0  # shared openings saved for the first new chat that brought each
+    opening_prefill_tokens: int = 0  # tokens prefilled to reach them (which those chats' requests then reused)
+    opening_seconds: float = 0.0
+    opening_hits: int = 0  # new chats that started from a saved opening (restored for them, or in their slot)
+    opening_tokens_saved: int = 0  # the opening tokens those chats did not prefill
     memory: Callable[[], dict[str, Any]] = dict  # the model's memory kind and slotkeeper's cache policy
     remote: Callable[[], Any] = lambda: None  # remote.RemoteStats, with --remote-store
     store_entries: Callable[[], int] = lambda: 0
@@ -86,6 +91,10 @@ class Metrics:
         self.boundaries_reached += 1
         self.boundary_prefill_tokens += prefilled
         self.boundary_seconds += seconds
+
+    def opening_reached(self, prefilled: int, seconds: float) -> None:
+        self.opening_prefill_tokens += prefilled
+        self.opening_seconds += seconds
 
     def boundary_settled(self, prefilled: int, seconds: float) -> None:
         self.boundaries_settled += 1
@@ -163,6 +172,14 @@ class _Collector:
         yield counter("boundary_seconds", "Seconds spent reaching turn boundaries", values=m.boundary_seconds)
         yield counter("boundary_unknown", "Saves whose chat's last reply was unknown (only its earlier boundary "
                       "saved)", values=m.boundary_unknown)
+        yield counter("openings_saved", "Shared openings (system prompt, tools) saved for new chats",
+                      values=m.openings_saved)
+        yield counter("opening_prefill_tokens", "Tokens prefilled to reach openings before saving them (the chat "
+                      "that brought each reused them)", values=m.opening_prefill_tokens)
+        yield counter("opening_seconds", "Seconds spent reaching openings before saving them",
+                      values=m.opening_seconds)
+        yield counter("opening_hits", "New chats that started from a saved opening", values=m.opening_hits)
+        yield counter("opening_tokens_saved", "Opening tokens new chats did not prefill", values=m.opening_tokens_saved)
         memory = m.memory()
         if memory:
             info = GaugeMetricFamily("slotkeeper_model_memory", "The model's memory kind and the cache policy",

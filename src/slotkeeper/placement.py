@@ -36,6 +36,7 @@ from .boundary import Boundaries, Reached, Turn, turns_of
 from .llama_client import LlamaClient
 from .log import fmt_bytes, fmt_ms, log
 from .metrics import Metrics
+from .openings import Opening, Openings, is_opening, opening_turn
 from .policy import CachePolicy
 from .prefix import BLOCK_TOKENS, block_keys, common_keys, exact_key, extends_exactly, unit_keys
 from .proxy.hook import Placed
@@ -78,6 +79,7 @@ class Outcome(enum.StrEnum):
     RESTORED = "restored"  # restored from the store first
     BRANCH = "branch"  # an edit of the chat in the slot: a miss, after that chat was saved
     NEW = "new"  # a new chat, on a victim
+    OPENING = "opening"  # a new chat, on a victim its saved opening (system prompt, tools) was restored into
     PINNED = "pinned"  # the client chose the slot (id_slot)
     UNPLACED = "unplaced"  # its tokens are unknown: a victim
 
@@ -167,6 +169,7 @@ class Plan:
     outcome: Outcome = Outcome.NEW
     keys: list[str] | None = None  # the prompt's block keys, when it was tokenized
     erase: bool = False  # the slot's restored state is not extended by the request: erased first
+    opening: Opening | None = None  # a new chat's opening, not saved yet: reached and saved first
 
 
 def with_id_slot(body: bytes, slot_id: int) -> bytes:
@@ -208,6 +211,11 @@ def chat_units(chat: dict[str, Any], messages: list[Any]) -> list[str]:
     return unit_keys([_canonical(settings), *map(_canonical, messages)])
 
 
+def _never(new: Entry, old: Entry) -> bool:
+    """An opening's save supersedes nothing."""
+    return False
+
+
 def _strict_prefix(a: list[str], b: list[str]) -> bool:
     return len(a) < len(b) and b[: len(a)] == a
 
@@ -235,6 +243,8 @@ class Placement:
         self.extend_only = policy is CachePolicy.EXTEND_ONLY
         self.settle = settle and self.extend_only  # bring hybrid chats to their boundary once a turn is over
         self.boundaries = Boundaries(client)
+        self.openings = Openings(self.boundaries)
+        self._opening_saves: set[str] = set()  # openings being saved now (exact keys): saved once
         self.slots = [Slot(i) for i in range(n_slots)]
         self.min_tokens = min_tokens
         self.metrics = metrics or Metrics()
@@ -242,6 +252,7 @@ class Placement:
         self._clock = 0.0
         self.remote: Any = None  # remote.RemoteTier: asked when a chat is in no slot and not in the store
         self._prefill: tuple[float, float | None] = (-PREFILL_RATE_MAX_AGE_S, None)  # (when, tokens/s)
+        self._measured_prefill: float | None = None  # tokens/s of slotkeeper's own last boundary prefill
         self._background: set[asyncio.Future[None]] = set()
         self._settling: set[asyncio.Future[None]] = set()  # slots being brought to their boundary (_settle)
         self._settle_timers: dict[int, asyncio.TimerHandle] = {}  # per slot: its settle, not started yet
@@ -277,6 +288,7 @@ class Placement:
                 self._release(plan.slot)
             return Placed(body)
         self.metrics.placements[plan.outcome] += 1
+        self._count_start(plan)
         out = body if path in UNPINNABLE_PATHS or pinned is not None else with_id_slot(body, plan.slot.id)
         reader = ReplyReader() if self.extend_only and chat is not None and path in REPLY_PATHS else None
         return Placed(out, lambda status: self._finished(plan, status, fast, chat, reader),
@@ -296,12 +308,34 @@ class Placement:
         keys = block_keys(tokens) if tokens is not None else None
         if keys and self.remote is not None:
             await self._fetch_if_faster(keys)
-        while (plan := self._decide(keys, len(tokens or ()), pinned, path in UNPINNABLE_PATHS, tokens)) is None:
+        opening = None
+        if chat is not None and tokens is not None and pinned is None and path not in UNPINNABLE_PATHS:
+            opening = await self._opening(chat, tokens)
+        while (plan := self._decide(keys, len(tokens or ()), pinned, path in UNPINNABLE_PATHS, tokens,
+                                    opening)) is None:
             await self._wait_freed()
         plan.keys = keys
         if self.extend_only and plan.restore is None:
             plan.erase = plan.slot.floor is not None and (tokens is None or not plan.slot.extended_by(tokens))
+        if (opening is not None and plan.outcome is Outcome.NEW and opening.key not in self._opening_saves
+                and self.store.find_exact(opening.key) is None):
+            plan.opening = opening  # a new opening: saved before the request goes (once, however many come)
+            self._opening_saves.add(opening.key)
         return plan
+
+    async def _opening(self, chat: dict[str, Any], tokens: list[int]) -> Opening | None:
+        """The chat's opening, when it is worth an entry (at least --min-save-tokens) and the request extends it."""
+        messages = chat.get("messages")
+        turn = opening_turn(messages) if isinstance(messages, list) and self.policy is not CachePolicy.NONE else None
+        if turn is None:
+            return None
+        try:
+            opening = await asyncio.wait_for(self.openings.of(chat, turn, chat_units(chat, turn.history), tokens),
+                                             TOKENIZE_TIMEOUT_S)
+        except (TimeoutError, ConnectionError, ValueError, KeyError, TypeError) as exc:
+            log.debug("the opening of a chat is unknown: %r", exc)
+            return None
+        return opening if opening is not None and len(opening.tokens) >= self.min_tokens else None
 
     # ---- deciding (synchronous: decide and reserve in one step) -------------------------------------------
 
@@ -340,9 +374,9 @@ class Placement:
         return None, 0
 
     def _decide(self, keys: list[str] | None, n_tokens: int, pinned: int | None, unpinnable: bool,
-                tokens: list[int] | None = None) -> Plan | None:
+                tokens: list[int] | None = None, opening: Opening | None = None) -> Plan | None:
         """The plan for a request whose prompt has these block keys (and tokens: extend-only models need them),
-        or None when it must wait for a slot."""
+        or None when it must wait for a slot. `opening`: the request's opening, when it is worth an entry."""
         if pinned is not None:
             slot = self.slots[pinned]
             if slot.busy:
@@ -356,22 +390,62 @@ class Placement:
             return Plan(self._reserve(self._victim(idle)), write_back=True, outcome=Outcome.UNPLACED)
         best, shared = max(((s, self._shared(s, keys, tokens)) for s in idle), key=lambda p: (p[1], p[0].last_used))
         entry, in_store = self._stored(keys, tokens)
-        if (entry is not None and not self._in_a_slot(entry) and in_store >= shared + RESTORE_MIN_GAIN_BLOCKS
-                and in_store * BLOCK_TOKENS >= self.min_tokens):
+        start = self._start(opening, entry, in_store)
+        if (entry is not None and start is None and not self._in_a_slot(entry)
+                and in_store >= shared + RESTORE_MIN_GAIN_BLOCKS and in_store * BLOCK_TOKENS >= self.min_tokens):
             victim = self._llama_choice(idle, keys, n_tokens) if unpinnable else self._victim(idle)
             return Plan(self._reserve(victim), restore=entry, write_back=True, outcome=Outcome.RESTORED)
         if shared and self._holds(best, shared):
             return Plan(self._reserve(best), outcome=Outcome.RESIDENT)
-        if shared * BLOCK_TOKENS >= self.min_tokens and shared * BRANCH_SHARE[1] >= len(best.keys) * BRANCH_SHARE[0]:
+        if (shared * BLOCK_TOKENS >= self.min_tokens and shared * BRANCH_SHARE[1] >= len(best.keys) * BRANCH_SHARE[0]
+                and (start is None or shared >= len(start.keys) + RESTORE_MIN_GAIN_BLOCKS)):
             return Plan(self._reserve(best), write_back=True, outcome=Outcome.BRANCH)  # an edit of this chat's past
         if unpinnable:
             return Plan(self._reserve(self._llama_choice(idle, keys, n_tokens)), write_back=True, outcome=Outcome.NEW)
         # A new chat: where its opening (a shared system prompt) already is, if that costs no write-back.
         reusable = [(s, n) for s, n in ((s, self._shared(s, keys, tokens)) for s in idle)
-                    if n * BLOCK_TOKENS >= self.min_tokens and not self._worth_keeping(s)]
+                    if n * BLOCK_TOKENS >= self.min_tokens and not self._worth_keeping(s)
+                    and (start is None or self._holds_opening(s, n, start))]
         if reusable:
             return Plan(self._reserve(max(reusable, key=lambda p: p[1])[0]), outcome=Outcome.NEW)
-        return Plan(self._reserve(self._victim(idle)), write_back=True, outcome=Outcome.NEW)
+        victim = self._victim(idle)
+        if start is not None:  # its saved opening, restored into the victim (when that beats prefilling it)
+            there = self._shared(victim, keys, tokens)
+            # (a live hybrid state goes back only to its checkpoints: what it shares is not reused for sure)
+            gained = len(start.keys) - (0 if self.extend_only else there)
+            if (not self._holds_opening(victim, there, start) and gained >= RESTORE_MIN_GAIN_BLOCKS
+                    and self._restore_pays(start, gained * BLOCK_TOKENS)):
+                return Plan(self._reserve(victim), restore=start, write_back=True, outcome=Outcome.OPENING)
+        return Plan(self._reserve(victim), write_back=True, outcome=Outcome.NEW)
+
+    def _start(self, opening: Opening | None, deepest: Entry | None, shared: int) -> Entry | None:
+        """The saved opening a new chat starts from: the request's opening has an entry, and no saved chat
+        shares much more of the request (then it is that chat, or an edit of it, and `deepest` is restored)."""
+        if opening is None:
+            return None
+        found = self.store.find_exact(opening.key)
+        if found is None or (deepest is not None and deepest is not found
+                             and shared >= len(found.keys) + RESTORE_MIN_GAIN_BLOCKS):
+            return None
+        return found
+
+    def _holds_opening(self, slot: Slot, shared: int, opening: Entry) -> bool:
+        """The slot holds all of the opening, so that llama-server reuses it there. On extend-only models only
+        a slot at exactly the opening does (elsewhere a live hybrid state rolls back only to its checkpoints)."""
+        if self.extend_only:
+            return slot.exact == opening.exact
+        return shared >= len(opening.keys)
+
+    def _restore_pays(self, entry: Entry, tokens: int) -> bool:
+        """Restoring the entry is estimated faster than prefilling the `tokens` it saves (this server's measured
+        prompt speed, and the store's measured restore speed)."""
+        restore_s = self.store.restore_seconds(entry)
+        rate = self._prefill[1] or self._measured_prefill or DEFAULT_PREFILL_TOKENS_PER_S
+        if restore_s is None or restore_s < tokens / rate:
+            return True
+        log.debug("opening %s not restored: reading %s (~%s) is slower than prefilling %s tokens (~%s)",
+                  entry.short, fmt_bytes(entry.nbytes), fmt_ms(restore_s), f"{tokens:,}", fmt_ms(tokens / rate))
+        return False
 
     @staticmethod
     def _holds(slot: Slot, shared: int) -> bool:
@@ -427,6 +501,57 @@ class Placement:
             await self.restore_into(slot, plan.restore)
         elif plan.erase:
             await self.erase(slot)
+        if plan.opening is not None:
+            try:
+                await self._save_opening(slot, plan.opening)
+            finally:
+                self._opening_saves.discard(plan.opening.key)
+
+    async def _save_opening(self, slot: Slot, opening: Opening) -> None:
+        """Bring the (reserved) slot to the new chat's opening and save it there, for the chats that share it;
+        the request then extends it, so nothing is prefilled twice. A failure costs only the entry."""
+        if not slot.may_reach(opening.tokens):
+            return  # a restored state that goes past it: this slot cannot go back there
+        reached = await self.boundaries.reach(slot.id, opening.tokens)
+        if reached is None:
+            log.warning("opening not saved: llama-server did not take slot %d to it", slot.id)
+            return
+        self._measured(reached)
+        self.metrics.opening_reached(reached.prefilled, reached.seconds)
+        slot.hold(None, block_keys(opening.tokens), len(opening.tokens))
+        slot.exact = opening.key
+        result = await self.store.save_slot(slot.id, self._expected_bytes(slot), opening.units,
+                                            boundary=opening.tokens, supersedes=_never, opening=True)
+        if result.entry is None:
+            log.warning("opening not saved from slot %d: %s", slot.id, result.reason)
+            return
+        entry = result.entry
+        slot.hold(entry, entry.keys, entry.tokens)
+        slot.exact = entry.exact
+        self.metrics.openings_saved += 1
+        log.info("opening %s saved from slot %d at its turn boundary (before the first user message, for the chats "
+                 "that share it): %s tokens (%s prefilled in %s), %s in %s", entry.short, slot.id,
+                 f"{entry.tokens:,}", f"{reached.prefilled:,}", fmt_ms(reached.seconds), fmt_bytes(entry.nbytes),
+                 fmt_ms(result.seconds))
+
+    def _count_start(self, plan: Plan) -> None:
+        """A new chat placed on a slot that holds exactly a saved opening (restored for it, or found there)."""
+        slot, entry = plan.slot, plan.slot.entry
+        if plan.opening is not None or entry is None or slot.dirty:
+            return
+        if not (entry.opening or plan.outcome is Outcome.OPENING):
+            return
+        self.store.started_from(entry)
+        self.metrics.opening_hits += 1
+        self.metrics.opening_tokens_saved += entry.tokens
+        if plan.restore is None:
+            log.info("a new chat starts from opening %s in slot %d: %s tokens", entry.short, slot.id,
+                     f"{entry.tokens:,}")
+
+    def _measured(self, reached: Reached) -> None:
+        """llama-server's prompt speed, from a prefill slotkeeper asked for (used when /metrics is off)."""
+        if reached.prefilled >= BLOCK_TOKENS and reached.seconds > 0:
+            self._measured_prefill = reached.prefilled / reached.seconds
 
     async def erase(self, slot: Slot) -> None:
         """Empty a (reserved) slot whose restored state the request does not extend: llama-server would reuse a
@@ -507,12 +632,13 @@ class Placement:
                             why)
                 return None, False
             reached = went
+            self._measured(reached)
             self.metrics.boundary_reached(reached.prefilled, reached.seconds)
         slot.hold(None, block_keys(tokens), len(tokens))
         slot.exact = key
         units = chat_units(chat, turn.history)
         result = await self.store.save_slot(slot.id, self._expected_bytes(slot), units, boundary=tokens,
-                                            supersedes=self._older_boundary)
+                                            supersedes=self._older_boundary, opening=is_opening(turn))
         if result.entry is None:
             log.warning("slot %d not saved (%s): %s; its previous entries are kept", slot.id, why, result.reason)
             return None, True
@@ -528,7 +654,7 @@ class Placement:
     def _older_boundary(self, new: Entry, old: Entry) -> bool:
         """A chat keeps its latest boundary and the one before it: a new boundary supersedes the chat's
         boundaries that another one lies between (never an opening: a system prompt that chats share)."""
-        if not (old.boundary and len(old.units) >= 3 and _strict_prefix(old.units, new.units)):
+        if old.opening or not (old.boundary and len(old.units) >= 3 and _strict_prefix(old.units, new.units)):
             return False
         return any(_strict_prefix(old.units, mid.units) and _strict_prefix(mid.units, new.units)
                    for mid in self.store.entries.values() if mid.boundary)
@@ -549,8 +675,8 @@ class Placement:
             slot.floor, slot.floor_checked = entry, False
         slot.last_used = self._tick()
         self.metrics.on_demand_restores += on_demand
-        log.info("chat %s restored into slot %d: %s tokens, %s in %s", entry.short, slot.id, f"{result.tokens:,}",
-                 fmt_bytes(result.nbytes), fmt_ms(result.seconds))
+        log.info("%s %s restored into slot %d: %s tokens, %s in %s", "opening" if entry.opening else "chat",
+                 entry.short, slot.id, f"{result.tokens:,}", fmt_bytes(result.nbytes), fmt_ms(result.seconds))
         return True
 
     def _expected_bytes(self, slot: Slot) -> int:
@@ -680,6 +806,7 @@ class Placement:
                 return
             reached = await self.boundaries.reach(slot.id, tokens)
             if reached is not None:
+                self._measured(reached)
                 slot.keys, slot.tokens, slot.exact = block_keys(tokens), len(tokens), exact_key(tokens)
                 self.metrics.boundary_settled(reached.prefilled, reached.seconds)
         except (ConnectionError, ValueError, KeyError, TypeError) as exc:
@@ -724,8 +851,9 @@ class Placement:
         deeper = {tuple(e.units[:k]) for e in self.store.entries.values() for k in range(1, len(e.units))}
 
         def skip(entry: Entry) -> bool:
-            """Extend-only models: chats' latest boundaries only (not a fallback, an opening, an older kind)."""
-            return self.extend_only and (not entry.boundary or tuple(entry.units) in deeper)
+            """Chats only (openings are restored for the new chats that need them); on extend-only models, their
+            latest boundaries only (not a fallback, or an older kind of entry)."""
+            return entry.opening or (self.extend_only and (not entry.boundary or tuple(entry.units) in deeper))
 
         for slot, entry in zip(self.slots, self.store.most_recent(len(self.slots), skip)):
             self._reserve(slot)
@@ -776,6 +904,7 @@ class Placement:
         return [
             {"slot": s.id, "chat": s.label or None, "entry": s.entry.id if s.entry else None,
              "tokens_known": s.tokens, "dirty": s.dirty, "busy": s.busy,
-             "restored_state": s.floor.id if s.floor else None}
+             "restored_state": s.floor.id if s.floor else None,
+             "opening": s.entry.id if s.entry is not None and s.entry.opening and not s.dirty else None}
             for s in self.slots
         ]

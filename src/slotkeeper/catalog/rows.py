@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..entries import BIN_SUFFIX, Entry, Status
-from .formats import display_path
+from .formats import count, display_path
 
 SHORT_ID_MIN = 4
 
@@ -127,8 +127,11 @@ class Listed(abc.ABC):
 
     @property
     def detail(self) -> str:
-        """The status column."""
-        return self.note or WORDS[self.status][0]
+        """The status column (an opening says how many chats started from it)."""
+        text = self.note or WORDS[self.status][0]
+        if self.entry is not None and self.entry.opening:
+            text += f", opening of {count(self.entry.uses, 'chat')}"
+        return text
 
     @property
     def why(self) -> str:
@@ -157,8 +160,8 @@ class Row(Listed):
 
     FIELDS: ClassVar[tuple[str, ...]] = (
         "kind", "dir", "id", "short", "status", "detail", "reason", "tokens", "bytes", "bin_size", "disk_bytes",
-        "saved_at", "last_used", "age_s", "save_ms", "boundary", "model", "model_name", "fingerprint", "format",
-        "llama_server", "bin", "manifest",
+        "saved_at", "last_used", "age_s", "save_ms", "boundary", "opening", "uses", "model", "model_name",
+        "fingerprint", "format", "llama_server", "bin", "manifest",
     )
     kind: Kind
     directory: Path  # the save directory
@@ -221,6 +224,8 @@ class Row(Listed):
             "disk_bytes": self.disk_bytes,
             "save_ms": entry.save_ms if entry else None,
             "boundary": entry.boundary if entry else None,  # saved at a turn boundary (hybrid, sliding-window)
+            "opening": entry.opening if entry else None,  # a shared opening (system prompt, tools), not a chat
+            "uses": entry.uses if entry and entry.opening else None,  # the chats that started from it
             "llama_server": (entry.server or None) if entry else None,
             "bin": str(self.bin.path) if self.bin else None,
             "manifest": str(self.manifest_file.path) if self.manifest_file else None,

@@ -154,3 +154,17 @@ def test_an_opening_shorter_than_min_save_tokens_writes_nothing(name, family_sta
     manifests = [json.loads(p.read_text()) for p in (sk.extra["save_dir"] / "entries").glob("*.json")]
     assert manifests, "the chats were not saved: the test shows nothing"
     assert not [m for m in manifests if m["opening"] or m["tokens"] < MIN_SAVE_TOKENS], manifests
+
+
+def test_a_failed_opening_save_costs_only_the_entry(stub_slotkeeper):
+    """llama-server refuses the opening's save (the stub's saves fail): the new chat is answered on its slot,
+    one line says so, and no file is left behind."""
+    sk = stub_slotkeeper(stub={"STUB_SAVE_FAIL": "1"})
+    body = {"messages": [{"role": "system", "content": OPENING}, {"role": "user", "content": "Hello there."}],
+            "max_tokens": 4}
+    reply = http_call(sk.port, "POST", "/v1/chat/completions", body)
+    assert reply.status == 200, reply.body
+    assert "opening not saved from slot" in sk.logs(), sk.logs()[-3000:]
+    status = http_call(sk.port, "GET", "/slotkeeper/status").body
+    assert status["openings"]["saved"] == 0 and status["placements"] == {"new": 1}, status  # placed all the same
+    assert not [p for p in (sk.extra["save_dir"] / "entries").iterdir()]

@@ -495,16 +495,17 @@ class Placement:
     async def _prepare(self, plan: Plan) -> None:
         """Write the victim back if it changed since its last save, then restore the entry into it."""
         slot = plan.slot
-        if plan.write_back and self.policy is not CachePolicy.NONE and self._worth_keeping(slot):
-            await self.write_back(slot, "before it is reused")
-        if plan.restore is not None:
-            await self.restore_into(slot, plan.restore)
-        elif plan.erase:
-            await self.erase(slot)
-        if plan.opening is not None:
-            try:
+        try:
+            if plan.write_back and self.policy is not CachePolicy.NONE and self._worth_keeping(slot):
+                await self.write_back(slot, "before it is reused")
+            if plan.restore is not None:
+                await self.restore_into(slot, plan.restore)
+            elif plan.erase:
+                await self.erase(slot)
+            if plan.opening is not None:
                 await self._save_opening(slot, plan.opening)
-            finally:
+        finally:
+            if plan.opening is not None:
                 self._opening_saves.discard(plan.opening.key)
 
     async def _save_opening(self, slot: Slot, opening: Opening) -> None:
@@ -512,8 +513,13 @@ class Placement:
         the request then extends it, so nothing is prefilled twice. A failure costs only the entry."""
         if not slot.may_reach(opening.tokens):
             return  # a restored state that goes past it: this slot cannot go back there
-        reached = await self.boundaries.reach(slot.id, opening.tokens)
+        try:
+            reached = await self.boundaries.reach(slot.id, opening.tokens)
+        except (ConnectionError, ValueError) as exc:
+            reached = None
+            log.debug("reaching an opening failed: %r", exc)
         if reached is None:
+            slot.changed_unseen()
             log.warning("opening not saved: llama-server did not take slot %d to it", slot.id)
             return
         self._measured(reached)

@@ -55,11 +55,12 @@ class Chat:
     previous_prompt_tokens: int = 0
     reasoning: list[str] = field(default_factory=list)
     system: str = SYSTEM
+    facts: int = 40  # the length of its first message
 
     def __post_init__(self) -> None:
         self.messages = [{"role": "system", "content": self.system},
                          {"role": "user", "content": f"Conversation {self.n}. " + " ".join(
-                             f"Fact {i}: item {self.n * 7 + i} is {COLOURS[i % 5]}." for i in range(40))}]
+                             f"Fact {i}: item {self.n * 7 + i} is {COLOURS[i % 5]}." for i in range(self.facts))}]
 
     def send(self, port: int, messages: list[dict[str, Any]], **extra: Any) -> dict:
         body = {"messages": messages, "max_tokens": 8, "temperature": 0, **self.request, **extra}

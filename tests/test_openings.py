@@ -115,15 +115,15 @@ def test_a_new_chat_after_a_swap_answers_from_its_restored_opening_as_a_cold_run
 
 @pytest.mark.parametrize("name", ["llama", "qwen35-thinking-off"])
 def test_ten_new_chats_sharing_an_opening_leave_every_warm_chat_warm(name, family_start):
-    """Two chats are warm; then ten new chats sharing one opening arrive, more than the four slots. Every chat
-    comes back warm (at least 90% of its previous prompt reused), and each new chat after the first reused the
-    whole opening."""
+    """Two chats are warm; then ten new chats sharing one opening arrive, more than the four slots, with short
+    first messages (as an agent's sessions). Every chat comes back warm (at least 90% of its previous prompt
+    reused), and each new chat after the first reused the whole opening."""
     family = FAMILIES[name]
     sk = family_start(family)
     warm = [Chat(i, family.request) for i in range(2)]
     converse(warm, sk.port)
     converse(warm, sk.port)
-    new = [Chat(10 + i, family.request, system=OPENING) for i in range(10)]
+    new = [Chat(10 + i, family.request, system=OPENING, facts=2) for i in range(10)]  # short first messages
     n_opening = opening_tokens(sk.port, new[0])
     first_turns = [chat.turn(sk.port) for chat in new]  # sessions of an agent: no title requests between
     starts = [t["cache_n"] for t in first_turns[1:]]

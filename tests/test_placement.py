@@ -274,3 +274,18 @@ def test_of_the_entries_sharing_a_prefix_the_smallest_is_found(placement):
     for entry in (long_chat, opening):
         placement.store._index(entry)
     assert placement.store.lookup(block_keys(system + [3] * 320)) == (opening, 5)
+
+
+def test_a_slot_whose_chat_shares_only_the_opening_is_not_taken_for_continuing(placement):
+    """A new chat shares all of a short chat's blocks but its last (the opening is most of it): the slot holds
+    another chat, which must not be overwritten as if the request continued it."""
+    system = [7] * 320
+    opening = opening_entry(system)
+    placement.store._index(opening)
+    short_chat = system + [1] * 64  # the opening, a short first message and a reply: one block more
+    held(placement, 0, block_keys(short_chat), last_used=9.0)
+    request = system + [3] * 40
+    plan = placement._decide(block_keys(request), len(request), None, False, request,
+                             Opening(system, opening.exact, []))
+    assert (plan.slot.id, plan.outcome) != (0, "resident"), plan
+    assert plan.restore is opening

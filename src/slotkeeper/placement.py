@@ -317,14 +317,14 @@ class Placement:
         plan.keys = keys
         if self.extend_only and plan.restore is None:
             plan.erase = plan.slot.floor is not None and (tokens is None or not plan.slot.extended_by(tokens))
-        if (opening is not None and plan.outcome is Outcome.NEW and opening.key not in self._opening_saves
-                and self.store.find_exact(opening.key) is None):
+        if (opening is not None and plan.outcome is Outcome.NEW and len(opening.tokens) >= self.min_tokens
+                and opening.key not in self._opening_saves and self.store.find_exact(opening.key) is None):
             plan.opening = opening  # a new opening: saved before the request goes (once, however many come)
             self._opening_saves.add(opening.key)
         return plan
 
     async def _opening(self, chat: dict[str, Any], tokens: list[int]) -> Opening | None:
-        """The chat's opening, when it is worth an entry (at least --min-save-tokens) and the request extends it."""
+        """The chat's opening, when the request extends it (None when it is unknown)."""
         messages = chat.get("messages")
         turn = opening_turn(messages) if isinstance(messages, list) and self.policy is not CachePolicy.NONE else None
         if turn is None:
@@ -335,7 +335,7 @@ class Placement:
         except (TimeoutError, ConnectionError, ValueError, KeyError, TypeError) as exc:
             log.debug("the opening of a chat is unknown: %r", exc)
             return None
-        return opening if opening is not None and len(opening.tokens) >= self.min_tokens else None
+        return opening
 
     # ---- deciding (synchronous: decide and reserve in one step) -------------------------------------------
 
@@ -376,7 +376,7 @@ class Placement:
     def _decide(self, keys: list[str] | None, n_tokens: int, pinned: int | None, unpinnable: bool,
                 tokens: list[int] | None = None, opening: Opening | None = None) -> Plan | None:
         """The plan for a request whose prompt has these block keys (and tokens: extend-only models need them),
-        or None when it must wait for a slot. `opening`: the request's opening, when it is worth an entry."""
+        or None when it must wait for a slot. `opening`: the request's opening, when it is known."""
         if pinned is not None:
             slot = self.slots[pinned]
             if slot.busy:
@@ -395,7 +395,11 @@ class Placement:
                 and in_store >= shared + RESTORE_MIN_GAIN_BLOCKS and in_store * BLOCK_TOKENS >= self.min_tokens):
             victim = self._llama_choice(idle, keys, n_tokens) if unpinnable else self._victim(idle)
             return Plan(self._reserve(victim), restore=entry, write_back=True, outcome=Outcome.RESTORED)
-        if shared and self._holds(best, shared):
+        # A slot whose chat shares only the request's opening holds another chat, which a new chat would overwrite
+        # (on a hybrid, unless the slot is exactly at the opening, its live state may not even go back there).
+        other_chat = opening is not None and shared <= len(opening.tokens) // BLOCK_TOKENS and (
+            len(opening.tokens) // BLOCK_TOKENS < len(best.keys) or (self.extend_only and best.exact != opening.key))
+        if shared and self._holds(best, shared) and not other_chat:
             return Plan(self._reserve(best), outcome=Outcome.RESIDENT)
         if (shared * BLOCK_TOKENS >= self.min_tokens and shared * BRANCH_SHARE[1] >= len(best.keys) * BRANCH_SHARE[0]
                 and (start is None or shared >= len(start.keys) + RESTORE_MIN_GAIN_BLOCKS)):

@@ -2,18 +2,20 @@
 llama-server, side by side in one run.
 
 An agent opens every session with the same system prompt and tool definitions. Per model (the tiny llama,
-benchmark model E, and the tiny hybrid qwen35 with thinking off): one session runs (through slotkeeper, its
+benchmark model E with the Qwen3 template, which renders tools, and the tiny hybrid qwen35 with thinking
+off; the models of benchmarks/families.py): one session runs (through slotkeeper, its
 opening is saved then), the server is swapped out (SIGTERM to its process group, as llama-swap does) and
 started again, then --sessions new sessions run one after another, each one first turn. Which side runs first
 alternates per model. Prints, per session, first-token time and tokens reused (`timings.cache_n`) on both
 sides; then the medians, and the first session after the swap on its own (plain llama-server has nothing then).
 
-    uv run python benchmarks/openings.py [--sessions 10] [--tools 64] [--models llama,qwen35]
+    uv run python benchmarks/openings.py [--sessions 10] [--tools 16] [--models llama,qwen35]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import signal
@@ -30,6 +32,7 @@ from slotkeeper.cmdline import find_llama_server
 from slotkeeper.demo import PlainServer, Turn, clean_env, fmt_s, stream_chat
 from slotkeeper.entries import cache_root
 from slotkeeper.testing.harness import Slotkeeper, free_port, http_call
+from slotkeeper.testing.tinymodel import BENCH_MODEL_E, write_tiny_model
 
 SYSTEM = ("You are a coding agent working in the user's repository. Use the tools to read, search and change "
           "files; run the tests after every change; answer briefly.")
@@ -111,8 +114,8 @@ def run_side(side: str, model: Path, binary: str, work: Path, request: dict[str,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", type=int, default=10, help="new sessions after the swap (default 10)")
-    parser.add_argument("--tools", type=int, default=64, help="tool definitions in the opening (default 64: ~8k "
-                        "tokens on the test models' tokenizer)")
+    parser.add_argument("--tools", type=int, default=16, help="tool definitions in the opening (default 16: ~8k "
+                        "tokens on the tiny models' tokenizer)")
     parser.add_argument("--models", default="llama,qwen35", help="families of benchmarks/families.py")
     parser.add_argument("--keep", action="store_true", help="keep the working directory (logs, caches)")
     args = parser.parse_args()
@@ -128,6 +131,10 @@ def main() -> None:
             family = FAMILIES[name]
             request = {**family.request, "tools": definitions}
             model = model_file(family.model, cache)
+            if family.model == "llama":  # model E embeds no template; llama-server's default renders no tools
+                model = cache / "bench-llama-qwen3-template.gguf"
+                if not model.exists():
+                    write_tiny_model(model, dataclasses.replace(BENCH_MODEL_E, template="qwen3"))
             sides = ("plain", "slotkeeper") if i % 2 == 0 else ("slotkeeper", "plain")
             per_side = {}
             for side in sides:

@@ -136,6 +136,8 @@ def test_ten_new_chats_sharing_an_opening_leave_every_warm_chat_warm(name, famil
     assert status["entries"] == status["saved"] == 2, status
     if name != "llama":  # a live hybrid state goes back only to its checkpoints: each start is a restore
         assert status["hits"] >= 1 + 9, status
+    else:  # the idle chats left the KV cache before each long new prompt, and came back all the same
+        assert http_call(sk.port, "GET", "/slotkeeper/status").body["slots_parked"] > 0
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen35-thinking-off"])

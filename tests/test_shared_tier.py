@@ -84,7 +84,7 @@ def test_a_chat_processed_on_one_host_continues_warm_on_another(s3, host):
     prompt_tokens = first["timings"]["prompt_n"] + first["timings"]["cache_n"]
     stop(a)  # the stop-time save commits the entry locally; its upload goes on within the budget or resumes later
     assert "saved from slot" in a.logs()
-    ensure_uploaded(s3, host, "a")
+    ensure_uploaded(s3, host, "a", 2)  # the chat, and its opening (the system prompt)
     b = host("b", s3.env())
     again = turn(b, chat_body(0))
     assert again["timings"]["cache_n"] >= prompt_tokens - 1, (again["timings"], b.logs()[-3000:])
@@ -92,6 +92,24 @@ def test_a_chat_processed_on_one_host_continues_warm_on_another(s3, host):
     assert "fetched" in b.logs()
     status = http_call(b.port, "GET", "/slotkeeper/status").body
     assert status["remote"]["remote_hits"] >= 1 and status["remote"]["download_bytes"] > 0, status
+
+
+def test_a_new_chat_on_another_host_starts_from_the_opening_saved_on_the_first(s3, host):
+    """Host A saves a chat's opening (its system prompt) as it starts; host B, with an empty save directory,
+    starts another chat with that system prompt from the opening, fetched from the shared tier."""
+    a = host("a", s3.env())
+    turn(a, chat_body(0))
+    opening = a.call("GET", "/slotkeeper/status").body["openings"]["prefill_tokens"]
+    assert opening > 0, a.logs()[-3000:]
+    stop(a)
+    ensure_uploaded(s3, host, "a", 2)
+    b = host("b", s3.env())
+    other = {**chat_body(0), "messages": [chat_body(0)["messages"][0],
+                                          {"role": "user", "content": "Something else: the mountains, please."}]}
+    reply = turn(b, other)
+    assert reply["timings"]["cache_n"] >= opening, (reply["timings"], b.logs()[-3000:])
+    status = b.call("GET", "/slotkeeper/status").body
+    assert status["openings"]["hits"] == 1 and status["remote"]["download_bytes"] > 0, status
 
 
 def assert_cold(sk, reply: dict, prompt_tokens: int) -> None:

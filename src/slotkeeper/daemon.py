@@ -123,6 +123,7 @@ class Daemon:
             "on_demand_restores": self.metrics.on_demand_restores,
             "prefill_tokens_saved": self.metrics.prefill_tokens_saved,
             "prompt_tokenizations": self.metrics.prompt_tokenizations,
+            "slots_parked": self.metrics.slots_parked,
             "extend_only": {
                 "hits": self.metrics.extend_hits, "misses": dict(self.metrics.extend_misses),
                 "boundaries_reached": self.metrics.boundaries_reached,

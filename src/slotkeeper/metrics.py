@@ -67,6 +67,7 @@ class Metrics:
     opening_seconds: float = 0.0
     opening_hits: int = 0  # new chats that started from a saved opening (restored for them, or in their slot)
     opening_tokens_saved: int = 0  # the opening tokens those chats did not prefill
+    slots_parked: int = 0  # idle slots saved and erased before a long prefill on another slot
     memory: Callable[[], dict[str, Any]] = dict  # the model's memory kind and slotkeeper's cache policy
     remote: Callable[[], Any] = lambda: None  # remote.RemoteStats, with --remote-store
     store_entries: Callable[[], int] = lambda: 0
@@ -180,6 +181,8 @@ class _Collector:
                       values=m.opening_seconds)
         yield counter("opening_hits", "New chats that started from a saved opening", values=m.opening_hits)
         yield counter("opening_tokens_saved", "Opening tokens new chats did not prefill", values=m.opening_tokens_saved)
+        yield counter("slots_parked", "Idle slots saved and erased so that a long prompt on another slot attends "
+                      "over fewer KV cells", values=m.slots_parked)
         memory = m.memory()
         if memory:
             info = GaugeMetricFamily("slotkeeper_model_memory", "The model's memory kind and the cache policy",

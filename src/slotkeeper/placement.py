@@ -506,6 +506,8 @@ class Placement:
         try:
             if plan.write_back and self.policy is not CachePolicy.NONE and self._worth_keeping(slot):
                 await self.write_back(slot, "before it is reused")
+            if self.policy is CachePolicy.PREFIX and plan.cold >= self.min_tokens:
+                await self._park_idle(slot)  # first: what is restored or prefilled then lands in the freed cells
             if plan.restore is not None:
                 await self.restore_into(slot, plan.restore)
             elif plan.erase:
@@ -515,8 +517,6 @@ class Placement:
         finally:
             if plan.opening is not None:
                 self._opening_saves.discard(plan.opening.key)
-        if self.policy is CachePolicy.PREFIX and plan.cold >= self.min_tokens:
-            await self._park_idle(slot)
 
     async def _park_idle(self, active: Slot) -> None:
         """Before a long prefill on `active`, the other idle slots' chats leave the KV cache for the store (saved
@@ -525,7 +525,9 @@ class Placement:
         Why: with a unified KV cache (llama-server's default) a prompt attends over every cell in use, so each
         chat resident in another slot slows the prefill (measured on plain llama-server: 1.7 s alone, 2.6 s with
         three 2.6k-token chats resident, for the same 2.6k-token prompt). A parked chat comes back by a restore,
-        which costs milliseconds. A slot whose save fails keeps its chat."""
+        which costs milliseconds. Parking comes before the restore and the prefill: llama-server puts new cells
+        from the start of the cache again once most of it is free, and a prompt attends up to its highest cell.
+        A slot whose save fails keeps its chat."""
         for slot in self.slots:
             if slot is active or slot.busy or not (slot.keys or slot.tokens or slot.dirty or slot.entry):
                 continue

@@ -289,3 +289,39 @@ def test_a_slot_whose_chat_shares_only_the_opening_is_not_taken_for_continuing(p
                              Opening(system, opening.exact, []))
     assert (plan.slot.id, plan.outcome) != (0, "resident"), plan
     assert plan.restore is opening
+
+
+def test_a_short_chat_is_not_superseded_by_another_that_shares_its_opening():
+    """Two agent sessions: the same ~8k-token opening, first messages shorter than a block. The second's save
+    shares all of the first's blocks but its last, yet it is another chat; the first's next turn supersedes it."""
+    from slotkeeper.store import extends
+
+    opening = list(range(8026))
+    first = Entry("one1", 8091, 1, block_keys(opening + [1] * 65), 0, 0, {}, 4, "packed-1", units=["s", "o", "u1"])
+    second = Entry("two2", 8093, 1, block_keys(opening + [2] * 67), 0, 0, {}, 4, "packed-1", units=["s", "o", "u2"])
+    grown = Entry("one2", 8200, 1, block_keys(opening + [1] * 174), 0, 0, {}, 4, "packed-1",
+                  units=["s", "o", "u1", "a1", "u3"])
+    assert not extends(second, first)
+    assert extends(grown, first)
+
+
+def test_a_slot_whose_chat_differs_only_in_its_last_block_is_another_chat_by_its_messages(placement):
+    """A short session in a slot shares all but its last block with a new session (the slack `_holds` allows a
+    re-templated reply): the messages say it is another chat, so the slot is not taken as the new one's."""
+    system = [7] * 330  # 5 full blocks and a partial one
+    opening = opening_entry(system)
+    placement.store._index(opening)
+    # 7 blocks; both sessions' messages open alike ("Task: ..."), so the request shares 6 of them
+    held(placement, 0, block_keys(system + [1] * 54 + [5] * 70), last_used=9.0)
+    placement.slots[0].fast = FastKey(units=("s", "o", "u1"))
+    request = system + [1] * 54 + [6] * 70
+    new_session = FastKey(units=("s", "o", "u2"))
+    plan = placement._decide(block_keys(request), len(request), None, False, request,
+                             Opening(system, opening.exact, ["s", "o"]), new_session)
+    assert plan.slot.id != 0 and plan.restore is opening, plan
+    placement._release(plan.slot)
+    same_chat = FastKey(units=("s", "o", "u1", "a1", "u3"))  # its messages continue the slot's: the slack holds
+    grown = system + [1] * 54 + [5] * 70 + [3] * 10
+    plan = placement._decide(block_keys(grown), len(grown), None, False, grown,
+                             Opening(system, opening.exact, ["s", "o"]), same_chat)
+    assert (plan.slot.id, plan.outcome) == (0, "resident"), plan

@@ -625,9 +625,14 @@ def extends(new: Entry, old: Entry) -> bool:
     next prompt carries re-templated (a longer answer's blocks differ further back, and the older entry stays
     until the cap evicts it: the slack is kept small because a chat sharing only a system prompt must never
     supersede another).
-    An opening is never superseded: the chats that start from it all extend it.
+    An opening is never superseded: the chats that start from it all extend it. Nor is another chat: when both
+    were saved from chat requests, `old`'s request units (its settings and messages) must open `new`'s, or a new
+    chat whose opening is all but the last block of a short chat (an agent session after its tools) would
+    supersede it.
     """
     if old.id == new.id or old.opening or not old.keys or old.tokens > new.tokens:
+        return False
+    if old.units and new.units and new.units[: len(old.units)] != old.units:
         return False
     shared = common_keys(old.keys, new.keys)
     return shared >= len(old.keys) - SUPERSEDE_SLACK_BLOCKS and shared * 2 >= len(old.keys)

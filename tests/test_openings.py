@@ -170,3 +170,4 @@ def test_a_failed_opening_save_costs_only_the_entry(stub_slotkeeper):
     status = http_call(sk.port, "GET", "/slotkeeper/status").body
     assert status["openings"]["saved"] == 0 and status["placements"] == {"new": 1}, status  # placed all the same
     assert not [p for p in (sk.extra["save_dir"] / "entries").iterdir()]
+

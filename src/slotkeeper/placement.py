@@ -313,7 +313,7 @@ class Placement:
         if chat is not None and tokens is not None and pinned is None and path not in UNPINNABLE_PATHS:
             opening = await self._opening(chat, tokens)
         while (plan := self._decide(keys, len(tokens or ()), pinned, path in UNPINNABLE_PATHS, tokens,
-                                    opening)) is None:
+                                    opening, fast)) is None:
             await self._wait_freed()
         plan.keys = keys
         if tokens is not None and keys is not None:
@@ -378,7 +378,8 @@ class Placement:
         return None, 0
 
     def _decide(self, keys: list[str] | None, n_tokens: int, pinned: int | None, unpinnable: bool,
-                tokens: list[int] | None = None, opening: Opening | None = None) -> Plan | None:
+                tokens: list[int] | None = None, opening: Opening | None = None, fast: FastKey = NO_KEY,
+                ) -> Plan | None:
         """The plan for a request whose prompt has these block keys (and tokens: extend-only models need them),
         or None when it must wait for a slot. `opening`: the request's opening, when it is known."""
         if pinned is not None:
@@ -399,11 +400,7 @@ class Placement:
                 and in_store >= shared + RESTORE_MIN_GAIN_BLOCKS and in_store * BLOCK_TOKENS >= self.min_tokens):
             victim = self._llama_choice(idle, keys, n_tokens) if unpinnable else self._victim(idle)
             return Plan(self._reserve(victim), restore=entry, write_back=True, outcome=Outcome.RESTORED)
-        # A slot whose chat shares only the request's opening holds another chat, which a new chat would overwrite
-        # (on a hybrid, unless the slot is exactly at the opening, its live state may not even go back there).
-        other_chat = opening is not None and shared <= len(opening.tokens) // BLOCK_TOKENS and (
-            len(opening.tokens) // BLOCK_TOKENS < len(best.keys) or (self.extend_only and best.exact != opening.key))
-        if shared and self._holds(best, shared) and not other_chat:
+        if shared and self._holds(best, shared) and not self._other_chat(best, shared, opening, fast):
             return Plan(self._reserve(best), outcome=Outcome.RESIDENT)
         if (shared * BLOCK_TOKENS >= self.min_tokens and shared * BRANCH_SHARE[1] >= len(best.keys) * BRANCH_SHARE[0]
                 and (start is None or shared >= len(start.keys) + RESTORE_MIN_GAIN_BLOCKS)):
@@ -436,6 +433,21 @@ class Placement:
                              and shared >= len(found.keys) + RESTORE_MIN_GAIN_BLOCKS):
             return None
         return found
+
+    def _other_chat(self, slot: Slot, shared: int, opening: Opening | None, fast: FastKey) -> bool:
+        """The slot holds another chat that starts with the request's opening, though the request shares all its
+        blocks but the last (the slack `_holds` allows a re-templated reply): taking the slot as this chat's would
+        overwrite that chat unsaved. The request's messages tell (they do not continue the slot's), else its
+        blocks (the slot holds a block past the opening that the request does not share); on a hybrid the slot
+        must be exactly at the opening, as a live state may not go back there."""
+        if opening is None or shared > len(opening.tokens) // BLOCK_TOKENS + 1:
+            return False
+        units = slot.fast.units
+        if units and tuple(opening.units) == units[: len(opening.units)] and not slot.fast.continued_by(fast):
+            return slot.exact != opening.key
+        if shared <= len(opening.tokens) // BLOCK_TOKENS < len(slot.keys):
+            return True
+        return self.extend_only and slot.exact != opening.key
 
     def _holds_opening(self, slot: Slot, shared: int, opening: Entry) -> bool:
         """The slot holds all of the opening, so that llama-server reuses it there. On extend-only models only

@@ -9,6 +9,7 @@ when the request extends all of it. A restore must not change an answer.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from family_helpers import (
@@ -16,6 +17,7 @@ from family_helpers import (
     FAMILIES,
     LOGPROB_TOLERANCE,
     Chat,
+    Family,
     answer,
     converse,
     max_difference,
@@ -34,7 +36,7 @@ OPENING = "You are the support assistant of a small bookshop. " + " ".join(
     for i in range(38))
 OTHER_OPENING = "You are a terse translator. " + " ".join(f"Term {i} stays as it is." for i in range(60))
 MIN_SAVE_TOKENS = 400
-OPENING_FAMILIES = ["llama", "qwen35-thinking-off", "gemma3-swa-full"]
+OPENING_FAMILIES = ["llama", "qwen35-thinking-off", "qwen35-thinking-on", "gemma3-swa-full", "gemma3-270m-swa-full"]
 
 
 def opening_tokens(port: int, chat: Chat) -> int:
@@ -51,6 +53,18 @@ def openings_of(port: int) -> dict:
     return http_call(port, "GET", "/slotkeeper/status").body["openings"]
 
 
+def cold_answer(llama_server: str, model: Path, family: Family, chat: Chat, tmp_path: Path) -> tuple:
+    """The chat's answer from a plain llama-server with the same arguments, started cold."""
+    port = free_port()
+    plain = PlainServer(llama_server, ["-m", str(model), *BASE, *family.args, "-np", "2"], port,
+                        tmp_path / "plain.log", clean_env(llama_server))
+    try:
+        plain.wait_ready()
+        return answer(port, chat, chat.messages)
+    finally:
+        plain.stop()
+
+
 @pytest.mark.parametrize("name", OPENING_FAMILIES)
 def test_after_a_swap_a_new_chat_reuses_its_whole_saved_opening_and_answers_as_a_cold_run(
         name, family_start, llama_server, family_models, request, tmp_path):
@@ -61,7 +75,7 @@ def test_after_a_swap_a_new_chat_reuses_its_whole_saved_opening_and_answers_as_a
     sk = family_start(family, "-np", "2")
     first = Chat(0, family.request, system=OPENING)
     n_opening = opening_tokens(sk.port, first)
-    assert 1500 <= n_opening <= 3000, n_opening
+    assert 700 <= n_opening <= 3000, n_opening  # about 2k on the tiny models' tokenizer, 800 on Gemma's
     first.turn(sk.port)
     assert openings_of(sk.port)["saved"] == 1, sk.logs()[-3000:]
     others = [Chat(i, family.request, system=OTHER_OPENING) for i in (1, 2)]
@@ -75,15 +89,7 @@ def test_after_a_swap_a_new_chat_reuses_its_whole_saved_opening_and_answers_as_a
     assert openings_of(sk2.port)["hits"] == 1
     warm = answer(sk2.port, new, new.messages)  # the slot now holds this chat: its own prefix is reused
 
-    cold_port = free_port()
-    plain = PlainServer(llama_server, ["-m", str(model_path(family.model, family_models, request)), *BASE,
-                                       *family.args, "-np", "2"], cold_port, tmp_path / "plain.log",
-                        clean_env(llama_server))
-    try:
-        plain.wait_ready()
-        cold = answer(cold_port, new, new.messages)
-    finally:
-        plain.stop()
+    cold = cold_answer(llama_server, model_path(family.model, family_models, request), family, new, tmp_path)
     print("max logprob difference warm vs cold:", max_difference(warm, cold))
     assert same_answer(warm, cold, LOGPROB_TOLERANCE), (warm, cold)
 
@@ -101,15 +107,7 @@ def test_a_new_chat_after_a_swap_answers_from_its_restored_opening_as_a_cold_run
     new = Chat(3, family.request, system=OPENING)
     warm = answer(sk2.port, new, new.messages)
     assert openings_of(sk2.port)["hits"] == 1, sk2.logs()[-3000:]
-    cold_port = free_port()
-    plain = PlainServer(llama_server, ["-m", str(model_path(family.model, family_models, request)), *BASE,
-                                       *family.args, "-np", "2"], cold_port, tmp_path / "plain.log",
-                        clean_env(llama_server))
-    try:
-        plain.wait_ready()
-        cold = answer(cold_port, new, new.messages)
-    finally:
-        plain.stop()
+    cold = cold_answer(llama_server, model_path(family.model, family_models, request), family, new, tmp_path)
     assert same_answer(warm, cold, LOGPROB_TOLERANCE), (warm, cold, max_difference(warm, cold))
 
 

@@ -413,6 +413,10 @@ class Placement:
                     and (start is None or self._holds_opening(s, n, start))]
         if reusable:
             return Plan(self._reserve(max(reusable, key=lambda p: p[1])[0]), outcome=Outcome.NEW)
+        if start is not None and not self.extend_only and shared >= len(start.keys):
+            # Its opening is live in `best`: the chat there is written back and llama-server reuses the opening
+            # in place, as it would on its own (measured faster than restoring the opening into another slot).
+            return Plan(self._reserve(best), write_back=True, outcome=Outcome.NEW)
         victim = self._victim(idle)
         if start is not None:  # its saved opening, restored into the victim (when that beats prefilling it)
             there = self._shared(victim, keys, tokens)

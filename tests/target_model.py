@@ -56,10 +56,16 @@ def _query_component(raw: bytes) -> str:
 
 
 def read_params(query: bytes) -> dict[str, str]:
-    """A query's parameters as llama-server's handlers see them: decoded, the last value of a name winning."""
+    """A query's parameters as llama-server's handlers see them: decoded, the last value of a name winning; a piece
+    that repeats an earlier one byte for byte is dropped (cpp-httplib's parse_query_text keeps a set of them), so
+    in `action=a=b&action=x&action=a=b` the last value is `x`."""
     params: dict[str, str] = {}
+    seen: set[bytes] = set()
     for piece in query.split(b"&"):
         piece = piece.strip(b" \t")  # cpp-httplib's split() trims each piece
+        if piece in seen:
+            continue
+        seen.add(piece)
         name, _, value = piece.partition(b"=")
         if name:
             params[_query_component(name)] = _query_component(value)

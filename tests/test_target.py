@@ -308,7 +308,7 @@ ISSUE_CASES = [  # the issue's and this module's own: always run
     b"/slots/1?action=bogus&action=erase", b"/slots/1?action=erase&action=bogus", b"/slots/+7x/?act%69on=erase",
     b"/slots/-1?action=save", b"/slots/0/?action=restore", b"http://h/slots/0?action=erase", b"%2Fslots/0?action=erase",
     b"/slots/1%00?action=erase", b"/slotkeeper%2Fstatus", b"/he%61lth", b"/slots/%201?action=erase",
-    b"/slots/%0A1/?action=erase&action=er%61se",
+    b"/slots/%0A1/?action=erase&action=er%61se", b"/slots/0?action=save=save&action=save&action=save=save",
 ]
 
 

@@ -14,7 +14,8 @@ urllib:
   (``http://host/completion``) is a path as it stands, which no route matches.
 * Routes match the decoded path exactly (``PathParamsMatcher``; ``/slots/:id_slot`` takes one segment, a
   trailing ``/`` allowed).
-* ``parse_query_text``: the query is split at every ``&`` (empty pieces dropped), each piece at its first
+* ``parse_query_text``: the query is split at every ``&`` (empty pieces, and pieces repeating an earlier one
+  byte for byte, dropped), each piece at its first
   ``=`` (no ``=``: an empty value; an empty raw name: dropped); ``decode_query_component`` decodes names and
   values: ``%XX`` a byte (an incomplete or non-hex one stays), ``+`` a space.
 * ``server-http.cpp``'s ``get_params``: ``req.get_param(name)`` is the *last* value given for a name, and a

@@ -28,6 +28,7 @@ import asyncio
 import enum
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +42,7 @@ from .policy import CachePolicy
 from .prefix import BLOCK_TOKENS, block_keys, common_keys, exact_key, extends_exactly, unit_keys
 from .proxy.hook import Placed
 from .replies import ReplyReader
-from .store import ConversationStore, Entry, SaveFailure
+from .store import ConversationStore, Entry, SaveFailure, SaveResult
 
 CHAT_PATHS = frozenset({"/chat/completions", "/v1/chat/completions", "/v1/responses", "/responses", "/v1/messages"})
 PROMPT_PATHS = frozenset({"/completion", "/completions", "/v1/completions", "/infill"})
@@ -527,7 +528,7 @@ class Placement:
             if plan.restore is not None:
                 await self.restore_into(slot, plan.restore)
             elif plan.erase:
-                await self.erase(slot)
+                await self.erase(slot, "erased: the request does not extend the chat restored there")
             if plan.opening is not None:
                 await self._save_opening(slot, plan.opening)
         finally:
@@ -553,14 +554,9 @@ class Placement:
                     await self.write_back(slot, f"parked: a long prompt runs on slot {active.id}")
                 if self._worth_keeping(slot):
                     continue  # not saved: it stays
-                label = slot.label
-                reply = await self.client.slot_action(slot.id, "erase")
-                if not reply.ok:
-                    continue
-                slot.clear()
+                await self.erase(slot, f"parked (chat {slot.label or '-'} is in the store): its KV cells are freed "
+                                       f"for a long prompt on slot {active.id}")
                 self.metrics.slots_parked += 1
-                log.info("slot %d parked (chat %s is in the store): its KV cells are freed for a long prompt on "
-                         "slot %d", slot.id, label or "-", active.id)
             except (ConnectionError, TimeoutError) as exc:
                 log.debug("slot %d not parked: %r", slot.id, exc)
             finally:
@@ -572,25 +568,20 @@ class Placement:
         if not slot.may_reach(opening.tokens):
             return  # a restored state that goes past it: this slot cannot go back there
         try:
-            reached = await self.boundaries.reach(slot.id, opening.tokens)
+            reached, result = await self._reach_and_save(slot, opening.tokens, opening.key, opening.units, _never,
+                                                         True)
         except (ConnectionError, ValueError) as exc:
-            reached = None
+            reached = result = None
             log.debug("reaching an opening failed: %r", exc)
-        if reached is None:
+        if reached is None or result is None:
             slot.changed_unseen()
             log.warning("opening not saved: llama-server did not take slot %d to it", slot.id)
             return
-        self._measured(reached)
         self.metrics.opening_reached(reached.prefilled, reached.seconds)
-        slot.hold(None, block_keys(opening.tokens), len(opening.tokens))
-        slot.exact = opening.key
-        result = await self.store.save_slot(slot.id, self._expected_bytes(slot), opening.units,
-                                            boundary=opening.tokens, supersedes=_never, opening=True)
         if result.entry is None:
             log.warning("opening not saved from slot %d: %s", slot.id, result.reason)
             return
         entry = result.entry
-        slot.hold(entry, entry.keys, entry.tokens)
         slot.exact = entry.exact
         self.metrics.openings_saved += 1
         log.info("opening %s saved from slot %d at its turn boundary (before the first user message, for the chats "
@@ -617,14 +608,15 @@ class Placement:
         if reached.prefilled >= BLOCK_TOKENS and reached.seconds > 0:
             self._measured_prefill = reached.prefilled / reached.seconds
 
-    async def erase(self, slot: Slot) -> None:
-        """Empty a (reserved) slot whose restored state the request does not extend: llama-server would reuse a
-        state it cannot roll back (a wasted prefill) or, with sliding-window attention, answer wrongly."""
+    async def erase(self, slot: Slot, why: str) -> None:
+        """Empty a (reserved) slot: one whose restored state the request does not extend (llama-server would
+        reuse a state it cannot roll back, a wasted prefill, or with sliding-window attention answer wrongly),
+        or an idle one parked before a long prefill. `why` ends the log line."""
         reply = await self.client.slot_action(slot.id, "erase")
         if not reply.ok:
             raise ConnectionError(f"erasing slot {slot.id} failed: {reply.status} {reply.error}")
         slot.clear()
-        log.info("slot %d erased: the request does not extend the chat restored there", slot.id)
+        log.info("slot %d %s", slot.id, why)
 
     async def write_back(self, slot: Slot, why: str, deadline: float | None = None, *, live: bool = False) -> bool:
         """Save a (reserved) slot's content as an entry (extend-only models: at its turn boundaries); True when
@@ -687,33 +679,46 @@ class Placement:
         if existing is not None:
             self.store.touch(existing)
             return existing, False
-        if slot.exact == key:  # brought there once its turn was over
-            reached = Reached(len(tokens), 0, 0.0)
-        else:
-            went = await self.boundaries.reach(slot.id, tokens)
-            if went is None:
-                log.warning("slot %d not saved (%s): llama-server did not take it to its turn boundary", slot.id,
-                            why)
-                return None, False
-            reached = went
-            self._measured(reached)
+        reached, result = await self._reach_and_save(slot, tokens, key, chat_units(chat, turn.history),
+                                                     self._older_boundary, is_opening(turn))
+        if reached is None or result is None:
+            log.warning("slot %d not saved (%s): llama-server did not take it to its turn boundary", slot.id, why)
+            return None, False
+        if reached.seconds:
             self.metrics.boundary_reached(reached.prefilled, reached.seconds)
-        slot.hold(None, block_keys(tokens), len(tokens))
-        slot.exact = key
-        units = chat_units(chat, turn.history)
-        result = await self.store.save_slot(slot.id, self._expected_bytes(slot), units, boundary=tokens,
-                                            supersedes=self._older_boundary, opening=is_opening(turn))
         if result.entry is None:
             log.warning("slot %d not saved (%s): %s; its previous entries are kept", slot.id, why, result.reason)
             return None, True
         entry = result.entry
-        slot.hold(entry, entry.keys, entry.tokens)
         superseding = f", superseding {result.superseded}" if result.superseded else ""
         how = (f"{reached.prefilled:,} prefilled to reach it in {fmt_ms(reached.seconds)}" if reached.seconds
                else "the slot was there already")
         log.info("chat %s saved from slot %d at its turn boundary (%s): %s tokens (%s), %s in %s%s", entry.short,
                  slot.id, why, f"{entry.tokens:,}", how, fmt_bytes(entry.nbytes), fmt_ms(result.seconds), superseding)
         return entry, True
+
+    async def _reach_and_save(
+        self, slot: Slot, tokens: list[int], key: str, units: list[str],
+        supersedes: Callable[[Entry, Entry], bool], opening: bool,
+    ) -> tuple[Reached | None, SaveResult | None]:
+        """Bring the (reserved) slot to exactly `tokens` (`key`), unless it is there already (`Reached` with no
+        time spent), and save it as a boundary entry, which the slot then holds; (None, None) when llama-server
+        did not take it there. Turn boundaries and openings are saved alike."""
+        if slot.exact == key:  # brought there once its turn was over
+            reached = Reached(len(tokens), 0, 0.0)
+        else:
+            went = await self.boundaries.reach(slot.id, tokens)
+            if went is None:
+                return None, None
+            reached = went
+            self._measured(reached)
+        slot.hold(None, block_keys(tokens), len(tokens))
+        slot.exact = key
+        result = await self.store.save_slot(slot.id, self._expected_bytes(slot), units, boundary=tokens,
+                                            supersedes=supersedes, opening=opening)
+        if result.entry is not None:
+            slot.hold(result.entry, result.entry.keys, result.entry.tokens)
+        return reached, result
 
     def _older_boundary(self, new: Entry, old: Entry) -> bool:
         """A chat keeps its latest boundary and the one before it: a new boundary supersedes the chat's

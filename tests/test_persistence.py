@@ -36,6 +36,7 @@ from store_helpers import (
 )
 from stub import encode_slot_file, tokenize
 
+from slotkeeper.entries import file_checksum
 from slotkeeper.testing.harness import pid_alive, read_events, wait_until
 
 # 360 bytes (the stub's tokens are bytes): over --min-save-tokens' 256, so it is worth an entry
@@ -137,10 +138,27 @@ def test_1b_leftovers_of_an_interrupted_save_are_removed_never_used(stub_slotkee
 
 
 def test_3a_random_bytes_are_quarantined(stub_slotkeeper):
-    """3. An entry file of random bytes (its manifest's size): quarantined with its manifest, cold, ready."""
+    """3. An entry file of random bytes (its manifest's size): its checksum no longer matches, so it is
+    quarantined with its manifest before llama-server ever reads it; cold, ready."""
     save_dir, entry = saved_cache(stub_slotkeeper)
     cache = entry_bin(save_dir, entry)
     cache.write_bytes(os.urandom(cache.stat().st_size))
+    sk2 = stub_slotkeeper("-np", "1")
+    assert f"entry {entry[:4]} quarantined (its file changed on disk: the content checksum does not match)" \
+        in sk2.logs(), sk2.logs()
+    assert not restores(sk2), "a file that failed its checksum was handed to llama-server"
+    assert complete(sk2)["timings"]["cache_n"] == 0
+    assert entry not in entry_ids(save_dir) and not cache.exists() and not manifest_path(save_dir, entry).exists()
+    assert sorted(p.suffix for p in quarantine_dir(save_dir).iterdir()) == [".bin", ".json"]
+
+
+def test_3a_a_file_llama_server_refuses_is_quarantined(stub_slotkeeper):
+    """3. An entry whose checksum matches but that llama-server refuses (random bytes, checksum taken again):
+    quarantined with its manifest, cold, ready."""
+    save_dir, entry = saved_cache(stub_slotkeeper)
+    cache = entry_bin(save_dir, entry)
+    cache.write_bytes(os.urandom(cache.stat().st_size))
+    edit_manifest(save_dir, entry, lambda m: m.update(checksum=file_checksum(cache)))
     sk2 = stub_slotkeeper("-np", "1")
     assert f"entry {entry[:4]} quarantined (llama-server refused it" in sk2.logs()
     assert complete(sk2)["timings"]["cache_n"] == 0

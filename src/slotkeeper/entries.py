@@ -5,8 +5,11 @@ the commit). The store writes and opens them, the shared tier uploads and adopts
 `prune` look at them without a running server. All three read pairs through this module, so that `ls` says of
 an entry exactly what the next start does with it: `judge()` is the store's rule itself, not a copy of it.
 
-Only the stdlib and slotkeeper's stdlib-only modules are imported here: the command line (`cmdline`) needs the
-cache root before llama-server starts, and `slotkeeper ls` needs no HTTP stack.
+Only the stdlib, xxhash (the content checksum) and slotkeeper's stdlib-only modules are imported here: the
+command line (`cmdline`) needs the cache root before llama-server starts, and `slotkeeper ls` needs no HTTP stack.
+
+One rule for links: a symbolic link (or anything but a regular file) in entries/ is never followed, read or
+used, and left as it is. A store that followed a `.bin` linked to `/etc/passwd` would hand it to llama-server.
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ import enum
 import json
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from .fingerprint import first_difference, shareable
 from .prefix import BLOCK_TOKENS
@@ -59,11 +65,59 @@ def is_state_file(path: Path) -> bool:
 
 
 def file_size(path: Path) -> int | None:
-    """The size of a file, None when it cannot be looked at (gone, most likely)."""
+    """The size of a regular file, never following a link; None when it is gone, a link or not a file."""
     try:
-        return path.stat().st_size
+        st = path.lstat()
     except OSError:
         return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def is_link(path: Path) -> bool:
+    """Whether a name in a store is a link or anything else but a regular file (never followed: see above)."""
+    try:
+        return not stat.S_ISREG(path.lstat().st_mode)
+    except OSError:
+        return False  # gone
+
+
+def discard(path: Path) -> bool:
+    """Remove a file slotkeeper made, if it is there; False when it is there and cannot be removed.
+
+    For cleanup after a failure: on a read-only filesystem even `unlink(missing_ok=True)` of a missing name
+    raises EROFS, and a cleanup that raises would hide the failure it cleans up after. What is left is a
+    transient or partial name, removed at the next start.
+    """
+    try:
+        path.unlink(missing_ok=True)
+        return True
+    except OSError:
+        return not os.path.lexists(path)
+
+
+# ---- the content checksum -----------------------------------------------------------------------------------------
+
+CHECKSUM_ALGORITHM = "xxh3_128"
+_CHUNK = 8 << 20
+
+
+def file_checksum(path: Path) -> str:
+    """`xxh3_128:<hex>` of a file's bytes: taken when an entry is saved, checked before it is restored.
+
+    xxh3 is not cryptographic: it guards against rot and truncation, not against someone who can write the
+    store (who could write a manifest as well). It hashes at memory speed, so the check costs a small share of
+    the restore it guards. The file is read in place into one reused buffer.
+    """
+    digest = xxhash.xxh3_128()
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a link is never followed (ELOOP)
+    try:
+        while n := os.readv(fd, [view]):
+            digest.update(view[:n])
+    finally:
+        os.close(fd)
+    return f"{CHECKSUM_ALGORITHM}:{digest.hexdigest()}"
 
 
 # ---- durable writes ---------------------------------------------------------------------------------------------
@@ -94,14 +148,22 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
 
 
 def write_json_atomic(path: Path, data: dict[str, Any], fsync: bool) -> None:
-    """Write to `<name>.partial`, fsync, rename over `path`, fsync the directory: a reader sees all or nothing."""
+    """Write to `<name>.partial`, fsync, rename over `path`, fsync the directory: a reader sees all or nothing.
+
+    A write that fails (a full disk) removes its partial file: left behind, it would hold the space that the
+    next save needs.
+    """
     partial = path.with_name(path.name + PARTIAL_SUFFIX)
-    with open(partial, "w", encoding="utf-8") as f:
-        json.dump(data, f, separators=(",", ":"))
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(partial, path)
+    try:
+        with open(partial, "w", encoding="utf-8") as f:
+            json.dump(data, f, separators=(",", ":"))
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        discard(partial)
+        raise
     if fsync:
         fsync_path(path.parent)
 
@@ -141,6 +203,7 @@ class Entry:
     boundary: bool = False  # saved at a turn boundary: a prefix of what its chat's next request sends
     opening: bool = False  # a shared opening (system prompt, tools): what new chats start from, not a chat
     uses: int = 0  # openings: the chats that started from it
+    checksum: str = ""  # file_checksum() of its file ("" in manifests older than this field: not checked)
 
     def manifest(self) -> dict[str, Any]:
         return {
@@ -149,6 +212,7 @@ class Entry:
             "fingerprint": self.fingerprint, "format": {"seq_version": self.seq_version, "layout": self.layout},
             "llama_server": self.server, "block_tokens": BLOCK_TOKENS, "blocks": self.keys, "units": self.units,
             "exact": self.exact, "boundary": self.boundary, "opening": self.opening, "uses": self.uses,
+            "checksum": self.checksum,
         }
 
     @classmethod
@@ -163,7 +227,7 @@ class Entry:
             layout=str(fmt.get("layout", "")), server=dict(data.get("llama_server") or {}),
             units=list(data.get("units") or []), save_ms=data.get("save_ms"), exact=str(data.get("exact") or ""),
             boundary=bool(data.get("boundary", False)), opening=bool(data.get("opening", False)),
-            uses=int(data.get("uses") or 0),
+            uses=int(data.get("uses") or 0), checksum=str(data.get("checksum") or ""),
         )
 
     @property
@@ -201,6 +265,7 @@ class Status(enum.StrEnum):
     NO_BIN = "no_bin"  # a manifest whose file is gone: the manifest is dropped
     BAD_MANIFEST = "bad_manifest"  # kept as it is, never used (damaged, or another slotkeeper version's)
     INTERRUPTED_SAVE = "interrupted_save"  # a file without a manifest: removed
+    LINK = "link"  # a link (or not a regular file) under an entry's name: never followed, left as it is
     # the other places a pair may lie
     QUARANTINED = "quarantined"  # quarantine/: moved aside, never used again
     SLOT_FILE = "slot_file"  # <n>.bin + <n>.json of the slot-file layout: taken over at the next start
@@ -224,15 +289,18 @@ class Verdict:
 
 def judge(
     manifest: Mapping[str, Any] | None, size: int | None, fingerprint: dict[str, Any] | None = None,
-    current_format: tuple[int, str] | None = None, *, committed: bool = True,
+    current_format: tuple[int, str] | None = None, *, committed: bool = True, link: bool = False,
 ) -> Verdict:
     """What slotkeeper makes of the pair `entries/<id>.bin` + `entries/<id>.json`; pure, so that every reader
     of a store (ConversationStore.open and adopt, `slotkeeper ls`) judges alike.
 
     `manifest` is read_manifest()'s answer (None: unreadable), `committed` whether there is a manifest file at
     all, `size` the .bin's (None: missing). `fingerprint` and `current_format` are the configuration and the
-    state format it is judged against; None leaves that check out (not known yet).
+    state format it is judged against; None leaves that check out (not known yet). `link`: either name is a
+    link or not a regular file (is_link), whatever it points to.
     """
+    if link:
+        return Verdict(Status.LINK, "a link, not a file: never followed, left as it is")
     if not committed:
         return Verdict(Status.INTERRUPTED_SAVE, "a file without a manifest: an interrupted save")
     if manifest is None:

@@ -47,6 +47,7 @@ class Metrics:
     saved_tokens: int = 0
     save_failures: collections.Counter[str] = field(default_factory=collections.Counter)  # by reason
     quarantines: int = 0
+    checksum_seconds: float = 0.0  # spent checking entries' files against their checksums before restores
     placements: collections.Counter[str] = field(default_factory=collections.Counter)  # by outcome
     on_demand_restores: int = 0
     remote_fetches: int = 0  # entries downloaded from the shared tier for a request
@@ -145,6 +146,8 @@ class _Collector:
         yield counter("saved_tokens", "Tokens of slot cache saved", values=m.saved_tokens)
         yield counter("save_failures", "Failed or abandoned slot saves, by reason", "reason", dict(m.save_failures))
         yield counter("quarantines", "Cache files moved to quarantine/", values=m.quarantines)
+        yield counter("checksum_seconds", "Time spent checking entries against their checksums before restores",
+                      values=m.checksum_seconds)
         yield counter("placements", "Completion requests placed: resident (hit), restored (on demand), new, branch "
                       "(a miss), pinned (the client chose), unplaced (tokens unknown)", "outcome", dict(m.placements))
         yield counter("on_demand_restores", "Entries restored into a slot for a request", values=m.on_demand_restores)

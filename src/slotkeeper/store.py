@@ -15,6 +15,10 @@ Nothing lost, by construction:
 * A save never overwrites: every save is a new entry, committed by its manifest (fsync, rename, fsync the
   directory), and only then are the entries it extends removed. A crash at any step leaves the previous
   entries whole; an entry file without a manifest is an interrupted save and is removed at the next start.
+* A save that fails, whatever the error (a full disk, a read-only remount), removes everything it made before
+  it returns: a file left behind would hold the space the next save needs.
+* Every entry carries a checksum of its file, checked before each restore: a file that rotted on disk is
+  quarantined, never restored (it would make the model answer from a state it never had).
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ import asyncio
 import contextlib
 import enum
 import errno
+import heapq
 import os
 import secrets
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -41,8 +47,11 @@ from .entries import (
     Entry,
     Status,
     compatible_format,
+    discard,
+    file_checksum,
     file_size,
     fsync_path,
+    is_link,
     is_slot_name,
     is_state_file,
     judge,
@@ -145,7 +154,15 @@ class ConversationStore:
         self.entries: dict[str, Entry] = {}  # usable by this configuration
         self.skipped: dict[str, str] = {}  # entry id -> why it is kept but not used
         self._kept: dict[str, Entry] = {}  # those entries (they count against the cap, and can be evicted)
-        self._by_key: dict[str, set[str]] = {}
+        # Indexes, kept by _index/_unindex alone, so that no request or save scans the store (tens of thousands
+        # of entries after a few weeks of agent sessions). Most block keys belong to one entry: their value is
+        # that entry's id, a set only once several share the key.
+        self._by_key: dict[str, str | set[str]] = {}
+        self._by_last: dict[str, list[str]] = {}  # its last block key ("" without a full block) -> entry ids
+        self._by_exact: dict[str, list[str]] = {}  # exact key -> entry ids
+        self._opening_ids: set[str] = set()
+        self._totals = _Totals()  # running sums over self.entries
+        self._kept_bytes = 0  # ... and over self._kept
         self._pending: set[asyncio.Future[Any]] = set()  # manifest updates (last use) written in the background
         self.bytes_per_s: float | None = None  # measured save speed
         self.restore_bytes_per_s: float | None = None  # measured restore speed (the last restore's)
@@ -159,20 +176,41 @@ class ConversationStore:
         prepare_layout(self.root)
         self._remove_transients()
         self._take_over_slot_files()
-        for partial in sorted(self.entries_dir.glob(f"*{PARTIAL_SUFFIX}")):  # manifests, downloads
-            partial.unlink(missing_ok=True)
-        for bin_path in self.entries_dir.glob(f"*{BIN_SUFFIX}"):
-            entry_id = bin_path.name.removesuffix(BIN_SUFFIX)
-            if not pair_paths(self.entries_dir, entry_id)[1].exists():  # saved, never committed: an interrupted save
-                bin_path.unlink(missing_ok=True)
+        bins: dict[str, os.DirEntry[str]] = {}
+        manifests: dict[str, os.DirEntry[str]] = {}
+        with os.scandir(self.entries_dir) as listing:  # one pass; lstat answers, links never followed
+            for item in listing:
+                if item.name.endswith(PARTIAL_SUFFIX):  # manifests, downloads
+                    if item.is_file(follow_symlinks=False):
+                        discard(Path(item.path))
+                elif item.name.endswith(BIN_SUFFIX):
+                    bins[item.name.removesuffix(BIN_SUFFIX)] = item
+                elif item.name.endswith(MANIFEST_SUFFIX):
+                    manifests[item.name.removesuffix(MANIFEST_SUFFIX)] = item
+        links = 0
+        for entry_id, item in bins.items():
+            if not item.is_file(follow_symlinks=False):
+                links += 1
+            elif entry_id not in manifests:  # saved, never committed: an interrupted save
+                discard(Path(item.path))
                 log.info("removed entry %s left by an interrupted save", entry_id[:4])
         unreadable = 0
-        for manifest_path in list(self.entries_dir.glob(f"*{MANIFEST_SUFFIX}")):
-            data = read_manifest(manifest_path)
+        for entry_id, item in manifests.items():
+            bin_item = bins.get(entry_id)
+            if not item.is_file(follow_symlinks=False):
+                links += bin_item is None or bin_item.is_file(follow_symlinks=False)  # a link pair counts once
+                continue
+            if bin_item is not None and not bin_item.is_file(follow_symlinks=False):
+                continue  # counted with the bins
+            data = read_manifest(Path(item.path))
             if data is None:
                 unreadable += 1  # another slotkeeper version's, or damaged: kept as it is, not used
             else:
-                self._admit(manifest_path.name.removesuffix(MANIFEST_SUFFIX), data)
+                self._admit(entry_id, data, None if bin_item is None else bin_item.stat(follow_symlinks=False).st_size)
+        if links:
+            log.warning("%d entr%s in %s %s a link or not a file: never followed, left as %s", links,
+                        "y" if links == 1 else "ies", self.entries_dir, "is" if links == 1 else "are",
+                        "it is" if links == 1 else "they are")
         if unreadable:
             log.warning("%d entr%s with a manifest this slotkeeper cannot read: kept, not used", unreadable,
                         "y" if unreadable == 1 else "ies")
@@ -182,13 +220,14 @@ class ConversationStore:
         for reason, count in reasons.items():
             log.warning("%d entr%s kept but not used: %s", count, "y" if count == 1 else "ies", reason)
 
-    def _admit(self, entry_id: str, data: dict[str, Any]) -> None:
-        """Index a committed entry, or set it aside, as entries.judge() says (`slotkeeper ls` asks it too)."""
-        bin_path, manifest_path = pair_paths(self.entries_dir, entry_id)
-        verdict = judge(data, file_size(bin_path), self.fingerprint)
+    def _admit(self, entry_id: str, data: dict[str, Any], size: int | None) -> None:
+        """Index a committed entry, or set it aside, as entries.judge() says (`slotkeeper ls` asks it too).
+        `size` is its regular .bin file's (None: missing)."""
+        manifest_path = pair_paths(self.entries_dir, entry_id)[1]
+        verdict = judge(data, size, self.fingerprint)
         match verdict.status, verdict.entry:
             case Status.NO_BIN, _:  # a manifest whose file is gone (removed by hand): nothing to keep
-                manifest_path.unlink(missing_ok=True)
+                discard(manifest_path)
             case Status.USABLE, Entry() as entry:
                 self._index(entry)
             case Status.WRONG_SIZE, Entry() as entry:
@@ -200,21 +239,60 @@ class ConversationStore:
 
     def _keep_unused(self, entry: Entry, reason: str) -> None:
         self.skipped[entry.id] = reason
+        if entry.id not in self._kept:
+            self._kept_bytes += entry.nbytes
         self._kept[entry.id] = entry
 
     def _index(self, entry: Entry) -> None:
+        if entry.id in self.entries:
+            return
+        # What most entries repeat is shared, not copied: this configuration's fingerprint and server, and
+        # (interned) the block keys and request units of common openings. A store of 20,000 entries is then a
+        # few tens of MB, not hundreds.
+        if entry.fingerprint == self.fingerprint:
+            entry.fingerprint = self.fingerprint
+        if entry.server == self.server:
+            entry.server = self.server
+        entry.keys = [sys.intern(k) for k in entry.keys]
+        entry.units = [sys.intern(u) for u in entry.units]
         self.entries[entry.id] = entry
+        by_key = self._by_key
         for key in entry.keys:
-            self._by_key.setdefault(key, set()).add(entry.id)
+            ids = by_key.get(key)
+            if ids is None:
+                by_key[key] = entry.id
+            elif isinstance(ids, str):
+                by_key[key] = {ids, entry.id}
+            else:
+                ids.add(entry.id)
+        self._by_last.setdefault(entry.keys[-1] if entry.keys else "", []).append(entry.id)
+        if entry.exact:
+            self._by_exact.setdefault(entry.exact, []).append(entry.id)
+        if entry.opening:
+            self._opening_ids.add(entry.id)
+        self._totals.add(entry, 1)
 
     def _unindex(self, entry: Entry) -> None:
-        self.entries.pop(entry.id, None)
+        if self.entries.pop(entry.id, None) is None:
+            return
+        by_key = self._by_key
         for key in entry.keys:
-            ids = self._by_key.get(key)
-            if ids is not None:
+            ids = by_key.get(key)
+            if ids == entry.id:
+                del by_key[key]
+            elif isinstance(ids, set):
                 ids.discard(entry.id)
-                if not ids:
-                    del self._by_key[key]
+                if len(ids) == 1:
+                    by_key[key] = next(iter(ids))
+        _drop(self._by_last, entry.keys[-1] if entry.keys else "", entry.id)
+        if entry.exact:
+            _drop(self._by_exact, entry.exact, entry.id)
+        self._opening_ids.discard(entry.id)
+        self._totals.add(entry, -1)
+
+    def _holding(self, key: str) -> Iterable[str]:
+        ids = self._by_key.get(key, ())
+        return (ids,) if isinstance(ids, str) else ids
 
     def _remove_transients(self) -> None:
         for leftover in self.snapshots_dir.glob(f"{TRANSIENT_PREFIX}*"):
@@ -292,32 +370,37 @@ class ConversationStore:
                 hi = mid - 1
         if lo == 0:
             return None, 0
-        ids = by_key[keys[lo - 1]]
-        best = min((self.entries[i] for i in ids), key=lambda e: (e.tokens, -e.last_used))
+        best = min((self.entries[i] for i in self._holding(keys[lo - 1])), key=lambda e: (e.tokens, -e.last_used))
         return best, lo
 
     def lookup_extended(self, tokens: list[int], keys: list[str]) -> Entry | None:
         """The deepest boundary entry that `tokens` extend exactly (all of its tokens, and more): the only kind
         of entry llama-server reuses on a hybrid or sliding-window model."""
         best: Entry | None = None
-        for entry in self.entries.values():
-            if (entry.boundary and entry.exact and (best is None or entry.tokens > best.tokens)
-                    and common_keys(entry.keys, keys) == len(entry.keys)
-                    and extends_exactly(tokens, entry.tokens, entry.exact)):
-                best = entry
+        by_last = self._by_last
+        for last in ("", *keys):  # the entries whose blocks the request's open: their last key is one of its
+            for entry_id in by_last.get(last, ()):
+                entry = self.entries[entry_id]
+                if (entry.boundary and entry.exact and (best is None or entry.tokens > best.tokens)
+                        and common_keys(entry.keys, keys) == len(entry.keys)
+                        and extends_exactly(tokens, entry.tokens, entry.exact)):
+                    best = entry
         return best
 
     def find_exact(self, key: str) -> Entry | None:
         """The entry holding exactly these tokens (by `prefix.exact_key`), if one is saved."""
-        return next((e for e in self.entries.values() if e.exact == key), None)
+        ids = self._by_exact.get(key)
+        return self.entries[ids[0]] if ids else None
 
     def openings(self) -> list[Entry]:
-        return [e for e in self.entries.values() if e.opening]
+        return [self.entries[i] for i in self._opening_ids]
 
     def started_from(self, entry: Entry) -> None:
         """A new chat started from this entry, an opening (it is marked one if it was a chat's first boundary)."""
         entry.opening = True
         entry.uses += 1
+        if entry.id in self.entries:
+            self._opening_ids.add(entry.id)
         self.touch(entry)
 
     def restore_seconds(self, entry: Entry) -> float | None:
@@ -326,23 +409,23 @@ class ConversationStore:
         return entry.nbytes / rate if rate else None
 
     def most_recent(self, n: int, skip: Callable[[Entry], bool] = lambda e: False) -> list[Entry]:
-        usable = [e for e in self.entries.values() if compatible_format(e, self.current_format) and not skip(e)]
-        return sorted(usable, key=lambda e: e.last_used, reverse=True)[:n]
+        usable = (e for e in self.entries.values() if compatible_format(e, self.current_format) and not skip(e))
+        return heapq.nlargest(n, usable, key=lambda e: e.last_used)
 
     @property
     def total_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries.values())
+        return self._totals.nbytes
 
     def bytes_per_token(self) -> float | None:
         """What a token of cache costs on disk here, from the entries (None before the first one)."""
-        tokens = sum(e.tokens for e in self.entries.values())
-        return self.total_bytes / tokens if tokens else None
+        totals = self._totals
+        return totals.nbytes / totals.tokens if totals.tokens else None
 
     def save_rate(self) -> float | None:
         """Bytes per second the saves achieved, from llama-server's own save times in the manifests."""
-        timed = [(e.nbytes, e.save_ms) for e in self.entries.values() if e.save_ms]
-        seconds = sum(ms for _, ms in timed) / 1000
-        return sum(b for b, _ in timed) / seconds if seconds > 0 else self.bytes_per_s
+        totals = self._totals
+        seconds = totals.save_ms / 1000
+        return totals.timed_bytes / seconds if seconds > 0 else self.bytes_per_s
 
     def needs_format_probe(self) -> bool:
         """True when some entry was written by another llama-server than this one (its format may differ)."""
@@ -384,7 +467,10 @@ class ConversationStore:
             transient.unlink(missing_ok=True)
 
     def _check_free_space(self, expected: int) -> str | None:
-        free = shutil.disk_usage(self.root).free
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            return None  # the save itself will say what is wrong
         if free < expected * FREE_SPACE_HEADROOM:
             return f"only {fmt_bytes(free)} free in {self.root}, ~{fmt_bytes(expected)} needed"
         return None
@@ -460,7 +546,7 @@ class ConversationStore:
         finally:
             progress.cancel()
             if not committed:
-                transient.unlink(missing_ok=True)
+                discard(transient)
         superseded = self._admit_saved(entry, supersedes)
         if self.on_commit is not None:
             self.on_commit(entry, self.entries_dir / f"{entry.id}{BIN_SUFFIX}")
@@ -473,25 +559,40 @@ class ConversationStore:
         """A committed save joins the index; the entries it supersedes go. Returns how many went."""
         self.current_format = (entry.seq_version, entry.layout)
         rule = supersedes or extends
-        superseded = [old for old in self.entries.values() if old.id != entry.id and rule(entry, old)]
+        # An entry a save supersedes holds the save's first block, or has no full block: only those are asked.
+        candidates = {*self._by_last.get("", ()), *(self._holding(entry.keys[0]) if entry.keys else ())}
+        superseded = [old for i in candidates if i != entry.id and rule(entry, old := self.entries[i])]
         self._index(entry)
         for old in superseded:
             self._remove(old)
         return len(superseded)
 
     def _commit(self, transient: Path, entry: Entry, expected_key: str | None = None) -> None:
-        """In a thread: read the tokens from the file, fsync it, rename it into entries/, write its manifest last."""
-        header = read_header(transient)
-        entry.exact = exact_key(header.tokens)
-        if expected_key is not None and entry.exact != expected_key:
-            raise StateFileError(f"the slot holds {header.n_tokens:,} tokens that are not its turn boundary")
-        entry.keys = block_keys(header.tokens)
-        entry.tokens = header.n_tokens
-        entry.seq_version, entry.layout = header.version, header.layout
-        if self.fsync:
-            fsync_path(transient)
-        os.replace(transient, self.entries_dir / f"{entry.id}{BIN_SUFFIX}")
-        write_json_atomic(self.entries_dir / f"{entry.id}{MANIFEST_SUFFIX}", entry.manifest(), self.fsync)
+        """In a thread: read the tokens from the file, checksum and fsync it, rename it into entries/, write its
+        manifest last. Whatever fails, nothing it made is left: not the file, not a partial manifest (the
+        caller may have stopped waiting: a budget ran out)."""
+        bin_path, manifest_path = pair_paths(self.entries_dir, entry.id)
+        renamed = False
+        try:
+            header = read_header(transient)
+            entry.exact = exact_key(header.tokens)
+            if expected_key is not None and entry.exact != expected_key:
+                raise StateFileError(f"the slot holds {header.n_tokens:,} tokens that are not its turn boundary")
+            entry.keys = block_keys(header.tokens)
+            entry.tokens = header.n_tokens
+            entry.seq_version, entry.layout = header.version, header.layout
+            entry.checksum = file_checksum(transient)
+            if self.fsync:
+                fsync_path(transient)
+            os.replace(transient, bin_path)
+            renamed = True
+            write_json_atomic(manifest_path, entry.manifest(), self.fsync)
+        except BaseException:
+            discard(transient)
+            if renamed:
+                discard(manifest_path)  # manifest first, as remove_pair: never a manifest without its file
+                discard(bin_path)
+            raise
 
     def adopt(self, manifest: dict[str, Any]) -> Entry | None:
         """Take in an entry whose file was just downloaded to entries/<id>.bin (the shared tier): it joins the
@@ -499,7 +600,8 @@ class ConversationStore:
         else the file is removed (one line) and None returned. Judged as open() judges what it finds."""
         name = str(manifest.get("id"))
         bin_path, manifest_path = pair_paths(self.entries_dir, name)
-        verdict = judge(manifest, file_size(bin_path), self.fingerprint, self.current_format)
+        verdict = judge(manifest, file_size(bin_path), self.fingerprint, self.current_format,
+                        link=is_link(bin_path) or is_link(manifest_path))
         entry = verdict.entry
         if verdict.status is Status.USABLE and entry is not None:
             entry.last_used = time.time()
@@ -510,23 +612,35 @@ class ConversationStore:
             log.warning("remote entry not used: %s", verdict.reason)
         else:
             log.warning("remote entry %s not used and removed: %s", entry.short, verdict.reason)
-        if "id" in manifest:
-            remove_pair(self.entries_dir, name)
+        if "id" in manifest and verdict.status is not Status.LINK:
+            with contextlib.suppress(OSError):
+                remove_pair(self.entries_dir, name)
         return None
 
     async def restore(self, entry: Entry, slot_id: int) -> RestoreResult:
-        """Load `entry` into slot `slot_id` through a transient hard link (the entry itself stays out of reach)."""
+        """Load `entry` into slot `slot_id` through a transient hard link (the entry itself stays out of reach),
+        once its file is checked against its checksum: a file that changed on disk is quarantined instead."""
         assert self.client is not None
         link = self._transient()
+        source = pair_paths(self.entries_dir, entry.id)[0]
         started = time.monotonic()
         try:
-            await self._expose(self.entries_dir / f"{entry.id}{BIN_SUFFIX}", link)
+            if is_link(source):
+                raise OSError(errno.ELOOP, "it became a link: never followed")
+            if entry.checksum:
+                actual = await asyncio.to_thread(file_checksum, source)
+                self.metrics.checksum_seconds += time.monotonic() - started
+                if actual != entry.checksum:
+                    reason = "its file changed on disk: the content checksum does not match"
+                    self._quarantine(entry, reason)
+                    return RestoreResult(False, reason)
+            await self._expose(source, link)
             reply = await self.client.slot_action(slot_id, "restore", link.name)
         except (OSError, ConnectionError) as exc:
             self.metrics.restores["failed"] += 1
-            return RestoreResult(False, f"restore failed: {exc}")
+            return RestoreResult(False, f"restore failed: {getattr(exc, 'strerror', None) or exc}")
         finally:
-            link.unlink(missing_ok=True)
+            discard(link)
         elapsed = time.monotonic() - started
         if not reply.ok:
             self._quarantine(entry, f"llama-server refused it: {reply.error}")
@@ -574,18 +688,27 @@ class ConversationStore:
     # ---- removal ------------------------------------------------------------------------------------------
 
     def _remove(self, entry: Entry) -> None:
+        """Forget an entry and remove its pair; a pair that cannot be removed now (a read-only remount) stays
+        on disk, out of the index, and is judged again at the next start: nothing is lost either way."""
         self._unindex(entry)
-        self._kept.pop(entry.id, None)
+        if self._kept.pop(entry.id, None) is not None:
+            self._kept_bytes -= entry.nbytes
         self.skipped.pop(entry.id, None)
-        remove_pair(self.entries_dir, entry.id)
+        try:
+            remove_pair(self.entries_dir, entry.id)
+        except OSError as exc:
+            log.warning("entry %s not removed (%s): left on disk, not used in this run", entry.short,
+                        exc.strerror or exc)
 
     def evict_over_cap(self, protect: Iterable[str] = ()) -> list[Entry]:
         """Remove least recently used entries until the store fits its cap. Entries kept for other configurations
         count too; entries in `protect` (held by a slot and saved nowhere else) stay."""
         if self.cap_bytes is None:
             return []
+        total = self.total_bytes + self._kept_bytes
+        if total <= self.cap_bytes:
+            return []
         keep = set(protect)
-        total = self.total_bytes + sum(e.nbytes for e in self._kept.values())
         evicted = []
         for entry in sorted([*self.entries.values(), *self._kept.values()], key=lambda e: e.last_used):
             if total <= self.cap_bytes:
@@ -603,19 +726,51 @@ class ConversationStore:
     def _quarantine(self, entry: Entry, reason: str) -> None:
         """Move a bad pair aside (never delete it outright) and keep only the newest few."""
         self._unindex(entry)
-        qdir = self.root / QUARANTINE_DIR
-        qdir.mkdir(exist_ok=True)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        for suffix in (BIN_SUFFIX, MANIFEST_SUFFIX):
-            source = self.entries_dir / f"{entry.id}{suffix}"
-            if source.exists():
-                os.replace(source, qdir / f"{stamp}-{entry.id}{suffix}")
         self.metrics.quarantines += 1
         self.metrics.restores["quarantined"] += 1
+        qdir = self.root / QUARANTINE_DIR
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        try:
+            qdir.mkdir(exist_ok=True)
+            for suffix in (BIN_SUFFIX, MANIFEST_SUFFIX):
+                source = self.entries_dir / f"{entry.id}{suffix}"
+                if os.path.lexists(source):
+                    os.replace(source, qdir / f"{stamp}-{entry.id}{suffix}")
+            olds = sorted(qdir.iterdir(), key=lambda p: p.lstat().st_mtime, reverse=True)
+            for old in olds[QUARANTINE_KEEP * 2 :]:
+                discard(old)
+        except OSError as exc:
+            log.warning("entry %s set aside, not used in this run (%s); it could not be moved to %s/ (%s)",
+                        entry.short, reason, QUARANTINE_DIR, exc.strerror or exc)
+            return
         log.warning("entry %s quarantined (%s)", entry.short, reason)
-        olds = sorted(qdir.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
-        for old in olds[QUARANTINE_KEEP * 2 :]:
-            old.unlink(missing_ok=True)
+
+
+@dataclass
+class _Totals:
+    """Running sums over the usable entries (kept by _index/_unindex): a save asks for them, and summing
+    20,000 entries each time cost more than the save's own bookkeeping."""
+
+    nbytes: int = 0
+    tokens: int = 0
+    timed_bytes: int = 0  # of the entries with llama-server's save time ...
+    save_ms: float = 0.0  # ... and those times
+
+    def add(self, entry: Entry, sign: int) -> None:
+        self.nbytes += sign * entry.nbytes
+        self.tokens += sign * entry.tokens
+        if entry.save_ms:
+            self.timed_bytes += sign * entry.nbytes
+            self.save_ms += sign * entry.save_ms
+
+
+def _drop(index: dict[str, list[str]], key: str, entry_id: str) -> None:
+    ids = index.get(key)
+    if ids is not None:
+        with contextlib.suppress(ValueError):
+            ids.remove(entry_id)
+        if not ids:
+            del index[key]
 
 
 def extends(new: Entry, old: Entry) -> bool:

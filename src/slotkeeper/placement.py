@@ -733,8 +733,9 @@ class Placement:
         result = await self.store.restore(entry, slot.id)
         if not result.ok:
             slot.clear()
-            log.warning("chat %s not restored into slot %d (%s); the request starts cold", entry.short, slot.id,
-                        result.reason)
+            if not result.quarantined:  # (a quarantine has its own line)
+                log.warning("chat %s not restored into slot %d (%s); the request starts cold", entry.short,
+                            slot.id, result.reason)
             return False
         slot.hold(entry, entry.keys, entry.tokens)
         slot.exact = entry.exact

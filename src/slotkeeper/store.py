@@ -120,6 +120,7 @@ class SaveResult:
 class RestoreResult:
     ok: bool
     reason: str = ""
+    quarantined: bool = False  # the entry was bad and is gone (the store said so in its own line)
     tokens: int = 0
     nbytes: int = 0
     seconds: float = 0.0
@@ -633,7 +634,7 @@ class ConversationStore:
                 if actual != entry.checksum:
                     reason = "its file changed on disk: the content checksum does not match"
                     self._quarantine(entry, reason)
-                    return RestoreResult(False, reason)
+                    return RestoreResult(False, reason, quarantined=True)
             await self._expose(source, link)
             reply = await self.client.slot_action(slot_id, "restore", link.name)
         except (OSError, ConnectionError) as exc:
@@ -644,7 +645,7 @@ class ConversationStore:
         elapsed = time.monotonic() - started
         if not reply.ok:
             self._quarantine(entry, f"llama-server refused it: {reply.error}")
-            return RestoreResult(False, f"llama-server refused it: {reply.error}")
+            return RestoreResult(False, f"llama-server refused it: {reply.error}", quarantined=True)
         tokens = int(reply.body.get("n_restored", 0))
         nbytes = int(reply.body.get("n_read", entry.nbytes))
         self.metrics.restored(elapsed, nbytes, tokens)

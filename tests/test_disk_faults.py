@@ -134,7 +134,7 @@ def test_a_rotten_entry_is_quarantined_and_the_answer_is_a_cold_runs(family_star
     """3. 4,096 bytes flipped in the middle of a saved entry, same size: the next start quarantines it with
     one line (its checksum), restores nothing, and the chat answers as a cold llama-server does."""
     sk = family_start(LLAMA, "-np", "1")
-    chat = Chat(3, LLAMA.request)
+    chat = Chat(3, LLAMA.request, system="Be brief.")  # no opening saved: nothing else is restored into the slot
     chat.turn(sk.port)
     swap_out(sk)
     save_dir = sk.extra["save_dir"]

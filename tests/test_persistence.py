@@ -139,14 +139,17 @@ def test_1b_leftovers_of_an_interrupted_save_are_removed_never_used(stub_slotkee
 
 def test_3a_random_bytes_are_quarantined(stub_slotkeeper):
     """3. An entry file of random bytes (its manifest's size): its checksum no longer matches, so it is
-    quarantined with its manifest before llama-server ever reads it; cold, ready."""
+    quarantined with its manifest, and whatever llama-server read of it meanwhile is erased; cold, ready."""
     save_dir, entry = saved_cache(stub_slotkeeper)
     cache = entry_bin(save_dir, entry)
     cache.write_bytes(os.urandom(cache.stat().st_size))
     sk2 = stub_slotkeeper("-np", "1")
     assert f"entry {entry[:4]} quarantined (its file changed on disk: the content checksum does not match)" \
         in sk2.logs(), sk2.logs()
-    assert not restores(sk2), "a file that failed its checksum was handed to llama-server"
+    events = [e for e in read_events(sk2.extra["events"]) if e["pid"] == child_pid(sk2)]
+    restored_ok = [i for i, e in enumerate(events) if e["event"] == "restore" and e["ok"]]
+    assert all(any(e["event"] == "erase" for e in events[i:]) for i in restored_ok), \
+        "a state that failed its checksum was left in its slot"
     assert complete(sk2)["timings"]["cache_n"] == 0
     assert entry not in entry_ids(save_dir) and not cache.exists() and not manifest_path(save_dir, entry).exists()
     assert sorted(p.suffix for p in quarantine_dir(save_dir).iterdir()) == [".bin", ".json"]

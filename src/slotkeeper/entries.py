@@ -20,7 +20,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,16 +132,17 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def read_json(path: Path) -> dict[str, Any] | None:
-    """A JSON object from a file, or None when it is missing or unreadable."""
-    with contextlib.suppress(OSError, ValueError):
-        data = json.loads(path.read_text(encoding="utf-8"))
+def read_json(path: Path | str) -> dict[str, Any] | None:
+    """A JSON object from a file, or None when it is missing or unreadable (a start reads thousands: plain
+    bytes, no pathlib on the way)."""
+    with contextlib.suppress(OSError, ValueError), open(path, "rb") as f:
+        data = json.loads(f.read())
         if isinstance(data, dict):
             return data
     return None
 
 
-def read_manifest(path: Path) -> dict[str, Any] | None:
+def read_manifest(path: Path | str) -> dict[str, Any] | None:
     """A manifest of this slotkeeper's version, or None (missing, damaged, or another version's: never used)."""
     data = read_json(path)
     return data if data is not None and data.get("version") == MANIFEST_VERSION else None
@@ -183,21 +184,21 @@ def remove_pair(directory: Path, name: str) -> None:
 # ---- the manifest -------------------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     """One saved conversation state and what its manifest says about it."""
 
     id: str
     tokens: int
     nbytes: int
-    keys: list[str]
+    keys: Sequence[str]  # block keys (a prefix.KeyChain once indexed)
     saved_at: float
     last_used: float
     fingerprint: dict[str, Any]
     seq_version: int
     layout: str
     server: dict[str, Any] = field(default_factory=dict)
-    units: list[str] = field(default_factory=list)  # the request units that led to it (placement's fast path)
+    units: Sequence[str] = field(default_factory=list)  # the request units that led to it (placement's fast path)
     save_ms: float | None = None
     exact: str = ""  # prefix.exact_key of all its tokens ("" in manifests older than this field)
     boundary: bool = False  # saved at a turn boundary: a prefix of what its chat's next request sends
@@ -210,7 +211,8 @@ class Entry:
             "version": MANIFEST_VERSION, "id": self.id, "tokens": self.tokens, "bytes": self.nbytes,
             "saved_at": self.saved_at, "last_used": self.last_used, "save_ms": self.save_ms,
             "fingerprint": self.fingerprint, "format": {"seq_version": self.seq_version, "layout": self.layout},
-            "llama_server": self.server, "block_tokens": BLOCK_TOKENS, "blocks": self.keys, "units": self.units,
+            "llama_server": self.server, "block_tokens": BLOCK_TOKENS, "blocks": list(self.keys),
+            "units": list(self.units),
             "exact": self.exact, "boundary": self.boundary, "opening": self.opening, "uses": self.uses,
             "checksum": self.checksum,
         }

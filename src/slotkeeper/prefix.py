@@ -11,9 +11,11 @@ placement recognise a chat continuing in its own slot without asking llama-serve
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import overload
 
 BLOCK_TOKENS = 64
 KEY_BYTES = 8
@@ -65,3 +67,86 @@ def common_keys(a: Sequence[str], b: Sequence[str]) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+class KeyChain(Sequence[str]):
+    """A chain of keys as an entry keeps it: 8 bytes a key in one bytes object, not a list of hex strings.
+
+    A store of 20,000 entries holds millions of keys; as strings they were most of the daemon's memory (a
+    16-digit hex string costs 65 bytes, a list slot 8 more). It reads as a sequence of the same hex strings,
+    and compares equal to any sequence of them. Keys that are not KEY_BYTES-byte hex digests (made-up ones in
+    tests) are kept as they are.
+    """
+
+    __slots__ = ("_packed", "_plain")
+
+    def __init__(self, keys: Iterable[str] = ()) -> None:
+        plain = tuple(keys)
+        self._packed: bytes | None = None
+        self._plain: tuple[str, ...] = plain
+        if set(map(len, plain)) <= {2 * KEY_BYTES}:
+            with contextlib.suppress(ValueError):
+                self._packed, self._plain = bytes.fromhex("".join(plain)), ()
+
+    def __len__(self) -> int:
+        return len(self._packed) // KEY_BYTES if self._packed is not None else len(self._plain)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> KeyChain: ...
+
+    def __getitem__(self, index: int | slice) -> str | KeyChain:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                raise ValueError("a key chain is sliced in order")
+            part = KeyChain()
+            if self._packed is not None:
+                part._packed = self._packed[start * KEY_BYTES : max(start, stop) * KEY_BYTES]
+            else:
+                part._packed, part._plain = None, self._plain[start:stop]
+            return part
+        if self._packed is None:
+            return self._plain[index]
+        n = len(self)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError("key chain index out of range")
+        return self._packed[index * KEY_BYTES : (index + 1) * KEY_BYTES].hex()
+
+    def __iter__(self) -> Iterator[str]:
+        if self._packed is None:
+            return iter(self._plain)
+        raw = self._packed
+        return (raw[i : i + KEY_BYTES].hex() for i in range(0, len(raw), KEY_BYTES))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, KeyChain) and self._packed is not None and other._packed is not None:
+            return self._packed == other._packed
+        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def last_shared(self, other: KeyChain, start: int, end: int) -> int | None:
+        """The last position in [start, end] where two chains agree (they agree at `start`), comparing bytes;
+        None when either is not packed."""
+        a, b = self._packed, other._packed
+        if a is None or b is None:
+            return None
+        lo, hi = start, min(end, len(a) // KEY_BYTES - 1, len(b) // KEY_BYTES - 1)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if a[mid * KEY_BYTES : (mid + 1) * KEY_BYTES] == b[mid * KEY_BYTES : (mid + 1) * KEY_BYTES]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def __hash__(self) -> int:
+        return hash(self._packed) if self._packed is not None else hash(self._plain)
+
+    def __repr__(self) -> str:
+        return f"KeyChain({list(self)!r})"

@@ -27,13 +27,11 @@ import asyncio
 import contextlib
 import enum
 import errno
-import heapq
 import os
 import secrets
 import shutil
-import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,7 +62,8 @@ from .entries import (
 from .layout import ENTRIES_DIR, LOCK_NAME, QUARANTINE_DIR, SNAPSHOTS_DIR, prepare_layout
 from .log import fmt_bytes, log
 from .metrics import Metrics
-from .prefix import block_keys, common_keys, exact_key, extends_exactly
+from .prefix import KeyChain, block_keys, common_keys, exact_key, extends_exactly
+from .prefixtree import PrefixTree
 from .statefile import StateFileError, read_header
 
 if TYPE_CHECKING:  # `slotkeeper ls` reads a store without the client
@@ -156,10 +155,10 @@ class ConversationStore:
         self.skipped: dict[str, str] = {}  # entry id -> why it is kept but not used
         self._kept: dict[str, Entry] = {}  # those entries (they count against the cap, and can be evicted)
         # Indexes, kept by _index/_unindex alone, so that no request or save scans the store (tens of thousands
-        # of entries after a few weeks of agent sessions). Most block keys belong to one entry: their value is
-        # that entry's id, a set only once several share the key.
-        self._by_key: dict[str, str | set[str]] = {}
-        self._by_last: dict[str, list[str]] = {}  # its last block key ("" without a full block) -> entry ids
+        # of entries after a few weeks of agent sessions).
+        self._tree = PrefixTree()  # entries by their block keys
+        self._units = PrefixTree()  # ... and by their request units (chained too: a chat's turns are a path)
+        self._keyless: set[str] = set()  # entries without a full block
         self._by_exact: dict[str, list[str]] = {}  # exact key -> entry ids
         self._opening_ids: set[str] = set()
         self._totals = _Totals()  # running sums over self.entries
@@ -203,7 +202,7 @@ class ConversationStore:
                 continue
             if bin_item is not None and not bin_item.is_file(follow_symlinks=False):
                 continue  # counted with the bins
-            data = read_manifest(Path(item.path))
+            data = read_manifest(item.path)
             if data is None:
                 unreadable += 1  # another slotkeeper version's, or damaged: kept as it is, not used
             else:
@@ -224,11 +223,10 @@ class ConversationStore:
     def _admit(self, entry_id: str, data: dict[str, Any], size: int | None) -> None:
         """Index a committed entry, or set it aside, as entries.judge() says (`slotkeeper ls` asks it too).
         `size` is its regular .bin file's (None: missing)."""
-        manifest_path = pair_paths(self.entries_dir, entry_id)[1]
         verdict = judge(data, size, self.fingerprint)
         match verdict.status, verdict.entry:
             case Status.NO_BIN, _:  # a manifest whose file is gone (removed by hand): nothing to keep
-                discard(manifest_path)
+                discard(pair_paths(self.entries_dir, entry_id)[1])
             case Status.USABLE, Entry() as entry:
                 self._index(entry)
             case Status.WRONG_SIZE, Entry() as entry:
@@ -247,26 +245,21 @@ class ConversationStore:
     def _index(self, entry: Entry) -> None:
         if entry.id in self.entries:
             return
-        # What most entries repeat is shared, not copied: this configuration's fingerprint and server, and
-        # (interned) the block keys and request units of common openings. A store of 20,000 entries is then a
-        # few tens of MB, not hundreds.
+        # What most entries repeat is shared, not copied (this configuration's fingerprint and server), and
+        # their keys are packed (prefix.KeyChain): a store of 20,000 entries is then tens of MB, not hundreds.
         if entry.fingerprint == self.fingerprint:
             entry.fingerprint = self.fingerprint
         if entry.server == self.server:
             entry.server = self.server
-        entry.keys = [sys.intern(k) for k in entry.keys]
-        entry.units = [sys.intern(u) for u in entry.units]
+        entry.keys = KeyChain(entry.keys) if not isinstance(entry.keys, KeyChain) else entry.keys
+        entry.units = KeyChain(entry.units) if not isinstance(entry.units, KeyChain) else entry.units
         self.entries[entry.id] = entry
-        by_key = self._by_key
-        for key in entry.keys:
-            ids = by_key.get(key)
-            if ids is None:
-                by_key[key] = entry.id
-            elif isinstance(ids, str):
-                by_key[key] = {ids, entry.id}
-            else:
-                ids.add(entry.id)
-        self._by_last.setdefault(entry.keys[-1] if entry.keys else "", []).append(entry.id)
+        if entry.keys:
+            self._tree.add(entry.id, entry.keys)
+        else:
+            self._keyless.add(entry.id)
+        if entry.units:
+            self._units.add(entry.id, entry.units)
         if entry.exact:
             self._by_exact.setdefault(entry.exact, []).append(entry.id)
         if entry.opening:
@@ -276,24 +269,16 @@ class ConversationStore:
     def _unindex(self, entry: Entry) -> None:
         if self.entries.pop(entry.id, None) is None:
             return
-        by_key = self._by_key
-        for key in entry.keys:
-            ids = by_key.get(key)
-            if ids == entry.id:
-                del by_key[key]
-            elif isinstance(ids, set):
-                ids.discard(entry.id)
-                if len(ids) == 1:
-                    by_key[key] = next(iter(ids))
-        _drop(self._by_last, entry.keys[-1] if entry.keys else "", entry.id)
+        if entry.keys:
+            self._tree.remove(entry.id)
+        else:
+            self._keyless.discard(entry.id)
+        if entry.units:
+            self._units.remove(entry.id)
         if entry.exact:
             _drop(self._by_exact, entry.exact, entry.id)
         self._opening_ids.discard(entry.id)
         self._totals.add(entry, -1)
-
-    def _holding(self, key: str) -> Iterable[str]:
-        ids = self._by_key.get(key, ())
-        return (ids,) if isinstance(ids, str) else ids
 
     def _remove_transients(self) -> None:
         for leftover in self.snapshots_dir.glob(f"{TRANSIENT_PREFIX}*"):
@@ -356,37 +341,35 @@ class ConversationStore:
     def lookup(self, keys: list[str]) -> tuple[Entry | None, int]:
         """The usable entry sharing the longest prefix with `keys`, and how many keys it shares.
 
-        An entry that holds key i holds every key before it, so the index answers "is key i in some entry?"
-        monotonically in i: a binary search over the request's keys finds the deepest one. Of the entries that
-        share that many, the smallest: it gives llama-server the same prefix for the fewest bytes read (a new
-        chat gets its opening, not a long chat that happens to start with it).
+        Of the entries that share that many, the smallest: it gives llama-server the same prefix for the fewest
+        bytes read (a new chat gets its opening, not a long chat that happens to start with it). Those that end
+        there are smaller than any that goes on, so only they are compared when there are any.
         """
-        by_key = self._by_key
-        lo, hi = 0, len(keys)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if keys[mid - 1] in by_key:
-                lo = mid
-            else:
-                hi = mid - 1
-        if lo == 0:
+        found = self._tree.deepest(keys)
+        if not found.depth:
             return None, 0
-        best = min((self.entries[i] for i in self._holding(keys[lo - 1])), key=lambda e: (e.tokens, -e.last_used))
-        return best, lo
+        best = min((self.entries[i] for i in found.ends or found.holders), key=lambda e: (e.tokens, -e.last_used))
+        return best, found.depth
 
     def lookup_extended(self, tokens: list[int], keys: list[str]) -> Entry | None:
         """The deepest boundary entry that `tokens` extend exactly (all of its tokens, and more): the only kind
         of entry llama-server reuses on a hybrid or sliding-window model."""
         best: Entry | None = None
-        by_last = self._by_last
-        for last in ("", *keys):  # the entries whose blocks the request's open: their last key is one of its
-            for entry_id in by_last.get(last, ()):
-                entry = self.entries[entry_id]
-                if (entry.boundary and entry.exact and (best is None or entry.tokens > best.tokens)
-                        and common_keys(entry.keys, keys) == len(entry.keys)
-                        and extends_exactly(tokens, entry.tokens, entry.exact)):
-                    best = entry
+        for entry_id in (*self._keyless, *self._tree.within(keys)):  # the entries whose blocks the request's open
+            entry = self.entries[entry_id]
+            if (entry.boundary and entry.exact and (best is None or entry.tokens > best.tokens)
+                    and extends_exactly(tokens, entry.tokens, entry.exact)):
+                best = entry
         return best
+
+    def units_within(self, units: Sequence[str]) -> list[Entry]:
+        """The entries whose request units `units` open with (a chat's earlier saves, its opening)."""
+        return [self.entries[i] for i in self._units.within(units)]
+
+    def units_extended(self, units: Sequence[str]) -> bool:
+        """Whether some entry's request units go on past all of `units` (a later save of the same chat)."""
+        found = self._units.deepest(units)
+        return found.depth == len(units) > 0 and len(found.holders) > len(found.ends)
 
     def find_exact(self, key: str) -> Entry | None:
         """The entry holding exactly these tokens (by `prefix.exact_key`), if one is saved."""
@@ -410,8 +393,13 @@ class ConversationStore:
         return entry.nbytes / rate if rate else None
 
     def most_recent(self, n: int, skip: Callable[[Entry], bool] = lambda e: False) -> list[Entry]:
-        usable = (e for e in self.entries.values() if compatible_format(e, self.current_format) and not skip(e))
-        return heapq.nlargest(n, usable, key=lambda e: e.last_used)
+        chosen: list[Entry] = []
+        for entry in sorted(self.entries.values(), key=lambda e: e.last_used, reverse=True):
+            if len(chosen) == n:
+                break
+            if compatible_format(entry, self.current_format) and not skip(entry):
+                chosen.append(entry)
+        return chosen
 
     @property
     def total_bytes(self) -> int:
@@ -561,7 +549,7 @@ class ConversationStore:
         self.current_format = (entry.seq_version, entry.layout)
         rule = supersedes or extends
         # An entry a save supersedes holds the save's first block, or has no full block: only those are asked.
-        candidates = {*self._by_last.get("", ()), *(self._holding(entry.keys[0]) if entry.keys else ())}
+        candidates = {*self._keyless, *(self._tree.sharing_first(entry.keys[0]) if entry.keys else ())}
         superseded = [old for i in candidates if i != entry.id and rule(entry, old := self.entries[i])]
         self._index(entry)
         for old in superseded:

@@ -28,7 +28,7 @@ import asyncio
 import enum
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,7 +120,7 @@ class Slot:
     """What one llama-server slot holds, as far as slotkeeper placed it there."""
 
     id: int
-    keys: list[str] = field(default_factory=list)  # block keys of a prefix of what it holds
+    keys: Sequence[str] = field(default_factory=list)  # block keys of a prefix of what it holds
     fast: FastKey = NO_KEY  # the last request placed here
     tokens: int = 0  # tokens known to be there (a lower bound after a fast-path turn)
     entry: Entry | None = None  # the entry its content is saved as, while it has not changed since
@@ -143,7 +143,7 @@ class Slot:
         """A request slotkeeper did not place ran here: what it holds is unknown, and worth a save to find out."""
         self.dirty, self.keys, self.tokens = True, [], 0
 
-    def hold(self, entry: Entry | None, keys: list[str], tokens: int) -> None:
+    def hold(self, entry: Entry | None, keys: Sequence[str], tokens: int) -> None:
         """It now holds exactly `keys`/`tokens` (saved as `entry`, when that is not None)."""
         self.entry, self.keys, self.tokens, self.dirty, self.exact = entry, keys, tokens, False, ""
         if entry is not None:
@@ -218,7 +218,7 @@ def _never(new: Entry, old: Entry) -> bool:
     return False
 
 
-def _strict_prefix(a: list[str], b: list[str]) -> bool:
+def _strict_prefix(a: Sequence[str], b: Sequence[str]) -> bool:
     return len(a) < len(b) and b[: len(a)] == a
 
 
@@ -725,8 +725,8 @@ class Placement:
         boundaries that another one lies between (never an opening: a system prompt that chats share)."""
         if old.opening or not (old.boundary and len(old.units) >= 3 and _strict_prefix(old.units, new.units)):
             return False
-        return any(_strict_prefix(old.units, mid.units) and _strict_prefix(mid.units, new.units)
-                   for mid in self.store.entries.values() if mid.boundary)
+        return any(mid.boundary and _strict_prefix(old.units, mid.units) and _strict_prefix(mid.units, new.units)
+                   for mid in self.store.units_within(new.units))
 
     async def restore_into(self, slot: Slot, entry: Entry, *, on_demand: bool = True) -> bool:
         """Restore an entry into a (reserved) slot; the slot then holds it, unchanged since saved."""
@@ -918,12 +918,12 @@ class Placement:
         """At start, before /health says ready: the most recently used entries, one per slot."""
         if self.policy is CachePolicy.NONE:
             return
-        deeper = {tuple(e.units[:k]) for e in self.store.entries.values() for k in range(1, len(e.units))}
 
         def skip(entry: Entry) -> bool:
             """Chats only (openings are restored for the new chats that need them); on extend-only models, their
             latest boundaries only (not a fallback, or an older kind of entry)."""
-            return entry.opening or (self.extend_only and (not entry.boundary or tuple(entry.units) in deeper))
+            return entry.opening or (self.extend_only
+                                     and (not entry.boundary or self.store.units_extended(entry.units)))
 
         for slot, entry in zip(self.slots, self.store.most_recent(len(self.slots), skip)):
             self._reserve(slot)

@@ -159,7 +159,8 @@ class Daemon:
         self._memory = asyncio.ensure_future(asyncio.to_thread(model_memory, self.config.model))
         startup_deadline = self.started_at + self.options.startup_timeout
         gate = Gate()
-        proxy = Proxy(self.child.endpoint, gate, lambda: self.state.value, startup_deadline)
+        proxy = Proxy(self.child.endpoint, gate, lambda: self.state.value, startup_deadline,
+                      [self.config.api_key] if self.config.api_key else [])
         client = LlamaClient(proxy.pool, self.config.api_key)
         self._client = client
         proxy.own_routes["/slotkeeper/status"] = self.status

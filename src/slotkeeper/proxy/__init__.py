@@ -11,7 +11,8 @@ A client must not be able to tell slotkeeper from llama-server, except that it i
   (an SSE event) is written to the client as soon as it arrives. Only a request body of at most SMALL_BODY
   bytes is read whole first, to go out with the head in one write.
 * A client that goes away closes its connection to the child at once, so llama-server cancels a streamed
-  generation and frees the slot.
+  generation and frees the slot. A client's EOF (a close, or a half-close: they look the same) goes on to the
+  child after the request, so llama-server cancels a non-streamed one as it would for a direct client.
 * Nothing is timed out but connecting to the child. A failure before the child's response headers is a 502
   in llama-server's error shape; after them, the client's connection is closed, so it sees a truncated body.
 

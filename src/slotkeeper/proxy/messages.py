@@ -157,6 +157,15 @@ class Request:
             elif lname == b"upgrade":
                 self.upgrade = True
 
+    def first_header(self, lname: bytes) -> bytes:
+        """The first value of the end-to-end header `lname` (lower case), b"" if absent: as cpp-httplib's
+        get_header_value reads it (the first of repeats, spaces and tabs trimmed). Off the hot path: a scan."""
+        forwarded = self.forwarded
+        for i in range(0, len(forwarded), 4):
+            if forwarded[i].lower() == lname:
+                return forwarded[i + 2].strip(b" \t")
+        return b""
+
     def prepare(self, method: bytes) -> str | None:
         """The child's request head (without framing), and the path slotkeeper routes on, read from the target
         as llama-server reads it (target.py); or why the request is refused. The child gets the target byte for

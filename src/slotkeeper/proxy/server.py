@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hmac
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import httptools
@@ -64,6 +65,9 @@ LINGER_S = 1.0
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _LAST_CHUNK = b"0\r\n\r\n"
+# llama-server's answer to a missing or wrong API key (server-http.cpp, middleware_validate_api_key), byte for
+# byte: its middleware orders the fields message, type, code (its handlers' errors, as error_reply: code first)
+_UNAUTHORIZED = Reply.json({"error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}}, 401)
 
 # Why a client connection stops reading (bits of FlowControl.holds)
 _HOLD_CHILD_BUSY = 1  # the child is not reading the body we forward
@@ -190,11 +194,13 @@ class ClientConnection(asyncio.Protocol):
             self._refuse_malformed(bad_request(str(exc)))
 
     def eof_received(self) -> bool:
-        # A client that half-closes after its request still waits for the answer; then the connection closes.
+        # A client that half-closes after its request may still wait for the answer; then the connection closes.
+        # A closed and a half-closed client look the same here: the child gets the same EOF (`_pass_eof`).
         self._client_done = True
         req = self.incoming
         if not self._reading_done and req is not None and not req.complete:
             self._refuse_malformed(bad_request("the request ended early"))  # it can never complete
+        self._pass_eof()
         return self.active is not None
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -321,7 +327,10 @@ class ClientConnection(asyncio.Protocol):
             self.reply(req, req.reply)
         elif path.startswith(OWN_PREFIX):
             route = proxy.own_routes.get(path)
-            if route is None:
+            if not proxy.authorized(req):  # before the route, as llama-server checks before routing (a 404 too)
+                log.warning("%s %s: unauthorized: invalid API key", req.method.decode(), path)
+                self.reply(req, _UNAUTHORIZED)
+            elif route is None:
                 self.reply(req, error_reply(404, "File Not Found", "not_found_error"))
             else:
                 req.own_route = route
@@ -524,6 +533,18 @@ class ClientConnection(asyncio.Protocol):
         if self.flow.holds:
             self.flow.unhold(_HOLD_BUFFERED)
         conn.start(self, payload, req.method == b"HEAD", req.child is None)
+        if self._client_done:  # the client's EOF came while this request waited (gate, placement, a connection)
+            self._pass_eof()
+
+    def _pass_eof(self) -> None:
+        """Once the client has sent EOF, the child's connection gets it too, after the whole request, and
+        llama-server decides as for a direct client: it cancels a generation it polls the socket for (a
+        non-streamed one) and answers what it has (an empty 200 for a cancelled one), which the client gets if it
+        still reads. A close and a half-close look the same to both. Every request answered after the client's
+        EOF is sent that way."""
+        child = self.child
+        if self._client_done and child is not None and child.request_sent and not child.half_closed:
+            child.half_close()
 
     def response_head(self, status: int, head: bytes, no_body: bool) -> bool:
         """The child's raw status line and headers (each line ending in CRLF, as validated by llhttp), passed on
@@ -708,9 +729,13 @@ class Proxy:
     """The public server: forwards every request to the child once the gate is open; counts and drains them."""
 
     def __init__(
-        self, endpoint: ChildEndpoint, gate: Gate, describe_state: Callable[[], str], startup_deadline: float
+        self, endpoint: ChildEndpoint, gate: Gate, describe_state: Callable[[], str], startup_deadline: float,
+        api_keys: Sequence[str] = (),
     ) -> None:
         self.pool = ChildPool.for_endpoint(endpoint)
+        # llama-server's keys: slotkeeper's own routes require one as llama-server's routes do (surrogateescape:
+        # a key from argv compares as the bytes llama-server got)
+        self._api_keys = tuple(key.encode("utf-8", "surrogateescape") for key in api_keys)
         self.gate = gate
         self.describe_state = describe_state
         self.startup_deadline = startup_deadline
@@ -772,6 +797,16 @@ class Proxy:
             for conn in list(self.connections):
                 if conn.active is None and conn.idle_since < limit:
                     conn.close()
+
+    def authorized(self, req: Request) -> bool:
+        """llama-server's API key check (server-http.cpp, middleware_validate_api_key), for slotkeeper's own
+        paths: the first Authorization header, else X-Api-Key, less a "Bearer " prefix, must be a key. Every key
+        is compared in constant time, so the time taken tells nothing about any of them."""
+        keys = self._api_keys
+        if not keys:
+            return True
+        given = (req.first_header(b"authorization") or req.first_header(b"x-api-key")).removeprefix(b"Bearer ")
+        return any([hmac.compare_digest(given, key) for key in keys])  # a list: no early exit
 
     # ---- accounting, for the daemon ----
 

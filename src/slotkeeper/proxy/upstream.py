@@ -80,6 +80,7 @@ class ChildConnection(asyncio.Protocol):
         self.idle_since = 0.0
         self.request_sent = False  # the whole request, body included, was written
         self.got_bytes = False  # any byte of the current response arrived
+        self.half_closed = False  # we sent EOF (the client did): never reused
         self._head_request = False
         self._head: bytes | None = None  # the response so far, until its head is complete
         self._interim = False
@@ -115,6 +116,15 @@ class ChildConnection(asyncio.Protocol):
             self._reading_paused = False
             self.transport.resume_reading()
 
+    def half_close(self) -> None:
+        """Send EOF after the request, as the client did: llama-server polls its socket during a non-streamed
+        generation and cancels it when it reads EOF, so it decides as it would for a direct client (which it
+        cannot tell from one that only half-closed either). The answer, if any, is still read."""
+        self.half_closed = True
+        transport = self.transport
+        if transport is not None and not self.closed and transport.can_write_eof():
+            transport.write_eof()
+
     def abort(self) -> None:
         """Drop the connection now (the child sees it closed and cancels what it was doing for us)."""
         if self.transport is not None and not self.closed:
@@ -123,7 +133,7 @@ class ChildConnection(asyncio.Protocol):
 
     @property
     def reusable(self) -> bool:
-        return self._keep_alive and self.request_sent and not self.closed
+        return self._keep_alive and self.request_sent and not self.closed and not self.half_closed
 
     # ---- asyncio.Protocol ----
 

@@ -1,0 +1,167 @@
+"""An abandoned request must not keep the model busy (issue 21; llama.cpp's own test_cancel_request).
+
+llama-server polls a client's socket while it generates a non-streamed answer (cpp-httplib's
+is_connection_closed: readable with nothing to peek is closed, so a half-close counts too) and cancels the task
+once the client is gone. Through slotkeeper the same must happen: the client's EOF goes on to the child's
+connection, after the request, and llama-server decides as it would for a direct client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from proxy_helpers import FakeChild, RawRequest, RawResponse, raw_response, read_body, read_response, request_bytes
+
+from slotkeeper.proxy.server import Gate, Proxy
+from slotkeeper.supervisor import ChildEndpoint
+from slotkeeper.testing.harness import free_port, http_call, wait_until
+
+ARGS = ["-c", "32768", "-np", "1", "-t", "2", "--no-warmup", "--no-cache-idle-slots"]
+N_PREDICT = 30000  # fits the 32,768-token context with the prompt: without a cancel, it runs for many seconds
+# llama-server looks at the socket after a second without any result for any task (HTTP_POLLING_SECONDS: its
+# wait restarts on every result it hands out, a GET /slots included): so /slots is asked once, after this long.
+FREED_WITHIN_S = 2.0
+
+
+# ---- the proxy in front of the scripted child --------------------------------------------------------------------
+
+
+async def test_the_clients_eof_reaches_the_child_after_its_request(tmp_path: Path) -> None:
+    """EOF while the request waits for the gate: once the request is sent, the child reads all of it, then EOF;
+    the client, half-closed, still gets the answer; that connection to the child is never reused."""
+    child = FakeChild(tmp_path / "child.sock")
+    seen_eof: list[bool] = []
+    hold = asyncio.Event()
+
+    async def respond(request: RawRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_body(request, reader)
+        seen_eof.append(await asyncio.wait_for(reader.read(), 5) == b"")
+        writer.write(raw_response(body=b'{"ok":true}'))
+        await writer.drain()
+        await hold.wait()  # the child keeps this connection open: only the proxy must not reuse it
+
+    child.respond = respond
+    await child.start()
+    gate = Gate()
+    proxy = Proxy(ChildEndpoint(runtime_dir=tmp_path, socket_path=child.path), gate, lambda: "restoring",
+                  time.monotonic() + 30)
+    port = free_port()
+    await proxy.listen("127.0.0.1", port)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request_bytes("POST", "/completion", body=b'{"prompt":"x"}'))
+        writer.write_eof()
+        await asyncio.sleep(0.05)
+        assert not child.requests, "the gate is closed"
+        gate.open()
+        reply = await asyncio.wait_for(read_response(reader), 5)
+        assert (reply.status, reply.body) == (200, b'{"ok":true}')
+        assert seen_eof == [True]
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        child.respond = _answer
+        again = await asyncio.wait_for(_call(port), 5)
+        assert again.status == 200
+        assert child.connections == 2, "the half-closed connection went back to the pool"
+    finally:
+        hold.set()
+        await proxy.stop_listening()
+        proxy.close()
+        await child.stop()
+
+
+async def _answer(request: RawRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await read_body(request, reader)
+    writer.write(raw_response(body=b"{}"))
+
+
+async def _call(port: int) -> RawResponse:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request_bytes("GET", "/props"))
+        return await read_response(reader)
+    finally:
+        writer.close()
+
+
+# ---- a real llama-server ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model slow enough (~1,000 tokens/s on 2 cores) that a long generation takes tens of seconds."""
+    from slotkeeper.testing.tinymodel import TinyModelSpec, write_tiny_model
+
+    spec = TinyModelSpec(n_layers=4, width=256, n_heads=4, n_kv_heads=1, seed=7)
+    return write_tiny_model(tmp_path_factory.mktemp("slow") / "slow.gguf", spec)
+
+
+@pytest.fixture(params=["slotkeeper", "llama-server"])
+def server_port(request: pytest.FixtureRequest, starter, llama_server: str, slow_model: Path) -> Iterator[int]:
+    """The public port of slotkeeper around the real llama-server, or of a plain llama-server (the reference)."""
+    args = ["-m", str(slow_model), *ARGS]
+    if request.param == "slotkeeper":
+        yield starter(llama_server, args)().port
+        return
+    port = free_port()
+    direct = subprocess.Popen([llama_server, *args, "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_until(lambda: _health(port) == 200, 60), "plain llama-server never became ready"
+        yield port
+    finally:
+        direct.terminate()
+        direct.wait(10)
+
+
+def _health(port: int) -> int:
+    try:
+        return http_call(port, "GET", "/health", timeout=2).status
+    except OSError:
+        return 0
+
+
+def _slot_busy(port: int) -> bool:
+    return any(slot["is_processing"] for slot in http_call(port, "GET", "/slots", timeout=5).body)
+
+
+@pytest.mark.parametrize("how", ["close", "shutdown"])
+def test_a_client_gone_from_a_non_streamed_completion_frees_the_slot(server_port: int, how: str) -> None:
+    """The client times out and closes (or half-closes): 2 s later no slot is processing, as with a plain
+    llama-server; a half-closed client gets what llama-server answers a cancelled request (an empty 200), then
+    the end of the connection."""
+    port = server_port
+    probe = http_call(port, "POST", "/completion", {"prompt": "Speed probe", "n_predict": 64, "temperature": 0}).body
+    full_run_s = N_PREDICT / probe["timings"]["predicted_per_second"]
+    assert full_run_s > 3 * FREED_WITHIN_S, f"the model generates too fast for this test: {full_run_s:.1f} s"
+    body = json.dumps({"prompt": "Tell me everything.", "n_predict": N_PREDICT, "temperature": 0}).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        time.sleep(0.5)
+        assert _slot_busy(port), "the generation never started"
+        if how == "close":
+            sock.close()
+        else:
+            sock.shutdown(socket.SHUT_WR)
+        time.sleep(FREED_WITHIN_S)  # not polled: a /slots answer at least once a second would hold the check off
+        assert not _slot_busy(port), f"the slot still generates {FREED_WITHIN_S} s after the client left"
+        if how == "shutdown":
+            sock.settimeout(5)
+            answer = b""
+            while data := sock.recv(65536):
+                answer += data
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200 ") and body == b"", answer
+    finally:
+        sock.close()
+    reply = http_call(port, "POST", "/completion", {"prompt": "after", "n_predict": 4, "temperature": 0}, timeout=10)
+    assert reply.status == 200

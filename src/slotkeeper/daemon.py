@@ -35,6 +35,7 @@ EXIT_STARTUP_FAILED = 1
 FORCED_STOP_TIMEOUT_S = 0.5
 REMOTE_JOURNAL_DIR = "remote-pending"  # in the save directory: uploads not finished yet
 REMOTE_PROBE_TIMEOUT_S = 5.0  # a second signal: the child gets this long after SIGTERM before SIGKILL
+AUTOSAVE_RETRY_MAX_S = 300.0  # a failing idle autosave is tried again after --autosave-idle, doubling up to this
 
 
 FORCED_POLICIES = {  # --model-memory, and whether --swa-full is set
@@ -42,6 +43,15 @@ FORCED_POLICIES = {  # --model-memory, and whether --swa-full is set
     ("recurrent", False): CachePolicy.EXTEND_ONLY, ("recurrent", True): CachePolicy.EXTEND_ONLY,
     ("sliding-window", False): CachePolicy.NONE, ("sliding-window", True): CachePolicy.EXTEND_ONLY,
 }
+
+
+def describe_error(exc: BaseException) -> str:
+    """An unexpected error in a few words for its one log line: `[Errno 30] Read-only file system`,
+    `KeyError: 'id'` (an OSError says what it is; other errors need their type to mean anything)."""
+    text = str(exc)
+    if isinstance(exc, OSError) and text:
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class State(enum.Enum):
@@ -75,7 +85,7 @@ class Daemon:
         self._autosave: asyncio.Future[None] | None = None
         self.remote: Any = None  # remote.RemoteTier, with --remote-store
         self._remote_probe: asyncio.Future[bool] | None = None
-        self._client: Any = None  # LlamaClient, once run() made it
+        self._client: LlamaClient | None = None  # once run() made it
         self.metrics = Metrics(state=lambda: self.state.value)
         self._identity: asyncio.Future[dict[str, Any]] | None = None
         self._memory: asyncio.Future[ModelMemory | None] | None = None
@@ -96,6 +106,14 @@ class Daemon:
         else:
             log.warning("%s received again: stopping now, without saving", signal.Signals(signum).name)
             self.force_requested.set()
+
+    def on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """An error no task took (a callback's, a forgotten future's): one line, never a traceback; the run goes
+        on. The last resort behind the background work's own handling (with --log-level debug: the traceback)."""
+        exc = context.get("exception")
+        what = context.get("message") or "unexpected error"
+        log.warning("%s%s", what, f": {describe_error(exc)}" if exc is not None else "",
+                    exc_info=exc if exc is not None and self.options.log_level == "debug" else None)
 
     async def metrics_endpoint(self) -> Reply:
         """GET /slotkeeper/metrics: Prometheus text exposition."""
@@ -153,14 +171,14 @@ class Daemon:
             loop.add_signal_handler(handled, self.on_signal, handled)
         for early in self._early_signals:
             self.on_signal(early)
+        loop.set_exception_handler(self.on_loop_error)
         child_exited = self.child.watch(loop)
         # Hash the model file while llama-server loads it (hashlib releases the GIL): ready for the restore.
         self._identity = asyncio.ensure_future(asyncio.to_thread(model_identity, self.config.model))
         self._memory = asyncio.ensure_future(asyncio.to_thread(model_memory, self.config.model))
         startup_deadline = self.started_at + self.options.startup_timeout
         gate = Gate()
-        proxy = Proxy(self.child.endpoint, gate, lambda: self.state.value, startup_deadline,
-                      [self.config.api_key] if self.config.api_key else [])
+        proxy = Proxy(self.child.endpoint, gate, lambda: self.state.value, startup_deadline, self.config.api_keys)
         client = LlamaClient(proxy.pool, self.config.api_key)
         self._client = client
         proxy.own_routes["/slotkeeper/status"] = self.status
@@ -241,7 +259,11 @@ class Daemon:
         return "timeout", None
 
     async def startup(self, client: LlamaClient, child_exited: asyncio.Future[int], deadline: float) -> int | None:
-        """Wait for the child's health, then restore. Returns an exit code when startup ends the run."""
+        """Wait for the child's health, then restore. Returns an exit code when startup ends the run.
+
+        A stop cancels the restore (no further entry is restored; nothing changed, so nothing is saved), but
+        the slot action already under way runs to its end, for up to --stop-timeout, before llama-server is
+        signalled: it honours SIGTERM only after the action, and would otherwise be SIGKILLed."""
         outcome, _ = await self._race(self.wait_healthy(client), self.stop_requested, child_exited, deadline)
         if outcome == "done":
             self.set_state(State.RESTORING)
@@ -253,7 +275,13 @@ class Daemon:
             log.error("llama-server exited with code %d during startup (its own output above says why)", code)
             return code or EXIT_STARTUP_FAILED
         if outcome == "interrupted":
-            log.info("stop requested during %s: stopping llama-server without saving", self.state.value)
+            busy = client.busy_with()
+            after = f" once its slot {busy} under way ends (up to {self.options.stop_timeout:g} s)" if busy else ""
+            log.info("stop requested during %s: stopping llama-server without saving%s", self.state.value, after)
+            outcome, _ = await self._race(client.until_idle(time.monotonic() + self.options.stop_timeout),
+                                          self.force_requested, child_exited)
+            if outcome == "interrupted":
+                return await self.stop_forced()
             return EXIT_OK
         log.error("startup timed out after %.0f s (--startup-timeout) in state %s", self.options.startup_timeout,
                   self.state.value)
@@ -409,17 +437,37 @@ class Daemon:
     async def autosave_loop(self, proxy: Proxy) -> None:
         """After --autosave-idle seconds with no request in flight, save what changed (in the background).
 
-        A cache saved while idle survives a crash or a SIGKILL, and leaves little for the stop-time save.
+        A cache saved while idle survives a crash or a SIGKILL, and leaves little for the stop-time save. A save
+        that fails (the disk full or remounted read-only, or an error nobody expected: one line) leaves its
+        slots changed, and is tried again while idle, after --autosave-idle, then twice as long each time up to
+        AUTOSAVE_RETRY_MAX_S: such failures pass, and this loop ends only with the run.
         """
         idle_s = self.options.autosave_idle
         seen = proxy.requests_total
+        retry_s = 0.0  # after a failed save: wait this long, then try again without waiting for a request
         while not self.stop_requested.is_set():
             quiet = time.monotonic() - proxy.last_activity
-            if proxy.in_flight or proxy.requests_total == seen or quiet < idle_s:
+            if proxy.in_flight or quiet < idle_s or (proxy.requests_total == seen and not retry_s):
                 await asyncio.sleep(max(idle_s - quiet, 0.2) if not proxy.in_flight else idle_s)
                 continue
             seen = proxy.requests_total
-            await self.save_changed("idle", None, live=True)
+            try:
+                await self.save_changed("idle", None, live=True)
+                failed = None
+            except Exception as exc:  # noqa: BLE001 - one line, and the loop goes on (never CancelledError)
+                failed = describe_error(exc)
+            if failed is None and not self.unsaved():
+                retry_s = 0.0
+                continue
+            retry_s = min(max(retry_s * 2, idle_s), AUTOSAVE_RETRY_MAX_S)
+            if failed is not None:  # else the slot's own line said why it was not saved
+                log.warning("idle autosave failed: %s; retrying in %g s", failed, retry_s)
+            await asyncio.sleep(retry_s)
+
+    def unsaved(self) -> bool:
+        """Some idle slot still holds a change that no entry has (its save failed)."""
+        assert self.placement is not None
+        return any(not slot.busy for slot in self.placement.dirty_slots())
 
     async def save_changed(self, why: str, deadline: float | None, *, live: bool = False) -> tuple[int, int]:
         """Write every changed slot back into the store, then keep the store within its cap."""
@@ -437,6 +485,7 @@ class Daemon:
             for slot in self.placement.slots:
                 slot.changed_unseen()
             return
+        assert self._client is not None
         try:
             reply = await self._client.slots()
         except ConnectionError as exc:
@@ -476,14 +525,26 @@ class Daemon:
         outcome, counts = await self._race(self.save_at_stop(budget_end), self.force_requested, child_exited)
         if outcome == "interrupted":
             return await self.stop_forced()
-        self.set_state(State.STOPPING)
+        client = self._client
+        assert client is not None
         if outcome == "child_exited":
             log.error("llama-server exited with code %d while saving", child_exited.result())
+        elif client.running:  # e.g. the restore of a request the drain cancelled: llama-server finishes it first
+            log.info("llama-server is busy with a slot %s: it is stopped once that ends (inside --save-timeout)",
+                     client.busy_with())
+            outcome, _ = await self._race(client.until_idle(budget_end), self.force_requested, child_exited)
+            if outcome == "interrupted":
+                return await self.stop_forced()
+        self.set_state(State.STOPPING)
         await asyncio.gather(self.store.flush(), self.child.stop(self.options.stop_timeout))
         if counts and counts[1]:
             log.info("saved %d of %d changed slot(s)", *counts)
         if self.remote is not None:  # uploads may use what is left of the budget, never more
-            await self.remote.close(budget_end)
+            try:
+                await self.remote.close(budget_end)
+            except Exception as exc:  # noqa: BLE001 - the journal keeps what was not uploaded; the stop goes on
+                log.warning("remote: closing failed: %s; the uploads not done resume at the next start",
+                            describe_error(exc))
         return EXIT_OK
 
     async def stop_forced(self) -> int:
@@ -495,12 +556,18 @@ class Daemon:
         return EXIT_FORCED
 
     async def save_at_stop(self, budget_end: float) -> tuple[int, int] | None:
+        """The stop's save, inside the budget; None when it ran out or failed (one line: the stop goes on, and
+        llama-server is still stopped by its SIGTERM)."""
         remaining = budget_end - time.monotonic()
         try:
             counts = await asyncio.wait_for(self.save_changed("at stop", budget_end), max(remaining, 0.0))
         except TimeoutError:
             log.warning("the save budget (--save-timeout %.1f s) ran out; slots not saved yet keep their previous "
                         "entries", self.options.save_timeout)
+            return None
+        except Exception as exc:  # noqa: BLE001 - never CancelledError: a second signal still forces the stop
+            log.warning("saving at stop failed: %s; slots not saved yet keep their previous entries",
+                        describe_error(exc))
             return None
         if not counts[1]:
             log.info("no slot changed since its cache was written; nothing to save")

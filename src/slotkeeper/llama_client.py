@@ -7,7 +7,9 @@ proxied request costs, and no second HTTP stack is imported.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
@@ -40,6 +42,7 @@ class LlamaClient:
     def __init__(self, pool: ChildPool, api_key: str | None) -> None:
         self.pool = pool
         self._auth = f"Authorization: Bearer {api_key}\r\n".encode() if api_key else b""
+        self.running: dict[asyncio.Future[ChildReply], str] = {}  # each slot action under way -> its name
 
     async def call_raw(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
         """Status and raw body; `body` goes as JSON, byte for byte."""
@@ -103,5 +106,34 @@ class LlamaClient:
         return await self.tokenize(json.loads(raw)["prompt"])
 
     async def slot_action(self, slot_id: int, action: str, filename: str | None = None) -> ChildReply:
+        """A slot action, run to its end even when the caller is cancelled (a stop cancels start-up's restores;
+        a drain that runs out cancels a request mid-restore).
+
+        Why: llama-server finishes a slot action it has begun, whatever became of the request, and only then
+        honours SIGTERM; signalled in the middle of a long one it outlives --stop-timeout and is SIGKILLed. So
+        the action goes on here, and a stop waits for it (`until_idle`) before it signals the child.
+        """
         body = {"filename": filename} if filename is not None else {}
-        return await self.call_json("POST", f"/slots/{slot_id}", payload=body, params={"action": action})
+        call = asyncio.ensure_future(self.call_json("POST", f"/slots/{slot_id}", payload=body,
+                                                    params={"action": action}))
+        self.running[call] = action
+        call.add_done_callback(self._ended)
+        return await asyncio.shield(call)
+
+    def _ended(self, call: asyncio.Future[ChildReply]) -> None:
+        self.running.pop(call, None)
+        if not call.cancelled():
+            call.exception()  # taken: a caller that was cancelled is not there to take it (its error is moot)
+
+    def busy_with(self) -> str:
+        """The slot actions under way, in words (`restore`, `save, restore`); empty when there is none."""
+        return ", ".join(sorted(set(self.running.values())))
+
+    async def until_idle(self, deadline: float) -> bool:
+        """Wait until no slot action is under way, or until `deadline` (monotonic); True when none is."""
+        while self.running:
+            timeout = deadline - time.monotonic()
+            if timeout <= 0:
+                return False
+            await asyncio.wait(list(self.running), timeout=timeout)
+        return True

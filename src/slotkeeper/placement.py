@@ -858,7 +858,14 @@ class Placement:
     def _background_task(self, work: Any) -> None:
         task = asyncio.ensure_future(work)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_ended)
+
+    def _background_ended(self, task: asyncio.Future[None]) -> None:
+        """A background task's error is its one line: nobody awaits it (taking in a downloaded entry, which a
+        later miss fetches again), and unseen it would end as a traceback when the task is collected."""
+        self._background.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("background task failed (%r)", exc)
 
     async def _settle(self, slot: Slot, chat: dict[str, Any], reader: ReplyReader) -> None:
         """Once a hybrid chat's turn is over, bring its idle slot to the turn boundary (nothing is written).
@@ -881,6 +888,8 @@ class Placement:
                 self.metrics.boundary_settled(reached.prefilled, reached.seconds)
         except (ConnectionError, ValueError, KeyError, TypeError) as exc:
             log.debug("slot %d not brought to its turn boundary: %r", slot.id, exc)
+        except Exception as exc:  # noqa: BLE001 - an optimisation: the next turn or the save pays the prefill
+            log.warning("slot %d not brought to its turn boundary (%r); its next turn prefills it", slot.id, exc)
         finally:
             self._release(slot)
 
@@ -929,6 +938,9 @@ class Placement:
             self._reserve(slot)
             try:
                 await self.restore_into(slot, entry, on_demand=False)
+            except Exception as exc:  # noqa: BLE001 - one entry's failure is its line: the others are restored
+                slot.clear()
+                log.warning("chat %s not restored into slot %d (%r); it starts cold", entry.short, slot.id, exc)
             finally:
                 self._release(slot)
         # Each restore marks its entry used; those manifest writes end before ready, so that what a start

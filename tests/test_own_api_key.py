@@ -131,3 +131,18 @@ async def test_any_of_the_keys_opens_own_paths_and_nothing_reaches_the_child(gua
     assert not guarded.child.requests
     proxied = await raw_call(guarded.port, request_bytes("GET", "/props"))  # the child judges its own paths
     assert proxied.status == 200 and len(guarded.child.requests) == 1
+
+
+def test_every_key_llama_server_accepts_opens_own_paths(starter, llama_server: str, models: dict[str, Path],
+                                                        tmp_path: Path) -> None:
+    """Several keys (`--api-key a,b` and an --api-key-file beside it): llama-server accepts each, and so do
+    slotkeeper's own paths, not only the first."""
+    keys = tmp_path / "keys"
+    keys.write_text("k-file\n")
+    start = starter(llama_server, ["-m", str(models["A"]), "-c", "2048", "-np", "1", "-t", "2", "--no-warmup"])
+    port = int(start("--api-key", "k-one,k-two", "--api-key-file", str(keys)).port)
+    for key in ("k-one", "k-two", "k-file"):
+        headers = [("Authorization", f"Bearer {key}")]
+        assert ask(port, "/props", headers)[0] == 200, key  # llama-server's own verdict
+        assert ask(port, "/slotkeeper/status", headers)[0] == 200, key
+    assert ask(port, "/slotkeeper/status", [("Authorization", "Bearer k-three")])[0] == 401

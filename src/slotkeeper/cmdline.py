@@ -307,7 +307,12 @@ class LaunchPlan:
     binary: list[str]
     save_dir: Path
     child_args: list[str]
-    api_key: str | None
+    api_keys: list[str]  # every key llama-server accepts (--api-key, --api-key-file, LLAMA_API_KEY)
+
+    @property
+    def api_key(self) -> str | None:
+        """The key slotkeeper's own calls to llama-server send."""
+        return self.api_keys[0] if self.api_keys else None
 
     def child_command(self, endpoint_args: list[str]) -> list[str]:
         """The full llama-server command: the user's arguments, the private address, and snapshots/ as its
@@ -321,10 +326,10 @@ def plan_launch(argv: list[str], env: Env) -> LaunchPlan:
     own_argv, llama_argv = split_argv(argv)
     own = parse_own_options(own_argv, env)
     llama = parse_llama_args(llama_argv, env)
-    api_keys = llama.api_keys
-    if llama.api_key_file and not api_keys:
+    api_keys = list(llama.api_keys)
+    if llama.api_key_file:  # llama-server accepts both, when both are given
         try:
-            api_keys = read_api_key_file(llama.api_key_file)
+            api_keys += read_api_key_file(llama.api_key_file)
         except OSError as exc:
             raise ConfigError(f"cannot read --api-key-file {llama.api_key_file}: {exc.strerror}") from None
     child_args = list(llama.passthrough)
@@ -337,4 +342,4 @@ def plan_launch(argv: list[str], env: Env) -> LaunchPlan:
     raw_flag(own, "child_tcp")
     binary = find_llama_server(own.get("llama_server") or None, env)  # type: ignore[arg-type]
     save_dir = Path(llama.slot_save_path).expanduser() if llama.slot_save_path else default_save_dir(llama, env)
-    return LaunchPlan(own, llama, binary, prepare_save_dir(save_dir), child_args, api_keys[0] if api_keys else None)
+    return LaunchPlan(own, llama, binary, prepare_save_dir(save_dir), child_args, api_keys)

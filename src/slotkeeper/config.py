@@ -69,11 +69,16 @@ class RunConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
 
+    @property
+    def api_key(self) -> str | None:
+        """The key slotkeeper's own calls to llama-server send."""
+        return self.api_keys[0] if self.api_keys else None
+
     options: Options
     hosts: list[str] = Field(min_length=1)
     port: int = Field(ge=0, le=65535)
     save_dir: Path
-    api_key: str | None
+    api_keys: list[str]  # what llama-server accepts; slotkeeper's own paths accept the same
     total_slots_hint: int | None = Field(None, ge=-1)
     slots_endpoint: bool
     child_args: list[str]
@@ -106,7 +111,7 @@ def validate(plan: LaunchPlan) -> RunConfig:
             "hosts": [h.strip() for h in llama.host.split(",") if h.strip()],
             "port": llama.port,
             "save_dir": plan.save_dir,
-            "api_key": plan.api_key,
+            "api_keys": plan.api_keys,
             "total_slots_hint": llama.parallel,
             "slots_endpoint": llama.slots_endpoint,
             "child_args": plan.child_args,

@@ -24,7 +24,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
-from family_helpers import FAMILIES
+from family_helpers import FAMILIES, Chat
 from store_helpers import entry_ids, only_entry, restored, saved
 
 from slotkeeper.testing.harness import http_call, read_events, wait_until
@@ -125,6 +125,26 @@ def test_idle_autosave_survives_a_read_only_save_dir_and_saves_once_writable(fam
     assert sk.wait(30) == 0, sk.logs()
     assert clean_exit(sk.logs()) and "nothing to save" in sk.logs(), sk.logs()
     restarts_warm(family_start, save_dir)
+
+
+def test_a_hybrid_chats_failed_boundary_save_is_tried_again_once_writable(family_start, read_only):
+    """On a hybrid the idle autosave saves a chat at its turn boundary. The save directory read-only: the save
+    fails with one line and the slot stays changed, so once the directory is writable again the autosave saves
+    it, with no new request; the next start restores it and the chat's next turn reuses it."""
+    family = FAMILIES["qwen35-thinking-off"]
+    sk = family_start(family, "-np", "1", own=("--autosave-idle", "1"))
+    save_dir = sk.extra["save_dir"]
+    chat = Chat(1, family.request, system="Be brief.")
+    with read_only(save_dir):
+        chat.turn(sk.port)
+        assert wait_until(lambda: "slot 0 not saved (idle)" in sk.logs(), 20), sk.logs()
+    assert not entry_ids(save_dir)
+    boundary_saved = re.compile(r"chat \w+ saved from slot 0 at its turn boundary \(idle\)")
+    assert wait_until(lambda: boundary_saved.search(sk.logs()), 20), f"not tried again:\n{sk.logs()}"
+    sk.killpg(signal.SIGTERM)
+    assert sk.wait(30) == 0 and clean_exit(sk.logs()), sk.logs()
+    sk2 = family_start(family, "-np", "1")
+    assert chat.reused_enough(chat.turn(sk2.port)), sk2.logs()
 
 
 def test_stop_with_a_read_only_save_dir_keeps_the_entry_and_exits_0(family_start, read_only):

@@ -652,7 +652,7 @@ class Placement:
             self.metrics.boundary_unknown += 1
             log.info("chat %s in slot %d: its reply is unknown (cut off, or not a chat completion), so only its "
                      "earlier boundary can be saved", slot.label, slot.id)
-        saved = moved = False
+        saved = moved = failed = False
         latest: Entry | None = None
         for turn in (current, previous):
             if turn is None:
@@ -660,8 +660,9 @@ class Placement:
             entry, reached = await self._save_boundary(slot, chat, turn, why)
             moved = moved or reached
             saved = saved or (reached and entry is not None)
+            failed = failed or (reached and entry is None)  # a full disk, a read-only remount: tried again
             latest = latest or (entry if turn is current else None)
-        slot.dirty = False
+        slot.dirty = failed
         if live and moved and latest is not None and slot.entry is not latest:
             await self.restore_into(slot, latest, on_demand=False)  # back to the end of the chat, from its file
         return saved

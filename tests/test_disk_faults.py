@@ -19,7 +19,7 @@ import pytest
 from family_helpers import FAMILIES, Chat, answer, same_answer, swap_out
 
 from slotkeeper.layout import ENTRIES_DIR, QUARANTINE_DIR, SNAPSHOTS_DIR
-from slotkeeper.testing.harness import wait_until
+from slotkeeper.testing.harness import http_call, wait_until
 
 LLAMA = FAMILIES["llama"]
 AUTOSAVE = ("--autosave-idle", "1")
@@ -185,3 +185,29 @@ def test_a_linked_entry_is_never_followed(family_start):
     assert chat.turn(sk2.port)["cache_n"] > 0
     swap_out(sk2)
     assert (save_dir / ENTRIES_DIR / f"{fake}.bin").is_symlink() and target.is_file()
+
+
+def test_a_slot_of_long_replies_is_measured_before_its_save(family_start, tmpfs):
+    """1. The free-space check counts what the slot holds (its prompt and the reply it generated: llama-server's
+    n_prompt_tokens), not the prompt slotkeeper placed: with room for twice the first save but not for a slot of
+    long replies, the save is refused up front, in one line, instead of filling the disk to its last byte."""
+    save_dir = tmpfs / "cache"
+    sk = family_start(LLAMA, "-np", "1", own=AUTOSAVE, save_dir=save_dir)
+    prompt = " ".join(f"Note {i}: the disk may fill up." for i in range(15))
+    body = {"prompt": prompt, "n_predict": 1, "temperature": 0}
+    assert http_call(sk.port, "POST", "/completion", body).status == 200
+    assert wait_until(lambda: entry_ids(save_dir), 20), sk.logs()
+    first = entry_ids(save_dir)
+    size = (save_dir / ENTRIES_DIR / f"{first[0]}.bin").stat().st_size
+    long_reply = {"prompt": prompt + " And more.", "n_predict": 1600, "ignore_eos": True, "temperature": 0}
+    timings = http_call(sk.port, "POST", "/completion", long_reply, timeout=120).body["timings"]
+    assert timings["predicted_n"] >= 4 * (timings["prompt_n"] + timings["cache_n"]), timings
+    free = os.statvfs(tmpfs).f_bavail * os.statvfs(tmpfs).f_frsize
+    filler = tmpfs / "filler.bin"
+    with open(filler, "wb") as f:
+        f.truncate(0)
+        os.posix_fallocate(f.fileno(), 0, free - 2 * size)
+    assert wait_until(lambda: "slot 0 not saved (idle)" in sk.logs(), 20), sk.logs()
+    line = next(ln for ln in sk.logs().splitlines() if "slot 0 not saved (idle)" in ln)
+    assert "free in" in line and "needed" in line, line
+    assert entry_ids(save_dir) == first and store_files(save_dir)[SNAPSHOTS_DIR] == []

@@ -292,9 +292,10 @@ def test_6_disk_full_keeps_the_old_file(stub_slotkeeper, tiny_disk):
     good = bins_snapshot(tiny_disk)
     (tiny_disk / "filler").write_bytes(b"\0" * (1024 * 1024 - len(good[f"{entry}.bin"]) - 450 * 1024))
 
-    # The follow-up continues in its slot without a tokenize round trip, so slotkeeper expects the size it
-    # last knew (~330 KB, which fits), and llama-server runs out of space writing ~860 KB.
-    sk2 = stub_slotkeeper("-np", "1", save_dir=tiny_disk, stub=stub)
+    # The follow-up continues in its slot without a tokenize round trip and, with --no-slots, llama-server
+    # cannot say what the slot holds: slotkeeper expects the size it last knew (~330 KB, which fits), and
+    # llama-server runs out of space writing ~860 KB.
+    sk2 = stub_slotkeeper("-np", "1", "--no-slots", save_dir=tiny_disk, stub=stub)
     assert restored(sk2.logs()) == [(entry[:4], 0)], sk2.logs()
     turn = first + reply["content"] + " and a short follow-up."
     turn = turn + complete(sk2, turn)["content"] + " and a much longer follow-up " * 18

@@ -624,7 +624,7 @@ class Placement:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         if self.extend_only:
             return await asyncio.wait_for(self._save_boundaries(slot, why, live), timeout)
-        save = self.store.save_slot(slot.id, self._expected_bytes(slot), list(slot.fast.units))
+        save = self._save_whole(slot)
         result = await asyncio.wait_for(save, timeout)
         if result.entry is None:
             if result.failure is SaveFailure.EMPTY:
@@ -750,9 +750,23 @@ class Placement:
                  entry.short, slot.id, f"{result.tokens:,}", fmt_bytes(result.nbytes), fmt_ms(result.seconds))
         return True
 
-    def _expected_bytes(self, slot: Slot) -> int:
+    def _expected_bytes(self, slot: Slot, tokens: int | None = None) -> int:
         rate = self.store.bytes_per_token()
-        return int(rate * slot.tokens) if rate else 0
+        return int(rate * (slot.tokens if tokens is None else tokens)) if rate else 0
+
+    async def _save_whole(self, slot: Slot) -> SaveResult:
+        """Save all a slot holds. The free-space check needs its size: llama-server's own count of the slot's
+        tokens (`n_prompt_tokens` of /slots: the prompt and what it generated), not slotkeeper's (the prompt it
+        placed), which a chat of long replies exceeds many times over."""
+        held = slot.tokens
+        try:
+            reply = await self.client.slots()
+            if reply.ok and isinstance(reply.body, list):
+                info = next((s for s in reply.body if isinstance(s, dict) and s.get("id") == slot.id), {})
+                held = max(held, int(info.get("n_prompt_tokens") or 0))
+        except (ConnectionError, TypeError, ValueError):
+            pass  # the save itself will say what is wrong
+        return await self.store.save_slot(slot.id, self._expected_bytes(slot, held), list(slot.fast.units))
 
     # ---- the shared tier ----------------------------------------------------------------------------------
 

@@ -7,16 +7,19 @@ runs a real slotkeeper around the stub llama-server and lists and prunes what it
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
+import math
 import os
+import random
 import re
 import secrets
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,10 @@ from stub import encode_slot_file
 
 from slotkeeper.catalog import ls_main, parse_duration, parse_size, plan_prune, prune_main, scan_dir
 from slotkeeper.catalog import prune as catalog  # prune looks remove_pair up where the tests patch it
+from slotkeeper.catalog.match import expectation_from_args
+from slotkeeper.catalog.render import dumps_indented, json_records
+from slotkeeper.catalog.rows import FileStat, Kind, RemoteRow, Row, assign_short_ids
+from slotkeeper.entries import Status
 from slotkeeper.fingerprint import build_fingerprint, model_identity, namespace_key
 from slotkeeper.layout import lock_store, prepare_layout
 from slotkeeper.log import fmt_bytes
@@ -913,6 +920,138 @@ def test_short_ids_tell_entries_apart(capsys, tmp_path):
         write_entry(tmp_path, entry_id=entry_id)
     _, out, _ = run(ls_main, capsys, str(tmp_path))
     assert set(table_rows(out)) == {"abcd0", "abcd11", "abcd12", "9876"}
+
+
+def reference_short_ids(rows: Sequence[Row | RemoteRow]) -> list[str]:
+    """The rule as first written (every id against every other): the shortest prefix of at least 4 characters
+    that no other id starts with, or the whole id."""
+    ids = [r.id for r in rows if r.kind is not Kind.SLOT_FILE]
+    shorts = []
+    for row in rows:
+        if isinstance(row, Row) and row.kind is Kind.SLOT_FILE:
+            shorts.append(row.name)
+            continue
+        n = 4
+        while n < len(row.id) and sum(i.startswith(row.id[:n]) for i in ids if i != row.id) > 0:
+            n += 1
+        shorts.append(row.id[:n])
+    return shorts
+
+
+def random_ids(rng: random.Random, n: int) -> list[str]:
+    """Hex ids as saves make them, and the cases that are not: ids sharing long prefixes (up to all but the last
+    digit), ids that are prefixes of others, repeats, ids shorter than 4 characters, the empty id."""
+    def hexes(k: int) -> str:
+        return "".join(rng.choice("0123456789abcdef") for _ in range(k))
+
+    ids = [hexes(16) for _ in range(n)]
+    for _ in range(n // 2):
+        base = rng.choice(ids)
+        cut = rng.randint(0, len(base))
+        ids.append(rng.choice([base[:cut] + hexes(16 - cut), base[:cut], base, base + hexes(rng.randint(1, 3))]))
+    ids += [hexes(rng.randint(0, 3)) for _ in range(rng.randint(0, 3))]
+    rng.shuffle(ids)
+    return ids
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_short_ids_are_the_reference_rules(tmp_path, seed):
+    rng = random.Random(seed)
+    rows: list[Row | RemoteRow] = []
+    for entry_id in random_ids(rng, rng.choice([0, 1, 2, 5, 30, 200])):
+        kind = rng.choice([Kind.ENTRY, Kind.ENTRY, Kind.QUARANTINED, Kind.SLOT_FILE])
+        name = {Kind.QUARANTINED: f"20250101-120000-{entry_id}", Kind.SLOT_FILE: str(rng.randint(0, 3))}.get(
+            kind, entry_id)
+        rows.append(Row(kind, tmp_path, tmp_path, name, None, None, None, Status.USABLE))
+    expected = reference_short_ids(rows)
+    assign_short_ids(rows)
+    assert [r.short for r in rows] == expected
+    remote = [RemoteRow("s3://b/p", "ns", entry_id, {}, None, Status.SHARED) for entry_id in random_ids(rng, 50)]
+    expected = reference_short_ids(remote)
+    assign_short_ids(remote)
+    assert [r.short for r in remote] == expected
+
+
+def test_short_ids_of_a_large_store_take_no_quadratic_time(tmp_path):
+    """20,000 ids (the reference rule took minutes): well under a second, and still told apart."""
+    rng = random.Random(7)
+    rows = [Row(Kind.ENTRY, tmp_path, tmp_path, f"{rng.getrandbits(64):016x}", None, None, None, Status.USABLE)
+            for _ in range(20_000)]
+    started = time.monotonic()
+    assign_short_ids(rows)
+    assert time.monotonic() - started < 2.0
+    shorts = [r.short for r in rows]
+    assert len(set(shorts)) == len(shorts) and min(map(len, shorts)) == 4
+    ids = [r.id for r in rows]
+    for row in rows[:20]:  # the reference rule, for a few of them
+        n = 4
+        while any(i.startswith(row.id[:n]) for i in ids if i != row.id):
+            n += 1
+        assert row.short == row.id[:n]
+
+
+def random_json(rng: random.Random, depth: int = 0) -> Any:
+    choice = rng.randrange(12 if depth < 4 else 8)
+    if choice == 0:
+        return rng.choice(["", "plain", "ünïcødé ✓", "quote \" back\\slash", "tab\tnew\nline\x00", "\ud83d\ude00"])
+    if choice == 1:
+        return rng.choice([0, -1, 7, 2**70, -(2**63)])
+    if choice == 2:
+        return rng.choice([0.0, -0.0, 1.5, 1e-7, 1e300, 1 / 3, math.nan, math.inf, -math.inf, 1_750_000_000.25])
+    if choice == 3:
+        return rng.choice([True, False, None])
+    if choice in (4, 5, 6, 7):
+        return rng.choice(["entry", 12, 3.25, None])
+    if choice in (8, 9):
+        return {rng.choice(["a", "kind", "ü", "x y", str(i)]) + str(i): random_json(rng, depth + 1)
+                for i in range(rng.randrange(4))}
+    if choice == 10:
+        return [random_json(rng, depth + 1) for _ in range(rng.randrange(4))]
+    return rng.choice([(1, 2), Status.USABLE, {1: "int key"}, {"k": (None,)}, [Kind.ENTRY], 2.5])
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_json_text_is_json_dumps_byte_for_byte(seed):
+    rng = random.Random(seed)
+    values = [random_json(rng) for _ in range(20)]
+    for value in [*values, values, {"rows": values}]:
+        assert dumps_indented(value) == json.dumps(value, indent=1)
+
+
+def test_ls_json_text_is_json_dumps_of_its_records(mixed_dir, tmp_path):
+    matched = expectation_from_args(["-m", str(write_model(tmp_path / "m.gguf")), "-np", "1", "-c", "4096"], {})
+    for expectation in (None, matched):
+        records = json_records([scan_dir(mixed_dir["dir"])], NOW, expectation)
+        assert dumps_indented(records) == json.dumps(records, indent=1)
+
+
+def test_ls_and_prune_leave_the_garbage_collector_as_they_found_it(capsys, tmp_path):
+    write_entry(tmp_path)
+    assert gc.isenabled()
+    run(ls_main, capsys, str(tmp_path))
+    run(prune_main, capsys, str(tmp_path), "--older-than", "0s", "--dry-run")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        run(ls_main, capsys, str(tmp_path))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_a_listed_file_is_a_regular_file_and_never_a_link(tmp_path):
+    """FileStat.maybe, in one lstat: a regular file is listed; a link (to a file or not), a directory or a name
+    that is gone is not."""
+    regular = tmp_path / "a.bin"
+    regular.write_bytes(b"x" * 10)
+    (tmp_path / "link.bin").symlink_to(regular)
+    (tmp_path / "dangling.bin").symlink_to(tmp_path / "gone.bin")
+    (tmp_path / "dir.bin").mkdir()
+    stat = FileStat.maybe(regular)
+    assert stat is not None and stat.size == 10 and stat.identity[0] == regular.stat().st_ino
+    assert stat == FileStat.of(regular)
+    for name in ("link.bin", "dangling.bin", "dir.bin", "gone.bin"):
+        assert FileStat.maybe(tmp_path / name) is None
 
 
 def test_ls_time_is_now_by_default(capsys, tmp_path):

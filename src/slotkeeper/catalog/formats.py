@@ -1,21 +1,23 @@
 """The small formats of `slotkeeper ls` and `prune`: durations, sizes, ages, paths, counts, and printing.
 
 Sizes are read by pydantic's ByteSize, as --max-cache-bytes is, so that every size slotkeeper reads has one
-syntax: `20GB`, `1.5G`, `8GiB`, `4096`.
+syntax: `20GB`, `1.5G`, `8GiB`, `4096`. pydantic is imported only then: importing it costs `ls` 80 ms.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pydantic import ByteSize, TypeAdapter, ValidationError
+if TYPE_CHECKING:
+    from pydantic import ByteSize, TypeAdapter
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|secs|m|min|mins|h|hr|hrs|d|day|days|w|wk|weeks?)\s*$", re.I)
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_BYTE_SIZE = TypeAdapter(ByteSize)
 
 
 class CatalogError(Exception):
@@ -38,10 +40,19 @@ def parse_duration(text: str) -> float:
 
 def parse_size(text: str) -> int:
     """Bytes from `20GB`, `500MB`, `1.5G`, `20GiB`, `4096` (KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024)."""
+    from pydantic import ValidationError
+
     try:
-        return int(_BYTE_SIZE.validate_python(text))
+        return int(_byte_size().validate_python(text))
     except ValidationError:
         raise CatalogError(f"invalid size {text!r}: use e.g. 500MB, 20GB, 1.5TB, 8GiB or a byte count") from None
+
+
+@functools.cache
+def _byte_size() -> TypeAdapter[ByteSize]:
+    from pydantic import ByteSize, TypeAdapter
+
+    return TypeAdapter(ByteSize)
 
 
 def format_age(seconds: float) -> str:
@@ -59,10 +70,17 @@ def format_age(seconds: float) -> str:
 def display_path(path: Path) -> str:
     """A path as people type it: the home directory as `~`."""
     text = str(path)
-    home = str(Path.home())
+    home = _home(os.environ.get("HOME"))
     if home not in ("", "/") and (text == home or text.startswith(home + os.sep)):
         return "~" + text[len(home):]
     return text
+
+
+@functools.lru_cache(maxsize=8)
+def _home(variable: str | None) -> str:
+    """Path.home() (which reads $HOME, else the password database), once per value of $HOME: prune names the
+    directory in each of thousands of lines."""
+    return str(Path.home())
 
 
 def count(n: int, word: str, plural: str | None = None) -> str:

@@ -79,6 +79,8 @@ def plan_rows(
     removals: list[Removal] = []
     kept: list[Listed] = []
     for row in rows:
+        if row.status is Status.LINK:
+            continue  # not slotkeeper's: never followed, never removed
         age = now - row.last_used
         reason = None
         if missing_models and model_missing(row):
@@ -171,12 +173,12 @@ def remove_files(removal: Removal) -> str | None:
     bin_path, manifest_path = pair_paths(row.folder, row.name)
     for scanned, path in ((row.manifest_file, manifest_path), (row.bin, bin_path)):
         try:
-            current: FileStat | None = FileStat.of(path)
+            st = os.stat(path)
         except FileNotFoundError:
-            current = None
+            continue  # gone already: nothing of it to keep
         except OSError as exc:
             return f"{path.name}: {exc.strerror or exc}"
-        if current is not None and (scanned is None or current.identity != scanned.identity):
+        if scanned is None or FileStat.identity_of(st) != scanned.identity:
             return f"{path.name} changed since it was listed (a running slotkeeper used it?); kept"
     try:
         remove_pair(row.folder, row.name)

@@ -4,8 +4,12 @@ same columns so that they read as one listing, and `--json`'s records (one per d
 
 from __future__ import annotations
 
+import functools
+import json
+import math
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from json.encoder import encode_basestring_ascii
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,12 @@ Section = tuple[str, Sequence[Listed], str]  # title, rows, summary line
 # ---- tables -----------------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=256)
+def file_name(path: str) -> str:
+    """The model file's name (a store holds a few models and thousands of rows: pathlib once per model)."""
+    return Path(path).name
+
+
 def table_row(row: Listed, now: float, expectation: Expectation | None) -> list[str]:
     tokens, size = row.tokens, row.size
     cells = [
@@ -36,7 +46,7 @@ def table_row(row: Listed, now: float, expectation: Expectation | None) -> list[
         f"{tokens:,}" if tokens is not None else "-",
         fmt_bytes(size) if size is not None else "-",
         format_age(now - row.last_used) + " ago",
-        Path(row.model).name if row.model else "-",
+        file_name(row.model) if row.model else "-",
         row.detail,
     ]
     if expectation:
@@ -140,7 +150,7 @@ def record(row: Listed, now: float, expectation: Expectation | None) -> dict[str
         "detail": row.detail, "reason": row.why, "tokens": row.tokens,
         "saved_at": entry.saved_at if entry else None, "last_used": row.last_used,
         "age_s": round(max(0.0, now - row.last_used), 1), "model": row.model,
-        "model_name": Path(row.model).name if row.model else None,
+        "model_name": file_name(row.model) if row.model else None,
         "fingerprint": (entry.fingerprint or None) if entry else None,
         "format": {"seq_version": entry.seq_version, "layout": entry.layout} if entry else None,
         **row.own_fields(),
@@ -184,3 +194,80 @@ def remote_json(url: str, by_namespace: Mapping[str, list[RemoteRow]], now: floa
                         "bytes": sum(r.disk_bytes for r in rows)})
         records += [record(r, now, expectation) for r in rows]
     return records
+
+
+# ---- JSON text --------------------------------------------------------------------------------------------------
+
+
+class _Unusual(Exception):
+    """A value dumps_indented leaves to the json module (a subclass, a non-string key, an unknown type)."""
+
+
+def dumps_indented(value: Any) -> str:
+    """`json.dumps(value, indent=1)`, byte for byte, in about two thirds of its time.
+
+    The json module encodes in C only without `indent`; with it, its Python encoder spends a generator and a
+    few calls per value: at 20,000 entries a third of `ls --json`. This one knows only what records hold (dicts
+    with string keys, lists, and the plain scalars) and leaves anything else, whole, to the json module.
+    """
+    parts: list[str] = []
+    try:
+        _encode(value, "", parts.append)
+    except _Unusual:
+        return json.dumps(value, indent=1)
+    return "".join(parts)
+
+
+def _scalar(value: Any) -> str | None:
+    """A plain scalar as json.dumps writes it (ensure_ascii, NaN and Infinity allowed); None for containers."""
+    kind = type(value)
+    if kind is str:
+        return encode_basestring_ascii(value)
+    if kind is int:
+        return int.__repr__(value)
+    if kind is float:
+        if math.isfinite(value):
+            return float.__repr__(value)
+        return "NaN" if value != value else "Infinity" if value > 0 else "-Infinity"
+    if value is None:
+        return "null"
+    if kind is bool:
+        return "true" if value else "false"
+    if kind is dict or kind is list:
+        return None
+    raise _Unusual
+
+
+def _encode(value: Any, indent: str, out: Callable[[str], object]) -> None:
+    text = _scalar(value)
+    if text is not None:
+        out(text)
+        return
+    if not value:
+        out("{}" if type(value) is dict else "[]")
+        return
+    inner = indent + " "
+    separator, following = ("{\n" if type(value) is dict else "[\n") + inner, ",\n" + inner
+    if type(value) is dict:
+        for key, item in value.items():
+            if type(key) is not str:
+                raise _Unusual
+            name = encode_basestring_ascii(key)
+            text = _scalar(item)
+            if text is None:
+                out(f"{separator}{name}: ")
+                _encode(item, inner, out)
+            else:
+                out(f"{separator}{name}: {text}")
+            separator = following
+        out(f"\n{indent}}}")
+    else:
+        for item in value:
+            text = _scalar(item)
+            if text is None:
+                out(separator)
+                _encode(item, inner, out)
+            else:
+                out(separator + text)
+            separator = following
+        out(f"\n{indent}]")

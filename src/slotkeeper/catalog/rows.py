@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import abc
 import enum
+import itertools
+import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +33,7 @@ WORDS: dict[Status, tuple[str, str]] = {
     Status.BAD_MANIFEST: ("bad manifest (never used)", "a manifest slotkeeper cannot read: its entry is never used"),
     Status.INTERRUPTED_SAVE: ("interrupted save (removed at start)",
                               "a file without a manifest: an interrupted save, removed at the next start"),
+    Status.LINK: ("link (never followed)", "a link or not a file under an entry's name: never followed, left as it is"),
     Status.QUARANTINED: ("quarantined", "moved aside: llama-server refused it or its size was wrong"),
     Status.SLOT_FILE: ("slot file (taken over at next start)",
                        "a slot file of the slot-file layout: taken over at the next start"),
@@ -68,15 +72,24 @@ class FileStat:
 
     @classmethod
     def of(cls, path: Path) -> FileStat:
-        st = path.stat()
-        return cls(path, st.st_size, st.st_mtime, (st.st_ino, st.st_mtime_ns, st.st_size))
+        return cls.from_stat(path, path.stat())
+
+    @classmethod
+    def from_stat(cls, path: Path, st: os.stat_result) -> FileStat:
+        return cls(path, st.st_size, st.st_mtime, cls.identity_of(st))
+
+    @staticmethod
+    def identity_of(st: os.stat_result) -> tuple[int, int, int]:
+        return st.st_ino, st.st_mtime_ns, st.st_size
 
     @classmethod
     def maybe(cls, path: Path) -> FileStat | None:
+        """A regular file (a link is never followed: None, as for a name that is gone), in one lstat."""
         try:
-            return cls.of(path) if path.is_file() and not path.is_symlink() else None
+            st = os.lstat(path)
         except OSError:
             return None  # removed while we looked
+        return cls.from_stat(path, st) if stat.S_ISREG(st.st_mode) else None
 
 
 class Listed(abc.ABC):
@@ -274,13 +287,34 @@ class RemoteRow(Listed):
 
 def assign_short_ids(rows: Sequence[Row | RemoteRow]) -> None:
     """The shortest prefix of at least 4 hex digits (as the daemon's log lines name entries) that tells the
-    rows apart; 8 suffice in practice."""
-    ids = [r.id for r in rows if r.kind is not Kind.SLOT_FILE]
+    rows apart; 8 suffice in practice.
+
+    A row's prefix must be one character longer than the longest prefix its id shares with any other id (all of
+    it, when that is the whole id). In sorted order, the id sharing the longest prefix with an id is one of its
+    two neighbours, so one pass over the sorted distinct ids finds every row's length: O(n log n), where comparing
+    every id with every other took minutes at tens of thousands of entries. Rows with the same id (an entry and
+    its quarantined copy) do not tell each other apart, as before.
+    """
+    ids = sorted({r.id for r in rows if r.kind is not Kind.SLOT_FILE})
+    shared = dict.fromkeys(ids, 0)  # id -> the longest prefix it shares with another id
+    for left, right in itertools.pairwise(ids):
+        n = _common_prefix(left, right)
+        if n > shared[left]:
+            shared[left] = n
+        if n > shared[right]:
+            shared[right] = n
     for row in rows:
         if isinstance(row, Row) and row.kind is Kind.SLOT_FILE:
             row.short = row.name
             continue
-        n = SHORT_ID_MIN
-        while n < len(row.id) and sum(i.startswith(row.id[:n]) for i in ids if i != row.id) > 0:
-            n += 1  # beyond 8 digits only for a one-in-4-billion collision
-        row.short = row.id[:n]
+        entry_id = row.id
+        row.short = entry_id[: max(SHORT_ID_MIN, min(len(entry_id), shared[entry_id] + 1))]
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """How many leading characters two strings share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -22,6 +22,7 @@ from ..entries import (
     Entry,
     Status,
     Verdict,
+    is_link,
     is_slot_name,
     is_state_file,
     judge,
@@ -85,12 +86,21 @@ def _pairs(folder: Path, names: Iterable[str]) -> dict[str, Pair]:
     """`<stem>.bin` / `<stem>.json` files of a folder, by stem: (bin, manifest)."""
     found: dict[str, list[FileStat | None]] = {}
     for name in names:
-        for slot, suffix in ((0, BIN_SUFFIX), (1, MANIFEST_SUFFIX)):
-            if name.endswith(suffix) and len(name) > len(suffix):
-                stat = FileStat.maybe(folder / name)
-                if stat is not None:
-                    found.setdefault(name.removesuffix(suffix), [None, None])[slot] = stat
+        if name.endswith(BIN_SUFFIX):
+            slot, stem = 0, name[: -len(BIN_SUFFIX)]
+        elif name.endswith(MANIFEST_SUFFIX):
+            slot, stem = 1, name[: -len(MANIFEST_SUFFIX)]
+        else:
+            continue
+        if stem and (stat := FileStat.maybe(folder / name)) is not None:
+            found.setdefault(stem, [None, None])[slot] = stat
     return {stem: (pair[0], pair[1]) for stem, pair in found.items()}
+
+
+def _links(folder: Path, names: Iterable[str]) -> set[str]:
+    """The stems of entry names that are a link or not a regular file."""
+    return {name.rsplit(".", 1)[0] for name in names
+            if name.endswith((BIN_SUFFIX, MANIFEST_SUFFIX)) and is_link(folder / name)}
 
 
 def _scan_entries(save_dir: SaveDir) -> None:
@@ -101,18 +111,25 @@ def _scan_entries(save_dir: SaveDir) -> None:
     save_dir.partials += [s for n in names if n.endswith(PARTIAL_SUFFIX) and (s := FileStat.maybe(folder / n))]
     pairs = {stem: (pair, read_manifest(pair[1].path) if pair[1] else None)
              for stem, pair in _pairs(folder, names).items()}
+    links = _links(folder, names)  # never followed, as the store never follows them (entries.is_link)
+    for stem in links - pairs.keys():
+        pairs[stem] = ((None, None), None)
 
     def judged(stem: str, against: Entry | None) -> Verdict:
         (bin_stat, manifest_stat), manifest = pairs[stem]
         return judge(manifest, bin_stat.size if bin_stat else None, against.fingerprint if against else None,
-                     (against.seq_version, against.layout) if against else None, committed=manifest_stat is not None)
+                     (against.seq_version, against.layout) if against else None, committed=manifest_stat is not None,
+                     link=stem in links)
 
-    alone = {stem: judged(stem, None) for stem in pairs}
-    usable = {stem: v.entry for stem, v in alone.items() if v.status is Status.USABLE and v.entry is not None}
-    last = max(usable, key=lambda stem: (usable[stem].last_used, usable[stem].saved_at), default=None)
-    reference = usable[last] if last is not None else None
-    for stem, (pair, _) in pairs.items():
-        verdict = judged(stem, reference) if reference else alone[stem]
+    last, reference, newest = None, None, (0.0, 0.0)  # the first of the most recently used usable entries
+    for stem in pairs:
+        alone = judged(stem, None)
+        if alone.status is Status.USABLE and (entry := alone.entry) is not None and (
+                reference is None or (entry.last_used, entry.saved_at) > newest):
+            last, reference, newest = stem, entry, (entry.last_used, entry.saved_at)
+    for stem in list(pairs):  # judge() is pure: without a reference, each verdict is the one judged alone
+        verdict = judged(stem, reference)
+        pair = pairs.pop(stem)[0]  # its manifest's data goes as soon as its row is made: a store's worth less held
         row = Row(Kind.ENTRY, save_dir.path, folder, stem, *pair, verdict.entry, verdict.status)
         row.reason, row.note = _described(verdict, reference)
         save_dir.rows.append(row)

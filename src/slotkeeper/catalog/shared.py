@@ -6,7 +6,6 @@ is given, because obstore is needed for nothing else `ls` and `prune` do.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -52,6 +51,8 @@ def open_bucket(config: RemoteConfig) -> Bucket:
 
 def run_remote(job: Callable[[], Coroutine[Any, Any, T]]) -> T:
     """Run a job against the shared tier for the command's lifetime; its RemoteError is a RemoteFailure."""
+    import asyncio
+
     from ..bucket import RemoteError
 
     try:

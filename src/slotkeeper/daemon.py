@@ -83,6 +83,7 @@ class Daemon:
         self.placement: Placement | None = None
         self._seen_tasks: dict[int, int] = {}  # with placement off: llama-server's id_task per slot at the last look
         self._autosave: asyncio.Future[None] | None = None
+        self._cache_write: asyncio.Future[None] | None = None  # the manifest cache, refreshed once ready
         self.remote: Any = None  # remote.RemoteTier, with --remote-store
         self._remote_probe: asyncio.Future[bool] | None = None
         self._client: LlamaClient | None = None  # once run() made it
@@ -198,6 +199,8 @@ class Daemon:
             # of the collector's sight, a full collection no longer walks it while requests are proxied.
             gc.freeze()
             self.set_state(State.READY)
+            if self.store is not None and self.store.cache_changes:  # the next start reads one file
+                self._cache_write = asyncio.ensure_future(self.store.write_cache())
             now = time.monotonic()
             log.info(
                 "ready %s after starting llama-server (pid %d; it answered healthy at %s, restore took %s)",
@@ -536,7 +539,7 @@ class Daemon:
             if outcome == "interrupted":
                 return await self.stop_forced()
         self.set_state(State.STOPPING)
-        await asyncio.gather(self.store.flush(), self.child.stop(self.options.stop_timeout))
+        await asyncio.gather(self.settle_store(), self.child.stop(self.options.stop_timeout))
         if counts and counts[1]:
             log.info("saved %d of %d changed slot(s)", *counts)
         if self.remote is not None:  # uploads may use what is left of the budget, never more
@@ -546,6 +549,12 @@ class Daemon:
                 log.warning("remote: closing failed: %s; the uploads not done resume at the next start",
                             describe_error(exc))
         return EXIT_OK
+
+    async def settle_store(self) -> None:
+        """The store's files as the run leaves them: manifest updates written, then the manifest cache."""
+        assert self.store is not None
+        await self.store.flush()
+        await self.store.write_cache()
 
     async def stop_forced(self) -> int:
         """A second signal: no (more) saving; the child gets FORCED_STOP_TIMEOUT_S after SIGTERM."""

@@ -28,7 +28,7 @@ from typing import Any
 import xxhash
 
 from .fingerprint import first_difference, shareable
-from .prefix import BLOCK_TOKENS
+from .prefix import BLOCK_TOKENS, KeyChain
 from .statefile import SEQ_MAGIC
 
 BIN_SUFFIX = ".bin"
@@ -223,11 +223,11 @@ class Entry:
             raise ValueError(f"prefix keys of {data.get('block_tokens')}-token blocks, not {BLOCK_TOKENS}")
         fmt = data.get("format") or {}
         return cls(
-            id=str(data["id"]), tokens=int(data["tokens"]), nbytes=int(data["bytes"]), keys=list(data["blocks"]),
+            id=str(data["id"]), tokens=int(data["tokens"]), nbytes=int(data["bytes"]), keys=_chain(data["blocks"]),
             saved_at=float(data.get("saved_at", 0)), last_used=float(data.get("last_used", data.get("saved_at", 0))),
-            fingerprint=dict(data.get("fingerprint") or {}), seq_version=int(fmt.get("seq_version", 0)),
-            layout=str(fmt.get("layout", "")), server=dict(data.get("llama_server") or {}),
-            units=list(data.get("units") or []), save_ms=data.get("save_ms"), exact=str(data.get("exact") or ""),
+            fingerprint=_mapping(data.get("fingerprint")), seq_version=int(fmt.get("seq_version", 0)),
+            layout=str(fmt.get("layout", "")), server=_mapping(data.get("llama_server")),
+            units=_chain(data.get("units") or []), save_ms=data.get("save_ms"), exact=str(data.get("exact") or ""),
             boundary=bool(data.get("boundary", False)), opening=bool(data.get("opening", False)),
             uses=int(data.get("uses") or 0), checksum=str(data.get("checksum") or ""),
         )
@@ -235,6 +235,21 @@ class Entry:
     @property
     def short(self) -> str:
         return self.id[:4]
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    """A manifest's object, as it is (a manifest is read fresh for its entry, or shared by the manifest cache
+    between entries of one configuration: never changed in place)."""
+    return value if isinstance(value, dict) else dict(value or {})
+
+
+def _chain(keys: Any) -> Sequence[str]:
+    """A manifest's key list, packed (a KeyChain, as the manifest cache gives it, stays one)."""
+    if isinstance(keys, KeyChain):
+        return keys
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise ValueError("keys are a list of strings")
+    return KeyChain(keys)
 
 
 def parse_entry(data: Mapping[str, Any]) -> tuple[Entry | None, str]:
@@ -314,7 +329,7 @@ def judge(
         return Verdict(Status.BAD_MANIFEST, problem)
     if size != entry.nbytes:
         return Verdict(Status.WRONG_SIZE, f"size {size} differs from its manifest's {entry.nbytes}", entry)
-    if fingerprint is not None:
+    if fingerprint is not None and entry.fingerprint != fingerprint:
         difference = first_difference(shareable(entry.fingerprint), shareable(fingerprint))
         if difference:
             return Verdict(Status.OTHER_CONFIGURATION, f"saved for another configuration: {difference}", entry,

@@ -88,6 +88,19 @@ class KeyChain(Sequence[str]):
             with contextlib.suppress(ValueError):
                 self._packed, self._plain = bytes.fromhex("".join(plain)), ()
 
+    @classmethod
+    def from_hex(cls, joined: str) -> KeyChain:
+        """The chain hex() wrote."""
+        chain = cls()
+        chain._packed = bytes.fromhex(joined)
+        if len(chain._packed) % KEY_BYTES:
+            raise ValueError("a key chain's hex is whole keys")
+        return chain
+
+    def hex(self) -> str | None:
+        """All keys as one hex string (None for a chain of made-up keys)."""
+        return None if self._packed is None else self._packed.hex()
+
     def __len__(self) -> int:
         return len(self._packed) // KEY_BYTES if self._packed is not None else len(self._plain)
 

@@ -125,10 +125,26 @@ class PrefixTree:
             table, pos = run.children, run.end + 1
         return found
 
-    def sharing_first(self, key: str) -> Sequence[str]:
-        """The entries whose first key this is (every entry that shares any prefix with a chain opening so)."""
-        run = self._roots.get(key)
-        return run.holders if run is not None else ()
+    def near(self, keys: Sequence[str]) -> list[str]:
+        """The entries sharing at least one key with `keys` and all their keys, or all but their last (what a
+        save may supersede: a chat it extends, whose last block held the end of a reply it re-templated)."""
+        table: dict[str, _Run] | None = self._roots
+        pos, found = 0, []
+        while table is not None:
+            run = table.get(keys[pos]) if pos < len(keys) else None
+            if pos:  # one key unlike `keys`'s, then nothing: all but their last
+                found += [i for other in table.values() if other is not run and other.start == other.end
+                          for i in other.ends]
+            if run is None:
+                break
+            last = _last_shared(keys, self._chains[run.holders[0]], pos, run.end)
+            if last < run.end:
+                if run.end == last + 1:
+                    found += run.ends
+                break
+            found += run.ends
+            table, pos = run.children, run.end + 1
+        return found
 
 
 def _last_shared(keys: Sequence[str], other: Sequence[str], start: int, end: int) -> int:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import manifestcache
 from .entries import (
     BIN_SUFFIX,
     MANIFEST_SUFFIX,
@@ -164,6 +165,8 @@ class ConversationStore:
         self._totals = _Totals()  # running sums over self.entries
         self._kept_bytes = 0  # ... and over self._kept
         self._pending: set[asyncio.Future[Any]] = set()  # manifest updates (last use) written in the background
+        self.cache_changes = 0  # manifests written or read since the manifest cache was (manifestcache.py)
+        self._cache_lock = asyncio.Lock()
         self.bytes_per_s: float | None = None  # measured save speed
         self.restore_bytes_per_s: float | None = None  # measured restore speed (the last restore's)
         self._warned_copy = False
@@ -195,6 +198,8 @@ class ConversationStore:
                 discard(Path(item.path))
                 log.info("removed entry %s left by an interrupted save", entry_id[:4])
         unreadable = 0
+        cache = manifestcache.load(self.root)  # what the manifests held when last seen: most need no reading
+        self.cache_changes = int(len(cache) != len(manifests))
         for entry_id, item in manifests.items():
             bin_item = bins.get(entry_id)
             if not item.is_file(follow_symlinks=False):
@@ -202,7 +207,12 @@ class ConversationStore:
                 continue
             if bin_item is not None and not bin_item.is_file(follow_symlinks=False):
                 continue  # counted with the bins
-            data = read_manifest(item.path)
+            cached = cache.get(entry_id)
+            if cached is not None and cached[0] == manifestcache.stamp_of(item.stat(follow_symlinks=False)):
+                data: dict[str, Any] | None = cached[1]
+            else:
+                data = read_manifest(item.path)
+                self.cache_changes += 1
             if data is None:
                 unreadable += 1  # another slotkeeper version's, or damaged: kept as it is, not used
             else:
@@ -548,8 +558,9 @@ class ConversationStore:
         """A committed save joins the index; the entries it supersedes go. Returns how many went."""
         self.current_format = (entry.seq_version, entry.layout)
         rule = supersedes or extends
-        # An entry a save supersedes holds the save's first block, or has no full block: only those are asked.
-        candidates = {*self._keyless, *(self._tree.sharing_first(entry.keys[0]) if entry.keys else ())}
+        # An entry a save supersedes shares all its blocks with the save, or all but its last (the slack of
+        # `extends`), or has none: only those are asked, not every chat that shares a system prompt.
+        candidates = {*self._keyless, *self._tree.near(entry.keys)}
         superseded = [old for i in candidates if i != entry.id and rule(entry, old := self.entries[i])]
         self._index(entry)
         for old in superseded:
@@ -576,6 +587,7 @@ class ConversationStore:
             os.replace(transient, bin_path)
             renamed = True
             write_json_atomic(manifest_path, entry.manifest(), self.fsync)
+            self.cache_changes += 1
         except BaseException:
             discard(transient)
             if renamed:
@@ -595,6 +607,7 @@ class ConversationStore:
         if verdict.status is Status.USABLE and entry is not None:
             entry.last_used = time.time()
             write_json_atomic(manifest_path, entry.manifest(), self.fsync)
+            self.cache_changes += 1
             self._index(entry)
             return entry
         if entry is None or verdict.status is Status.NO_BIN:
@@ -681,11 +694,25 @@ class ConversationStore:
         with contextlib.suppress(OSError):
             if (self.entries_dir / f"{entry.id}{BIN_SUFFIX}").exists():
                 write_json_atomic(self.entries_dir / f"{entry.id}{MANIFEST_SUFFIX}", entry.manifest(), False)
+                self.cache_changes += 1
 
     async def flush(self) -> None:
         """Wait for background manifest updates."""
         if self._pending:
             await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+    async def write_cache(self) -> None:
+        """Bring the manifest cache up to date (in a thread), when a manifest changed since it was written: so
+        that the next start reads one file. A failure costs the next start its speed, nothing else."""
+        async with self._cache_lock:  # one writer of the file at a time
+            if not self.cache_changes:
+                return
+            self.cache_changes = 0
+            entries = [*self.entries.values(), *self._kept.values()]
+            try:
+                await asyncio.to_thread(manifestcache.save, self.root, entries)
+            except OSError as exc:
+                log.debug("manifest cache not written (%s); the next start reads every manifest", exc)
 
     # ---- removal ------------------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -185,6 +186,20 @@ def test_a_linked_entry_is_never_followed(family_start):
     assert chat.turn(sk2.port)["cache_n"] > 0
     swap_out(sk2)
     assert (save_dir / ENTRIES_DIR / f"{fake}.bin").is_symlink() and target.is_file()
+    # `ls` says of it what the start did (one rule: entries.judge), and prune never removes it
+    listed = {row["id"]: row for row in json.loads(catalog("ls_main", str(save_dir), "--json"))
+              if row["kind"] == "entry"}
+    assert listed[fake]["status"] == "link", listed[fake]
+    catalog("prune_main", str(save_dir), "--older-than", "0s")
+    assert (save_dir / ENTRIES_DIR / f"{fake}.bin").is_symlink() and target.is_file()
+
+
+def catalog(command: str, *args: str) -> str:
+    """`slotkeeper ls` or `prune` as a process: its output."""
+    code = f"import sys; from slotkeeper.catalog import {command}; sys.exit({command}(sys.argv[1:]))"
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
 
 
 def test_a_slot_of_long_replies_is_measured_before_its_save(family_start, tmpfs):

@@ -1,0 +1,76 @@
+"""The manifest cache: a start that reads one file finds exactly what reading every manifest finds, and a
+manifest written after the cache (or a cache damaged or of another version) is read from disk."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from pathlib import Path
+
+from slotkeeper import manifestcache
+from slotkeeper.entries import Entry, pair_paths, write_json_atomic
+from slotkeeper.prefix import block_keys, exact_key
+from slotkeeper.store import ConversationStore
+
+FINGERPRINT = {"model": "m.gguf", "n_ctx": 4096}
+SERVER = {"path": "/bin/llama-server", "size": 1, "mtime": 2}
+
+
+def write_store(root: Path, n: int) -> list[str]:
+    ConversationStore(root, None, FINGERPRINT).open()
+    ids = []
+    for i in range(n):
+        tokens = [1] * 640 + [i + 2] * (64 * (1 + i % 3))
+        entry = Entry(id=secrets.token_hex(8), tokens=len(tokens), nbytes=100 + i, keys=block_keys(tokens),
+                      saved_at=time.time(), last_used=time.time() - i, fingerprint=dict(FINGERPRINT),
+                      seq_version=2, layout="packed-1", server=dict(SERVER), units=block_keys(tokens)[:3],
+                      exact=exact_key(tokens), boundary=bool(i % 2), checksum="xxh3_128:" + "0" * 32)
+        bin_path, manifest_path = pair_paths(root / "entries", entry.id)
+        bin_path.write_bytes(b"\0" * entry.nbytes)
+        write_json_atomic(manifest_path, entry.manifest(), fsync=False)
+        ids.append(entry.id)
+    return ids
+
+
+def opened(root: Path) -> ConversationStore:
+    store = ConversationStore(root, None, FINGERPRINT, SERVER)
+    store.open()
+    return store
+
+
+def seen(store: ConversationStore) -> dict[str, dict]:
+    return {i: e.manifest() for i, e in store.entries.items()}
+
+
+def test_a_start_from_the_cache_finds_what_the_manifests_say(tmp_path):
+    write_store(tmp_path, 30)
+    cold = opened(tmp_path)
+    assert cold.cache_changes and not (tmp_path / manifestcache.CACHE_NAME).exists()
+    asyncio.run(cold.write_cache())
+    warm = opened(tmp_path)
+    assert warm.cache_changes == 0, "every manifest was taken from the cache"
+    assert seen(warm) == seen(cold) and len(warm.entries) == 30
+    probe = block_keys([1] * 640 + [5] * 200)
+    assert warm.lookup(probe)[0].id == cold.lookup(probe)[0].id
+
+
+def test_a_manifest_written_after_the_cache_is_read_from_disk(tmp_path):
+    ids = write_store(tmp_path, 5)
+    asyncio.run(opened(tmp_path).write_cache())
+    manifest_path = pair_paths(tmp_path / "entries", ids[0])[1]
+    data = json.loads(manifest_path.read_text())
+    data["last_used"] = 12345.0
+    write_json_atomic(manifest_path, data, fsync=False)
+    store = opened(tmp_path)
+    assert store.cache_changes == 1 and store.entries[ids[0]].last_used == 12345.0
+
+
+def test_a_damaged_cache_costs_only_time(tmp_path):
+    write_store(tmp_path, 5)
+    cold = opened(tmp_path)
+    for damage in (b"{not json", json.dumps({"version": 99, "shared": {}, "entries": []}).encode(), b""):
+        (tmp_path / manifestcache.CACHE_NAME).write_bytes(damage)
+        store = opened(tmp_path)
+        assert seen(store) == seen(cold) and store.cache_changes >= 5, "every manifest read from disk"

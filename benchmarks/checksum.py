@@ -35,7 +35,7 @@ from slotkeeper.entries import file_checksum
 from slotkeeper.llama_client import LlamaClient
 from slotkeeper.proxy.upstream import ChildPool
 from slotkeeper.store import ConversationStore
-from slotkeeper.testing.harness import free_port, http_call, wait_until
+from slotkeeper.testing.harness import free_port, health_status, http_call, wait_until
 from slotkeeper.testing.tinymodel import TinyModelSpec, write_tiny_model
 
 MODEL = TinyModelSpec(n_layers=8, width=512, n_heads=8, n_kv_heads=8, f16=True, name="slotkeeper-bench-turns")
@@ -102,13 +102,7 @@ def main() -> int:
          str(args.tokens + 512), "-t", "2", "--no-warmup", "--slot-save-path", str(root / "snapshots")],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        def healthy() -> bool:
-            try:
-                return http_call(port, "GET", "/health").status == 200
-            except OSError:
-                return False
-
-        assert wait_until(healthy, 120), "llama-server not healthy"
+        assert wait_until(lambda: health_status(port) == 200, 120), "llama-server not healthy"
         prompt = " ".join(f"note {i} is {i * 7 % 100}." for i in range(args.tokens // 6))
         tokens = http_call(port, "POST", "/tokenize", {"content": prompt}).body["tokens"][: args.tokens]
         asyncio.run(measure(port, root, tokens, args.repeat))

@@ -21,7 +21,7 @@ from proxy_helpers import FakeChild, RawRequest, RawResponse, raw_response, read
 
 from slotkeeper.proxy.server import Gate, Proxy
 from slotkeeper.supervisor import ChildEndpoint
-from slotkeeper.testing.harness import free_port, http_call, wait_until
+from slotkeeper.testing.harness import free_port, health_status, http_call, wait_until
 
 ARGS = ["-c", "32768", "-np", "1", "-t", "2", "--no-warmup", "--no-cache-idle-slots"]
 N_PREDICT = 30000  # fits the 32,768-token context with the prompt: without a cancel, it runs for many seconds
@@ -114,18 +114,11 @@ def server_port(request: pytest.FixtureRequest, starter, llama_server: str, slow
     direct = subprocess.Popen([llama_server, *args, "--host", "127.0.0.1", "--port", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        assert wait_until(lambda: _health(port) == 200, 60), "plain llama-server never became ready"
+        assert wait_until(lambda: health_status(port) == 200, 60), "plain llama-server never became ready"
         yield port
     finally:
         direct.terminate()
         direct.wait(10)
-
-
-def _health(port: int) -> int:
-    try:
-        return http_call(port, "GET", "/health", timeout=2).status
-    except OSError:
-        return 0
 
 
 def _slot_busy(port: int) -> bool:

@@ -38,7 +38,7 @@ from proxy_helpers import (
 from slotkeeper.proxy.messages import Reply
 from slotkeeper.proxy.server import Gate, Proxy
 from slotkeeper.supervisor import ChildEndpoint
-from slotkeeper.testing.harness import free_port, http_call, stream_lines, wait_until
+from slotkeeper.testing.harness import free_port, health_status, http_call, stream_lines, wait_until
 
 # ---- the proxy in front of the scripted child (tests/proxy_helpers.py) ----------------------------------------
 
@@ -694,18 +694,11 @@ def pair(starter, llama_server, models, tmp_path):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         sk = starter(llama_server, args)()
-        assert wait_until(lambda: _health(direct_port) == 200, 60), "plain llama-server never became ready"
+        assert wait_until(lambda: health_status(direct_port) == 200, 60), "plain llama-server never became ready"
         yield direct_port, sk.port
     finally:
         direct.terminate()
         direct.wait(10)
-
-
-def _health(port: int) -> int:
-    try:
-        return http_call(port, "GET", "/health", timeout=2).status
-    except OSError:
-        return 0
 
 
 def test_real_server_answers_identically_through_slotkeeper(pair):

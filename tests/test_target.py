@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from target_model import SlotRequest, Target, c_stoi, read_params, read_target, slot_request
 
 from slotkeeper.target import REFUSED_ESCAPE, REFUSED_FRAGMENT, REFUSED_NUL
-from slotkeeper.testing.harness import free_port, http_call, wait_until
+from slotkeeper.testing.harness import free_port, health_status, http_call, wait_until
 
 # ---- target.py on its own --------------------------------------------------------------------------------------
 
@@ -126,20 +126,13 @@ def servers(starter, llama_server, models, tmp_path) -> Iterator[tuple[int, int]
                                "--slot-save-path", str(slots)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         sk = starter(llama_server, args)()
-        assert wait_until(lambda: _health(direct_port) == 200, 60), "plain llama-server never became ready"
+        assert wait_until(lambda: health_status(direct_port) == 200, 60), "plain llama-server never became ready"
         for port in (direct_port, sk.port):  # a file for restore to read
             assert http_call(port, "POST", "/slots/0?action=save", {"filename": "probe.bin"}).status == 200
         yield direct_port, sk.port
     finally:
         direct.terminate()
         direct.wait(10)
-
-
-def _health(port: int) -> int:
-    try:
-        return http_call(port, "GET", "/health", timeout=2).status
-    except OSError:
-        return 0
 
 
 Observed = tuple[Any, ...]

@@ -69,6 +69,14 @@ def http_call(port: int, method: str, path: str, body: Any = None, headers: dict
     return Reply(resp.status, parsed, dict(resp.getheaders()), time.monotonic() - started)
 
 
+def health_status(port: int) -> int:
+    """GET /health's status on a local port; 0 while nothing answers there."""
+    try:
+        return http_call(port, "GET", "/health", timeout=2).status
+    except OSError:
+        return 0
+
+
 def read_events(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
@@ -112,10 +120,7 @@ class Slotkeeper:
             return False
 
     def health(self) -> int:
-        try:
-            return http_call(self.port, "GET", "/health", timeout=2).status
-        except OSError:
-            return 0
+        return health_status(self.port)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Until this slotkeeper says it is ready (its own log line: a 200 alone could come from a process that

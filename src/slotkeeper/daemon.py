@@ -83,7 +83,6 @@ class Daemon:
         self.placement: Placement | None = None
         self._seen_tasks: dict[int, int] = {}  # with placement off: llama-server's id_task per slot at the last look
         self._autosave: asyncio.Future[None] | None = None
-        self._cache_write: asyncio.Future[None] | None = None  # the manifest cache, refreshed once ready
         self.remote: Any = None  # remote.RemoteTier, with --remote-store
         self._remote_probe: asyncio.Future[bool] | None = None
         self._client: LlamaClient | None = None  # once run() made it
@@ -199,8 +198,6 @@ class Daemon:
             # of the collector's sight, a full collection no longer walks it while requests are proxied.
             gc.freeze()
             self.set_state(State.READY)
-            if self.store is not None and self.store.cache_changes:  # the next start reads one file
-                self._cache_write = asyncio.ensure_future(self.store.write_cache())
             now = time.monotonic()
             log.info(
                 "ready %s after starting llama-server (pid %d; it answered healthy at %s, restore took %s)",
@@ -551,7 +548,9 @@ class Daemon:
         return EXIT_OK
 
     async def settle_store(self) -> None:
-        """The store's files as the run leaves them: manifest updates written, then the manifest cache."""
+        """The store's files as the run leaves them: manifest updates written, then the manifest cache (while
+        llama-server exits: the next start reads one file; written once ready instead, it slowed the first
+        requests)."""
         assert self.store is not None
         await self.store.flush()
         await self.store.write_cache()

@@ -305,13 +305,14 @@ class Verdict:
 
 
 def judge(
-    manifest: Mapping[str, Any] | None, size: int | None, fingerprint: dict[str, Any] | None = None,
+    manifest: Mapping[str, Any] | Entry | None, size: int | None, fingerprint: dict[str, Any] | None = None,
     current_format: tuple[int, str] | None = None, *, committed: bool = True, link: bool = False,
 ) -> Verdict:
     """What slotkeeper makes of the pair `entries/<id>.bin` + `entries/<id>.json`; pure, so that every reader
     of a store (ConversationStore.open and adopt, `slotkeeper ls`) judges alike.
 
-    `manifest` is read_manifest()'s answer (None: unreadable), `committed` whether there is a manifest file at
+    `manifest` is read_manifest()'s answer (None: unreadable) or the Entry it describes (the manifest cache's),
+    `committed` whether there is a manifest file at
     all, `size` the .bin's (None: missing). `fingerprint` and `current_format` are the configuration and the
     state format it is judged against; None leaves that check out (not known yet). `link`: either name is a
     link or not a regular file (is_link), whatever it points to.
@@ -322,7 +323,7 @@ def judge(
         return Verdict(Status.INTERRUPTED_SAVE, "a file without a manifest: an interrupted save")
     if manifest is None:
         return Verdict(Status.BAD_MANIFEST, "a manifest this slotkeeper cannot read")
-    entry, problem = parse_entry(manifest)
+    entry, problem = (manifest, "") if isinstance(manifest, Entry) else parse_entry(manifest)
     if size is None:
         return Verdict(Status.NO_BIN, "a manifest without its file", entry)
     if entry is None:

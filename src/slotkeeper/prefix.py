@@ -91,8 +91,8 @@ class KeyChain(Sequence[str]):
     @classmethod
     def from_hex(cls, joined: str) -> KeyChain:
         """The chain hex() wrote."""
-        chain = cls()
-        chain._packed = bytes.fromhex(joined)
+        chain = cls.__new__(cls)
+        chain._packed, chain._plain = bytes.fromhex(joined), ()
         if len(chain._packed) % KEY_BYTES:
             raise ValueError("a key chain's hex is whole keys")
         return chain

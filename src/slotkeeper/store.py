@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import enum
 import errno
+import gc
 import os
 import secrets
 import shutil
@@ -158,7 +159,9 @@ class ConversationStore:
         # Indexes, kept by _index/_unindex alone, so that no request or save scans the store (tens of thousands
         # of entries after a few weeks of agent sessions).
         self._tree = PrefixTree()  # entries by their block keys
-        self._units = PrefixTree()  # ... and by their request units (chained too: a chat's turns are a path)
+        # ... and by their request units (chained too: a chat's turns are a path), built when first asked (only
+        # hybrid and sliding-window models keep a chat's boundaries, and ask)
+        self._units: PrefixTree | None = None
         self._keyless: set[str] = set()  # entries without a full block
         self._by_exact: dict[str, list[str]] = {}  # exact key -> entry ids
         self._opening_ids: set[str] = set()
@@ -175,7 +178,19 @@ class ConversationStore:
     # ---- opening ------------------------------------------------------------------------------------------
 
     def open(self) -> None:
-        """Finish what a killed run left, take over a directory of the slot-file layout, read the manifests."""
+        """Finish what a killed run left, take over a directory of the slot-file layout, read the manifests.
+
+        The cyclic garbage collector is off meanwhile: building tens of thousands of entries, it would walk the
+        growing heap again and again (a third of the time at 20,000), and none of this makes cycles."""
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self._open()
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _open(self) -> None:
         prepare_layout(self.root)
         self._remove_transients()
         self._take_over_slot_files()
@@ -198,8 +213,10 @@ class ConversationStore:
                 discard(Path(item.path))
                 log.info("removed entry %s left by an interrupted save", entry_id[:4])
         unreadable = 0
-        cache = manifestcache.load(self.root)  # what the manifests held when last seen: most need no reading
-        self.cache_changes = int(len(cache) != len(manifests))
+        stamps = {entry_id: manifestcache.stamp_of(item.stat(follow_symlinks=False))
+                  for entry_id, item in manifests.items() if item.is_file(follow_symlinks=False)}
+        cached = manifestcache.read(self.root, stamps)  # what the manifests held when last seen: most need no reading
+        self.cache_changes = 0
         for entry_id, item in manifests.items():
             bin_item = bins.get(entry_id)
             if not item.is_file(follow_symlinks=False):
@@ -207,10 +224,8 @@ class ConversationStore:
                 continue
             if bin_item is not None and not bin_item.is_file(follow_symlinks=False):
                 continue  # counted with the bins
-            cached = cache.get(entry_id)
-            if cached is not None and cached[0] == manifestcache.stamp_of(item.stat(follow_symlinks=False)):
-                data: dict[str, Any] | None = cached[1]
-            else:
+            data: dict[str, Any] | Entry | None = cached.pop(entry_id, None)
+            if data is None:
                 data = read_manifest(item.path)
                 self.cache_changes += 1
             if data is None:
@@ -230,7 +245,7 @@ class ConversationStore:
         for reason, count in reasons.items():
             log.warning("%d entr%s kept but not used: %s", count, "y" if count == 1 else "ies", reason)
 
-    def _admit(self, entry_id: str, data: dict[str, Any], size: int | None) -> None:
+    def _admit(self, entry_id: str, data: dict[str, Any] | Entry, size: int | None) -> None:
         """Index a committed entry, or set it aside, as entries.judge() says (`slotkeeper ls` asks it too).
         `size` is its regular .bin file's (None: missing)."""
         verdict = judge(data, size, self.fingerprint)
@@ -268,7 +283,7 @@ class ConversationStore:
             self._tree.add(entry.id, entry.keys)
         else:
             self._keyless.add(entry.id)
-        if entry.units:
+        if entry.units and self._units is not None:
             self._units.add(entry.id, entry.units)
         if entry.exact:
             self._by_exact.setdefault(entry.exact, []).append(entry.id)
@@ -283,7 +298,7 @@ class ConversationStore:
             self._tree.remove(entry.id)
         else:
             self._keyless.discard(entry.id)
-        if entry.units:
+        if entry.units and self._units is not None:
             self._units.remove(entry.id)
         if entry.exact:
             _drop(self._by_exact, entry.exact, entry.id)
@@ -372,13 +387,21 @@ class ConversationStore:
                 best = entry
         return best
 
+    def _units_tree(self) -> PrefixTree:
+        if self._units is None:
+            self._units = PrefixTree()
+            for entry in self.entries.values():
+                if entry.units:
+                    self._units.add(entry.id, entry.units)
+        return self._units
+
     def units_within(self, units: Sequence[str]) -> list[Entry]:
         """The entries whose request units `units` open with (a chat's earlier saves, its opening)."""
-        return [self.entries[i] for i in self._units.within(units)]
+        return [self.entries[i] for i in self._units_tree().within(units)]
 
     def units_extended(self, units: Sequence[str]) -> bool:
         """Whether some entry's request units go on past all of `units` (a later save of the same chat)."""
-        found = self._units.deepest(units)
+        found = self._units_tree().deepest(units)
         return found.depth == len(units) > 0 and len(found.holders) > len(found.ends)
 
     def find_exact(self, key: str) -> Entry | None:

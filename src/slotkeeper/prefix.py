@@ -69,6 +69,24 @@ def common_keys(a: Sequence[str], b: Sequence[str]) -> int:
     return lo
 
 
+TreeKey = bytes | str  # a key as an index holds it: a digest's 8 bytes, or a made-up key as it is
+
+
+def as_tree_key(key: str) -> TreeKey:
+    """A hex digest as its bytes (no hex string kept or made per look-up); any other key as it is."""
+    if len(key) == 2 * KEY_BYTES:
+        with contextlib.suppress(ValueError):
+            return bytes.fromhex(key)
+    return key
+
+
+def tree_key(keys: Sequence[str], i: int) -> TreeKey:
+    """Key i of a chain as an index holds it (a packed chain's without decoding it)."""
+    if isinstance(keys, KeyChain):
+        return keys.tree_key(i)
+    return as_tree_key(keys[i])
+
+
 class KeyChain(Sequence[str]):
     """A chain of keys as an entry keeps it: 8 bytes a key in one bytes object, not a list of hex strings.
 
@@ -96,6 +114,14 @@ class KeyChain(Sequence[str]):
         if len(chain._packed) % KEY_BYTES:
             raise ValueError("a key chain's hex is whole keys")
         return chain
+
+    def tree_key(self, i: int) -> TreeKey:
+        """Key i as prefix.tree_key gives it: the raw 8 bytes of a packed chain's."""
+        if self._packed is None:
+            return as_tree_key(self._plain[i])
+        if i < 0:
+            i += len(self._packed) // KEY_BYTES
+        return self._packed[i * KEY_BYTES : (i + 1) * KEY_BYTES]
 
     def hex(self) -> str | None:
         """All keys as one hex string (None for a chain of made-up keys)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .prefix import KeyChain
+from .prefix import KeyChain, TreeKey, tree_key
 
 
 @dataclass(slots=True)
@@ -25,7 +25,7 @@ class _Run:
     end: int  # ... and of its last
     holders: list[str]  # the entries holding all of its keys (those ending here and those going on)
     ends: list[str]  # the entries whose last key is its last
-    children: dict[str, _Run] | None  # the runs that go on from it, by their first key
+    children: dict[TreeKey, _Run] | None  # the runs that go on from it, by their first key
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +44,7 @@ class PrefixTree:
     """Entries (by id) and their key chains, found by the prefixes they share."""
 
     def __init__(self) -> None:
-        self._roots: dict[str, _Run] = {}
+        self._roots: dict[TreeKey, _Run] = {}
         self._chains: dict[str, Sequence[str]] = {}
 
     def __len__(self) -> int:
@@ -57,15 +57,16 @@ class PrefixTree:
         n = len(keys)
         table, pos = self._roots, 0
         while True:
-            run = table.get(keys[pos])
+            key = tree_key(keys, pos)
+            run = table.get(key)
             if run is None:
-                table[keys[pos]] = _Run(pos, n - 1, [entry_id], [entry_id], None)
+                table[key] = _Run(pos, n - 1, [entry_id], [entry_id], None)
                 return
             shown = self._chains[run.holders[0]]
             last = _last_shared(keys, shown, pos, run.end)
             if last < run.end:  # it ends or parts inside the run: split the run there
                 rest = _Run(last + 1, run.end, list(run.holders), run.ends, run.children)
-                run.end, run.ends, run.children = last, [], {shown[last + 1]: rest}
+                run.end, run.ends, run.children = last, [], {tree_key(shown, last + 1): rest}
             run.holders.append(entry_id)
             if last == n - 1:
                 run.ends.append(entry_id)
@@ -77,13 +78,14 @@ class PrefixTree:
     def remove(self, entry_id: str) -> None:
         """Forget an entry; runs it alone held go, and a run left with one way on is joined to it."""
         keys = self._chains.pop(entry_id)
-        path: list[tuple[dict[str, _Run], str, _Run]] = []
-        table: dict[str, _Run] | None = self._roots
+        path: list[tuple[dict[TreeKey, _Run], TreeKey, _Run]] = []
+        table: dict[TreeKey, _Run] | None = self._roots
         pos = 0
         while table is not None:
-            run = table[keys[pos]]
+            key = tree_key(keys, pos)
+            run = table[key]
             run.holders.remove(entry_id)
-            path.append((table, keys[pos], run))
+            path.append((table, key, run))
             if run.end == len(keys) - 1:
                 run.ends.remove(entry_id)
                 break
@@ -100,10 +102,10 @@ class PrefixTree:
 
     def deepest(self, keys: Sequence[str]) -> Deepest:
         """The entries sharing the longest prefix with `keys`, and how many keys they share."""
-        table: dict[str, _Run] | None = self._roots
+        table: dict[TreeKey, _Run] | None = self._roots
         pos, found = 0, NOWHERE
         while table is not None and pos < len(keys):
-            run = table.get(keys[pos])
+            run = table.get(tree_key(keys, pos))
             if run is None:
                 break
             last = _last_shared(keys, self._chains[run.holders[0]], pos, run.end)
@@ -115,10 +117,10 @@ class PrefixTree:
 
     def within(self, keys: Sequence[str]) -> list[str]:
         """The entries all of whose keys `keys` open with (each a prefix of them), shallowest first."""
-        table: dict[str, _Run] | None = self._roots
+        table: dict[TreeKey, _Run] | None = self._roots
         pos, found = 0, []
         while table is not None and pos < len(keys):
-            run = table.get(keys[pos])
+            run = table.get(tree_key(keys, pos))
             if run is None or _last_shared(keys, self._chains[run.holders[0]], pos, run.end) < run.end:
                 break
             found += run.ends
@@ -128,10 +130,10 @@ class PrefixTree:
     def near(self, keys: Sequence[str]) -> list[str]:
         """The entries sharing at least one key with `keys` and all their keys, or all but their last (what a
         save may supersede: a chat it extends, whose last block held the end of a reply it re-templated)."""
-        table: dict[str, _Run] | None = self._roots
+        table: dict[TreeKey, _Run] | None = self._roots
         pos, found = 0, []
         while table is not None:
-            run = table.get(keys[pos]) if pos < len(keys) else None
+            run = table.get(tree_key(keys, pos)) if pos < len(keys) else None
             if pos:  # one key unlike `keys`'s, then nothing: all but their last
                 found += [i for other in table.values() if other is not run and other.start == other.end
                           for i in other.ends]

@@ -1,5 +1,6 @@
-"""The manifest cache: a start that reads one file finds exactly what reading every manifest finds, and a
-manifest written after the cache (or a cache damaged or of another version) is read from disk."""
+"""The store's own files and checks, without llama-server: the manifest cache (a start that reads one file finds
+exactly what reading every manifest finds, and a manifest written after the cache, or a cache damaged or of
+another version, is read from disk), and a restore whose checksum cannot be taken."""
 
 from __future__ import annotations
 
@@ -74,3 +75,35 @@ def test_a_damaged_cache_costs_only_time(tmp_path):
         (tmp_path / manifestcache.CACHE_NAME).write_bytes(damage)
         store = opened(tmp_path)
         assert seen(store) == seen(cold) and store.cache_changes >= 5, "every manifest read from disk"
+
+
+class FakeChild:
+    """llama-server's slot actions, recorded (the store is what is under test)."""
+
+    def __init__(self) -> None:
+        self.actions: list[str] = []
+
+    async def slot_action(self, slot_id: int, action: str, filename: str | None = None):
+        from slotkeeper.llama_client import ChildReply
+
+        self.actions.append(action)
+        return ChildReply(200, {"n_restored": 700, "n_read": 100})
+
+
+def test_an_entry_whose_file_cannot_be_checked_leaves_nothing_in_its_slot(tmp_path, monkeypatch):
+    """The checksum runs while llama-server restores: when the file cannot be read for it, what llama-server
+    read is erased (unchecked, it could be rotten), the restore fails in one reason, and the entry stays."""
+    write_store(tmp_path, 1)
+    child = FakeChild()
+    store = ConversationStore(tmp_path, child, FINGERPRINT, SERVER)  # type: ignore[arg-type]
+    store.open()
+    (entry,) = store.entries.values()
+
+    def unreadable(path):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr("slotkeeper.store.file_checksum", unreadable)
+    result = asyncio.run(store.restore(entry, 0))
+    assert not result.ok and result.reason == "its file could not be checked: Input/output error", result
+    assert child.actions == ["restore", "erase"]
+    assert entry.id in store.entries, "an entry that could not be read is not judged bad"

@@ -663,12 +663,18 @@ class ConversationStore:
             await self._expose(source, link)
             reply = await self.client.slot_action(slot_id, "restore", link.name)
             if check is not None:
-                actual = await check
+                try:
+                    actual: str | None = await check
+                except OSError as exc:  # unread, so unchecked: what llama-server read is not kept either
+                    actual, unread = None, exc
                 self.metrics.checksum_seconds += time.monotonic() - started
                 if actual != entry.checksum:
                     if reply.ok and not (erased := await self.client.slot_action(slot_id, "erase")).ok:
-                        log.error("slot %d holds a bad entry's state and could not be erased (%s)", slot_id,
+                        log.error("slot %d holds an unchecked entry's state and could not be erased (%s)", slot_id,
                                   erased.error)
+                    if actual is None:
+                        self.metrics.restores["failed"] += 1
+                        return RestoreResult(False, f"its file could not be checked: {unread.strerror or unread}")
                     reason = "its file changed on disk: the content checksum does not match"
                     self._quarantine(entry, reason)
                     return RestoreResult(False, reason, quarantined=True)

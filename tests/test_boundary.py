@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from slotkeeper.boundary import turns_of
 from slotkeeper.prefix import exact_key, extends_exactly
-from slotkeeper.replies import MAX_REPLY_BYTES, ReplyReader
+from slotkeeper.replies import MAX_REPLY_BYTES, ReplyForm, ReplyReader, Usage
 
 
 def read(*pieces: bytes) -> dict | None:
@@ -101,3 +101,81 @@ def test_an_exact_key_matches_only_a_request_that_extends_every_token(saved, req
     """A state is reused only when the request holds all of its tokens and at least one more."""
     expected = len(request) > len(saved) and request[: len(saved)] == saved
     assert extends_exactly(request, len(saved), exact_key(saved)) == expected
+
+
+def read_form(form, *pieces: bytes) -> ReplyReader:
+    reader = ReplyReader(form)
+    for piece in pieces:
+        reader.feed(piece)
+    return reader
+
+
+def events(*payloads: dict) -> bytes:
+    return b"".join(b"event: " + p["type"].encode() + b"\ndata: " + json.dumps(p).encode() + b"\n\n"
+                    for p in payloads)
+
+
+RESPONSE_OUTPUT = [
+    {"type": "message", "status": "completed", "id": "msg_1", "role": "assistant",
+     "content": [{"type": "output_text", "annotations": [], "logprobs": [], "text": "Reading it."}]},
+    {"id": "fc_1", "type": "function_call", "status": "completed", "arguments": "{\"path\":\"a.py\"}",
+     "call_id": "call_1", "name": "read_file"},
+]
+RESPONSE_USAGE = {"input_tokens": 120, "output_tokens": 9, "total_tokens": 129,
+                  "input_tokens_details": {"cached_tokens": 100}}
+
+
+def test_a_responses_reply_is_its_output_items_in_chat_form_whole_or_streamed():
+    """The Responses client re-sends the output items; llama-server merges them into one assistant message."""
+    expected = {"id": "msg_1", "role": "assistant", "content": [{"text": "Reading it.", "type": "text"}],
+                "tool_calls": [{"function": {"arguments": "{\"path\":\"a.py\"}", "name": "read_file"},
+                                "id": "call_1", "type": "function"}]}
+    whole = json.dumps({"object": "response", "output": RESPONSE_OUTPUT, "usage": RESPONSE_USAGE}).encode()
+    streamed = events({"type": "response.output_text.delta", "delta": "Reading it."},
+                      {"type": "response.completed", "response": {"output": RESPONSE_OUTPUT,
+                                                                   "usage": RESPONSE_USAGE}})
+    for body in (whole, streamed):
+        reader = read_form(ReplyForm.RESPONSES, body[:11], body[11:])
+        assert reader.message() == expected
+        assert reader.usage() == Usage(120, 100, 9)
+    assert read_form(ReplyForm.RESPONSES, streamed[: len(streamed) // 2]).message() is None  # cut off
+
+
+ANTHROPIC_CONTENT = [{"type": "text", "text": "Reading it."},
+                     {"type": "tool_use", "id": "tu_1", "name": "read_file", "input": {"path": "a.py"}}]
+
+
+def test_an_anthropic_reply_is_its_content_blocks_in_chat_form_whole_or_streamed():
+    expected = {"role": "assistant", "content": [{"type": "text", "text": "Reading it."}],
+                "tool_calls": [{"id": "tu_1", "type": "function",
+                                "function": {"name": "read_file", "arguments": "{\"path\":\"a.py\"}"}}]}
+    whole = json.dumps({"type": "message", "content": ANTHROPIC_CONTENT, "usage": {
+        "cache_read_input_tokens": 100, "input_tokens": 20, "output_tokens": 9}}).encode()
+    streamed = events(
+        {"type": "message_start", "message": {"usage": {"cache_read_input_tokens": 100, "input_tokens": 20,
+                                                        "output_tokens": 0}}},
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Reading"}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": " it."}},
+        {"type": "content_block_start", "index": 1, "content_block": {"type": "tool_use", "id": "tu_1",
+                                                                      "name": "read_file"}},
+        {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta",
+                                                              "partial_json": "{\"path\":"}},
+        {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta",
+                                                              "partial_json": "\"a.py\"}"}},
+        {"type": "content_block_stop", "index": 1},
+        {"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 9}},
+        {"type": "message_stop"})
+    for body in (whole, streamed):
+        reader = read_form(ReplyForm.ANTHROPIC, body[:5], body[5:])
+        assert reader.message() == expected
+        assert reader.usage() == Usage(120, 100, 9)
+    assert read_form(ReplyForm.ANTHROPIC, streamed[:-30]).message() is None  # no message_stop: cut off
+
+
+def test_an_anthropic_thinking_block_is_sent_back_as_reasoning():
+    """Anthropic clients re-send thinking blocks; llama-server's conversion makes them reasoning_content."""
+    body = json.dumps({"content": [{"type": "thinking", "thinking": "Hmm.", "signature": ""},
+                                   {"type": "text", "text": "Hi"}], "usage": {}}).encode()
+    assert read_form(ReplyForm.ANTHROPIC, body).message() == {
+        "role": "assistant", "content": [{"type": "text", "text": "Hi"}], "reasoning_content": "Hmm."}

@@ -1,31 +1,75 @@
-"""The assistant message a front end will send back, read from llama-server's chat completion response.
+"""The assistant message a client will send back, read from llama-server's response, in each API's form.
 
 Why: on hybrid and sliding-window models a saved state is reused only when the next request extends all of
-its tokens, so a chat must be saved at its *turn boundary*: the history with the last reply as the front end
-re-sends it, rendered by the model's template. Front ends send back the reply's `content` and `tool_calls`,
-never its `reasoning_content`; the template decides the rest. This reads just those fields from the
-response, plain JSON or a server-sent event stream, without touching the bytes the client receives.
+its tokens, so a chat must be saved at its *turn boundary*: the history with the last reply as the client
+re-sends it, rendered by the model's template. Each API's clients send the reply back in that API's form:
 
-The body is kept as it arrives (a list append per piece, off the parsing path) and parsed once, only when
-the chat is about to be saved.
+* chat completions: the message's `content` and `tool_calls`, never its `reasoning_content` (front ends drop
+  it; the template decides the rest);
+* Responses: the response's `output` items as they came (messages, function calls, reasoning);
+* Anthropic Messages: the response's `content` blocks as they came (text, tool_use, thinking).
+
+The last two are put in chat form by the same conversion llama-server applies to the next request
+(`chatform`), so the boundary is rendered from exactly what that request will hold. The body is kept as it
+arrives (a list append per piece, off the parsing path) and parsed once, only when it is needed: for a
+boundary, or for the token counts that tell which slot ran an unpinnable request (`usage`).
 """
 
 from __future__ import annotations
 
+import enum
 import json
+from dataclasses import dataclass
 from typing import Any
+
+from . import chatform
 
 MAX_REPLY_BYTES = 8 * 1024 * 1024  # a longer response is not kept: its chat is saved without a boundary
 
 
+class ReplyForm(enum.Enum):
+    """The API a response speaks, by the request's path."""
+
+    CHAT = "chat completions"
+    RESPONSES = "responses"
+    ANTHROPIC = "anthropic messages"
+
+    @classmethod
+    def of(cls, path: str) -> ReplyForm | None:
+        if path in chatform.CHAT_PATHS:
+            return cls.CHAT
+        if path in chatform.RESPONSES_PATHS:
+            return cls.RESPONSES
+        if path in chatform.ANTHROPIC_PATHS:
+            return cls.ANTHROPIC
+        return None
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What the response says llama-server did: the prompt's tokens, how many it reused, how many it made."""
+
+    prompt: int
+    cached: int
+    generated: int
+
+
+@dataclass
+class _Read:
+    message: dict[str, Any] | None
+    usage: Usage | None
+
+
 class ReplyReader:
-    """Collects one response body; `message()` parses it into the assistant message, or None."""
+    """Collects one response body; `message()` parses it into the assistant message in chat form, or None."""
 
-    __slots__ = ("_parts", "_size")
+    __slots__ = ("_form", "_parts", "_read", "_size")
 
-    def __init__(self) -> None:
+    def __init__(self, form: ReplyForm = ReplyForm.CHAT) -> None:
+        self._form = form
         self._parts: list[bytes] | None = []
         self._size = 0
+        self._read: _Read | None = None
 
     def feed(self, data: bytes) -> None:
         parts = self._parts
@@ -36,41 +80,59 @@ class ReplyReader:
             self._parts = None
             return
         parts.append(data)
+        self._read = None
 
     def message(self) -> dict[str, Any] | None:
-        """The assistant message as a front end re-sends it (`role`, `content`, and `tool_calls` if any)."""
-        if self._parts is None:
-            return None
-        body = b"".join(self._parts)
-        stripped = body.lstrip()
-        try:
-            if stripped.startswith(b"{"):
-                return _from_json(json.loads(body))
-            return _from_events(body)
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-            return None
+        """The assistant message as the client re-sends it, in chat form."""
+        return self._parsed().message
+
+    def usage(self) -> Usage | None:
+        """The response's token counts, when it carries them whole."""
+        return self._parsed().usage
+
+    def _parsed(self) -> _Read:
+        if self._read is not None:
+            return self._read
+        read = _Read(None, None)
+        if self._parts is not None:
+            body = b"".join(self._parts)
+            try:
+                read = _PARSERS[self._form](body, body.lstrip().startswith(b"{"))
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+                pass
+        self._read = read
+        return read
 
 
-def _from_json(data: Any) -> dict[str, Any] | None:
-    message = data["choices"][0]["message"]
-    if not isinstance(message, dict):
-        return None
-    return _sent_back(message.get("content"), message.get("tool_calls"))
+def _events(body: bytes) -> list[Any]:
+    """The JSON payloads of a server-sent event stream's `data:` lines (`[DONE]` as None)."""
+    events: list[Any] = []
+    for line in body.split(b"\n"):
+        if line.startswith(b"data:"):
+            payload = line[5:].strip()
+            events.append(None if payload == b"[DONE]" else json.loads(payload))
+    return events
 
 
-def _from_events(body: bytes) -> dict[str, Any] | None:
-    """A stream of `data: {chunk}` events: the content deltas joined, tool call deltas merged by index."""
+# ---- chat completions -------------------------------------------------------------------------------------
+
+def _chat(body: bytes, whole: bool) -> _Read:
+    if whole:
+        data = json.loads(body)
+        message = data["choices"][0]["message"]
+        if not isinstance(message, dict):
+            return _Read(None, None)
+        return _Read(_sent_back(message.get("content"), message.get("tool_calls")), _chat_usage(data))
     content: list[str] = []
     calls: dict[int, dict[str, Any]] = {}
     finished = False
-    for line in body.split(b"\n"):
-        if not line.startswith(b"data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == b"[DONE]":
+    usage = None
+    for event in _events(body):
+        if event is None:
             finished = True
             break
-        choices = json.loads(payload).get("choices") or []
+        usage = _chat_usage(event) or usage
+        choices = event.get("choices") or []
         if not choices:
             continue
         choice = choices[0]
@@ -89,9 +151,17 @@ def _from_events(body: bytes) -> dict[str, Any] | None:
         if choice.get("finish_reason"):
             finished = True
     if not finished:
-        return None  # cut off: the client did not see a whole reply either
+        return _Read(None, None)  # cut off: the client did not see a whole reply either
     tool_calls = [calls[i] for i in sorted(calls)]
-    return _sent_back("".join(content) if content or not tool_calls else None, tool_calls)
+    return _Read(_sent_back("".join(content) if content or not tool_calls else None, tool_calls), usage)
+
+
+def _chat_usage(data: dict[str, Any]) -> Usage | None:
+    timings = data.get("timings")
+    if isinstance(timings, dict) and "prompt_n" in timings:
+        cached = int(timings.get("cache_n", 0))
+        return Usage(int(timings["prompt_n"]) + cached, cached, int(timings.get("predicted_n", 0)))
+    return None
 
 
 def _sent_back(content: Any, tool_calls: Any) -> dict[str, Any]:
@@ -99,3 +169,87 @@ def _sent_back(content: Any, tool_calls: Any) -> dict[str, Any]:
     if tool_calls:
         message["tool_calls"] = tool_calls
     return message
+
+
+# ---- Responses --------------------------------------------------------------------------------------------
+
+def _responses(body: bytes, whole: bool) -> _Read:
+    response: Any = json.loads(body) if whole else None
+    if not whole:
+        for event in _events(body):
+            if isinstance(event, dict) and event.get("type") == "response.completed":
+                response = event["response"]
+    if not isinstance(response, dict):
+        return _Read(None, None)  # cut off before its last event
+    usage = response.get("usage") or {}
+    cached = int((usage.get("input_tokens_details") or {}).get("cached_tokens", 0))
+    counts = Usage(int(usage["input_tokens"]), cached, int(usage.get("output_tokens", 0))) if usage else None
+    return _Read(_one_assistant(chatform.responses_to_chat({"input": response["output"]})), counts)
+
+
+# ---- Anthropic Messages -----------------------------------------------------------------------------------
+
+def _anthropic(body: bytes, whole: bool) -> _Read:
+    if whole:
+        data = json.loads(body)
+        return _Read(_anthropic_message(data["content"]), _anthropic_usage(data.get("usage") or {}, None))
+    blocks: dict[int, dict[str, Any]] = {}
+    partial_json: dict[int, str] = {}
+    started: dict[str, Any] = {}
+    generated = None
+    finished = False
+    for event in _events(body):
+        kind = event.get("type") if isinstance(event, dict) else None
+        if kind == "message_start":
+            started = event["message"].get("usage") or {}
+        elif kind == "content_block_start":
+            blocks[int(event["index"])] = dict(event["content_block"])
+        elif kind == "content_block_delta":
+            index, delta = int(event["index"]), event["delta"]
+            block = blocks[index]
+            match delta.get("type"):
+                case "text_delta":
+                    block["text"] = block.get("text", "") + delta["text"]
+                case "thinking_delta":
+                    block["thinking"] = block.get("thinking", "") + delta["thinking"]
+                case "signature_delta":
+                    block["signature"] = block.get("signature", "") + delta["signature"]
+                case "input_json_delta":
+                    partial_json[index] = partial_json.get(index, "") + delta["partial_json"]
+        elif kind == "message_delta":
+            generated = (event.get("usage") or {}).get("output_tokens")
+        elif kind == "message_stop":
+            finished = True
+    if not finished:
+        return _Read(None, None)
+    for index, text in partial_json.items():
+        blocks[index]["input"] = json.loads(text) if text else {}
+    for block in blocks.values():
+        if block.get("type") == "tool_use":
+            block.setdefault("input", {})
+    content = [blocks[i] for i in sorted(blocks)]
+    return _Read(_anthropic_message(content), _anthropic_usage(started, generated))
+
+
+def _anthropic_usage(usage: dict[str, Any], generated: Any) -> Usage | None:
+    if "input_tokens" not in usage:
+        return None
+    cached = int(usage.get("cache_read_input_tokens", 0))
+    out = generated if generated is not None else usage.get("output_tokens", 0)
+    return Usage(int(usage["input_tokens"]) + cached, cached, int(out))
+
+
+def _anthropic_message(content: list[Any]) -> dict[str, Any] | None:
+    return _one_assistant(chatform.anthropic_to_chat({"messages": [{"role": "assistant", "content": content}]}))
+
+
+def _one_assistant(chat: dict[str, Any]) -> dict[str, Any] | None:
+    """The one assistant message a converted reply makes (None when it makes nothing, or something else)."""
+    messages = chat.get("messages") or []
+    if len(messages) != 1 or not isinstance(messages[0], dict) or messages[0].get("role") != "assistant":
+        return None
+    message: dict[str, Any] = messages[0]
+    return message
+
+
+_PARSERS = {ReplyForm.CHAT: _chat, ReplyForm.RESPONSES: _responses, ReplyForm.ANTHROPIC: _anthropic}

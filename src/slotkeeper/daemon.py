@@ -142,6 +142,8 @@ class Daemon:
             "prefill_tokens_saved": self.metrics.prefill_tokens_saved,
             "prompt_tokenizations": self.metrics.prompt_tokenizations,
             "slots_parked": self.metrics.slots_parked,
+            "unpinned_elsewhere": self.metrics.unpinned_elsewhere,
+            "chats_found_empty": self.metrics.chats_found_empty,
             "extend_only": {
                 "hits": self.metrics.extend_hits, "misses": dict(self.metrics.extend_misses),
                 "boundaries_reached": self.metrics.boundaries_reached,

@@ -69,6 +69,8 @@ class Metrics:
     opening_hits: int = 0  # new chats that started from a saved opening (restored for them, or in their slot)
     opening_tokens_saved: int = 0  # the opening tokens those chats did not prefill
     slots_parked: int = 0  # idle slots saved and erased before a long prefill on another slot
+    unpinned_elsewhere: int = 0  # unpinnable requests that llama-server ran on another slot than predicted
+    chats_found_empty: int = 0  # saves of a slot a chat was placed on that found it empty
     memory: Callable[[], dict[str, Any]] = dict  # the model's memory kind and slotkeeper's cache policy
     remote: Callable[[], Any] = lambda: None  # remote.RemoteStats, with --remote-store
     store_entries: Callable[[], int] = lambda: 0
@@ -186,6 +188,10 @@ class _Collector:
         yield counter("opening_tokens_saved", "Opening tokens new chats did not prefill", values=m.opening_tokens_saved)
         yield counter("slots_parked", "Idle slots saved and erased so that a long prompt on another slot attends "
                       "over fewer KV cells", values=m.slots_parked)
+        yield counter("unpinned_elsewhere", "Requests llama-server places itself (Anthropic Messages) that it ran on "
+                      "another slot than slotkeeper prepared", values=m.unpinned_elsewhere)
+        yield counter("chats_found_empty", "Saves of a slot a chat was placed on that found it empty",
+                      values=m.chats_found_empty)
         memory = m.memory()
         if memory:
             info = GaugeMetricFamily("slotkeeper_model_memory", "The model's memory kind and the cache policy",

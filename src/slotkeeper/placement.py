@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,17 +42,16 @@ from .openings import Opening, Openings, is_opening, opening_turn
 from .policy import CachePolicy
 from .prefix import BLOCK_TOKENS, block_keys, common_keys, exact_key, extends_exactly, unit_keys
 from .proxy.hook import Placed
-from .replies import ReplyReader
+from .replies import ReplyForm, ReplyReader, Usage
 from .store import ConversationStore, Entry, SaveFailure, SaveResult
 
 CHAT_PATHS = frozenset({"/chat/completions", "/v1/chat/completions", "/v1/responses", "/responses", "/v1/messages"})
 PROMPT_PATHS = frozenset({"/completion", "/completions", "/v1/completions", "/infill"})
 COMPLETION_PATHS = CHAT_PATHS | PROMPT_PATHS
 # llama-server b11434 drops `id_slot` when it converts an Anthropic request to chat form: for these, the slot
-# is prepared where llama-server's own choice will go (see `Placement._llama_choice`).
-UNPINNABLE_PATHS = frozenset({"/v1/messages"})
-# Responses whose reply `replies.ReplyReader` reads (chat completions): the chats whose boundaries are known.
-REPLY_PATHS = frozenset({"/chat/completions", "/v1/chat/completions"})
+# is prepared where llama-server's own choice will go (`Placement._llama_choice`), and once the request is over
+# the slot it ran on is read from /slots (`Placement._ran_on`).
+UNPINNABLE_PATHS = chatform.ANTHROPIC_PATHS
 # Body fields that do not change the prompt: a chat whose turns differ only in these is still one chat.
 NOT_PROMPT_FIELDS = frozenset({
     "messages", "input", "prompt", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p",
@@ -127,6 +127,7 @@ class Slot:
     dirty: bool = False  # changed since its content was last saved
     busy: bool = False
     last_used: float = 0.0
+    served: float = -1.0  # when llama-server's last task on it ended (its `t_last_used`: its own LRU order)
     label: str = ""  # the chat it holds, for log lines
     chat: dict[str, Any] | None = None  # extend-only models: the chat-form body of its last request ...
     reply: ReplyReader | None = None  # ... and that request's response (together: its turn boundaries)
@@ -172,6 +173,8 @@ class Plan:
     erase: bool = False  # the slot's restored state is not extended by the request: erased first
     opening: Opening | None = None  # a new chat's opening, not saved yet: reached and saved first
     cold: int = 0  # the prompt tokens llama-server is expected to prefill for it
+    n_tokens: int = 0  # the prompt's tokens, when it was tokenized
+    tokens: list[int] | None = None  # (themselves: an unpinnable request's other slots are checked against them)
 
 
 def with_id_slot(body: bytes, slot_id: int) -> bytes:
@@ -257,6 +260,7 @@ class Placement:
         self._measured_prefill: float | None = None  # tokens/s of slotkeeper's own last boundary prefill
         self._background: set[asyncio.Future[None]] = set()
         self._settling: set[asyncio.Future[None]] = set()  # slots being brought to their boundary (_settle)
+        self._confirming: set[asyncio.Future[None]] = set()  # unpinnable requests' slots being read (_ran_on)
         self._settle_timers: dict[int, asyncio.TimerHandle] = {}  # per slot: its settle, not started yet
         self._stopping = False
 
@@ -274,12 +278,14 @@ class Placement:
             fast, chat = fast_key(path, data)
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             return Placed(body)  # llama-server answers it with its own message
-        pinned = data.get("id_slot")
+        unpinnable = path in UNPINNABLE_PATHS
+        pinned = None if unpinnable else data.get("id_slot")
         pinned = pinned % len(self.slots) if isinstance(pinned, int) and pinned >= 0 else None
         plan: Plan | None = None
         try:
-            plan = await self._plan(path, body, data, chat, fast, pinned)
-            await self._prepare(plan)
+            plan = await self._plan(path, body, data, chat, fast, pinned, unpinnable)
+            self._log_decision(path, plan)
+            await self._prepare(plan, unpinnable)
         except asyncio.CancelledError:
             if plan is not None:
                 self._release(plan.slot)
@@ -291,14 +297,40 @@ class Placement:
             return Placed(body)
         self.metrics.placements[plan.outcome] += 1
         self._count_start(plan)
-        out = body if path in UNPINNABLE_PATHS or pinned is not None else with_id_slot(body, plan.slot.id)
-        reader = ReplyReader() if self.extend_only and chat is not None and path in REPLY_PATHS else None
-        return Placed(out, lambda status: self._finished(plan, status, fast, chat, reader),
-                      None if reader is None else reader.feed)
+        out = body if unpinnable or pinned is not None else with_id_slot(body, plan.slot.id)
+        form = ReplyForm.of(path)
+        reader = ReplyReader(form) if form is not None and chat is not None and (self.extend_only or unpinnable) \
+            else None
+        if unpinnable:
+            def done(status: int) -> None:
+                task = asyncio.ensure_future(self._unpinned_done(plan, status, fast, chat, reader))
+                self._confirming.add(task)
+                task.add_done_callback(self._confirming.discard)
+        else:
+            def done(status: int) -> None:
+                self._finished(plan, status, fast, chat, reader)
+        return Placed(out, done, None if reader is None else reader.feed)
+
+    def _log_decision(self, path: str, plan: Plan) -> None:
+        """One debug line per placement: where the request goes, why, and what llama-server will reuse there."""
+        if not log.isEnabledFor(logging.DEBUG):
+            return
+        slot = plan.slot
+        if plan.n_tokens:
+            reused = f"{plan.n_tokens - plan.cold:,} of {plan.n_tokens:,} prompt tokens expected reused"
+        else:
+            reused = "prompt not tokenized (the chat continues in its slot)" if plan.outcome is Outcome.RESIDENT \
+                else "prompt tokens unknown"
+        steps = [what for what, done in (
+            (f"chat {slot.label or '-'} there written back first", plan.write_back and self._worth_keeping(slot)),
+            (f"entry {plan.restore.short} restored first" if plan.restore else "", plan.restore is not None),
+            ("erased first", plan.erase), ("its opening saved first", plan.opening is not None)) if done]
+        log.debug("%s request placed on slot %d (%s): %s%s", path, slot.id, plan.outcome.value, reused,
+                  "; " + ", ".join(steps) if steps else "")
 
     async def _plan(
         self, path: str, body: bytes, data: dict[str, Any], chat: dict[str, Any] | None, fast: FastKey,
-        pinned: int | None,
+        pinned: int | None, unpinnable: bool = False,
     ) -> Plan:
         """Decide (waiting for an idle slot if need be); the chosen slot is reserved."""
         if pinned is None:
@@ -311,12 +343,13 @@ class Placement:
         if keys and self.remote is not None:
             await self._fetch_if_faster(keys)
         opening = None
-        if chat is not None and tokens is not None and pinned is None and path not in UNPINNABLE_PATHS:
+        if chat is not None and tokens is not None and pinned is None:
             opening = await self._opening(chat, tokens)
-        while (plan := self._decide(keys, len(tokens or ()), pinned, path in UNPINNABLE_PATHS, tokens,
-                                    opening, fast)) is None:
+        while (plan := self._decide(keys, len(tokens or ()), pinned, unpinnable, tokens, opening, fast)) is None:
             await self._wait_freed()
         plan.keys = keys
+        plan.n_tokens = len(tokens or ())
+        plan.tokens = tokens if unpinnable else None
         if tokens is not None and keys is not None:
             reused = len(plan.restore.keys) if plan.restore is not None else self._shared(plan.slot, keys, tokens)
             plan.cold = max(0, len(tokens) - reused * BLOCK_TOKENS)
@@ -348,10 +381,8 @@ class Placement:
         """The slot whose last request this one continues (same chat, one turn on)."""
         if fast is NO_KEY:
             return None
-        for slot in self.slots:
-            if slot.fast.continued_by(fast) and (slot.floor is None or slot.floor_checked):
-                return slot
-        return None
+        continued = [s for s in self.slots if s.fast.continued_by(fast) and (s.floor is None or s.floor_checked)]
+        return max(continued, key=lambda s: len(s.fast.units), default=None)  # (a restored entry, and its turn on)
 
     @staticmethod
     def _shared(slot: Slot, keys: list[str], tokens: list[int] | None) -> int:
@@ -394,20 +425,17 @@ class Placement:
             return None
         if keys is None:  # tokens unknown: a victim, whose content then is unknown too
             return Plan(self._reserve(self._victim(idle)), write_back=True, outcome=Outcome.UNPLACED)
-        best, shared = max(((s, self._shared(s, keys, tokens)) for s in idle), key=lambda p: (p[1], p[0].last_used))
         entry, in_store = self._stored(keys, tokens)
+        if unpinnable:
+            return self._decide_unpinnable(idle, keys, n_tokens, tokens, entry, in_store, opening, fast)
+        best, shared = max(((s, self._shared(s, keys, tokens)) for s in idle), key=lambda p: (p[1], p[0].last_used))
         start = self._start(opening, entry, in_store)
-        if (entry is not None and start is None and not self._in_a_slot(entry)
-                and in_store >= shared + RESTORE_MIN_GAIN_BLOCKS and in_store * BLOCK_TOKENS >= self.min_tokens):
-            victim = self._llama_choice(idle, keys, n_tokens) if unpinnable else self._victim(idle)
-            return Plan(self._reserve(victim), restore=entry, write_back=True, outcome=Outcome.RESTORED)
+        if self._worth_restoring(entry, in_store, shared, start):
+            return Plan(self._reserve(self._victim(idle)), restore=entry, write_back=True, outcome=Outcome.RESTORED)
         if shared and self._holds(best, shared) and not self._other_chat(best, shared, opening, fast):
             return Plan(self._reserve(best), outcome=Outcome.RESIDENT)
-        if (shared * BLOCK_TOKENS >= self.min_tokens and shared * BRANCH_SHARE[1] >= len(best.keys) * BRANCH_SHARE[0]
-                and (start is None or shared >= len(start.keys) + RESTORE_MIN_GAIN_BLOCKS)):
+        if self._branches(best, shared, start):
             return Plan(self._reserve(best), write_back=True, outcome=Outcome.BRANCH)  # an edit of this chat's past
-        if unpinnable:
-            return Plan(self._reserve(self._llama_choice(idle, keys, n_tokens)), write_back=True, outcome=Outcome.NEW)
         # A new chat: where its opening (a shared system prompt) already is, if that costs no write-back.
         reusable = [(s, n) for s, n in ((s, self._shared(s, keys, tokens)) for s in idle)
                     if n * BLOCK_TOKENS >= self.min_tokens and not self._worth_keeping(s)
@@ -427,6 +455,38 @@ class Placement:
                     and self._restore_pays(start, gained * BLOCK_TOKENS)):
                 return Plan(self._reserve(victim), restore=start, write_back=True, outcome=Outcome.OPENING)
         return Plan(self._reserve(victim), write_back=True, outcome=Outcome.NEW)
+
+    def _decide_unpinnable(self, idle: list[Slot], keys: list[str], n_tokens: int, tokens: list[int] | None,
+                           entry: Entry | None, in_store: int, opening: Opening | None, fast: FastKey) -> Plan:
+        """llama-server chooses the slot of a request it cannot be told one for: slotkeeper predicts that choice
+        and prepares the slot there. A restore keeps the prediction true: the slot it restores into then shares
+        more of the prompt than any other idle one."""
+        choice = self._llama_choice(idle, keys, n_tokens, tokens)
+        shared = self._shared(choice, keys, tokens)
+        start = self._start(opening, entry, in_store)
+        if self._worth_restoring(entry, in_store, shared, start):
+            return Plan(self._reserve(choice), restore=entry, write_back=True, outcome=Outcome.RESTORED)
+        if shared and self._holds(choice, shared) and not self._other_chat(choice, shared, opening, fast):
+            return Plan(self._reserve(choice), outcome=Outcome.RESIDENT)
+        if self._branches(choice, shared, start):
+            return Plan(self._reserve(choice), write_back=True, outcome=Outcome.BRANCH)
+        if start is not None and not self._holds_opening(choice, shared, start):
+            gained = len(start.keys) - (0 if self.extend_only else shared)
+            if gained >= RESTORE_MIN_GAIN_BLOCKS and self._restore_pays(start, gained * BLOCK_TOKENS):
+                return Plan(self._reserve(choice), restore=start, write_back=True, outcome=Outcome.OPENING)
+        return Plan(self._reserve(choice), write_back=True, outcome=Outcome.NEW)
+
+    def _worth_restoring(self, entry: Entry | None, in_store: int, shared: int, start: Entry | None) -> bool:
+        """The entry found for the request beats what the best slot shares with it, and is not a new chat's
+        opening (that is `start`), nor in a slot already."""
+        return (entry is not None and start is None and not self._in_a_slot(entry)
+                and in_store >= shared + RESTORE_MIN_GAIN_BLOCKS and in_store * BLOCK_TOKENS >= self.min_tokens)
+
+    def _branches(self, slot: Slot, shared: int, start: Entry | None) -> bool:
+        """The request shares most of the slot's chat: an edit of that chat's past (it is saved first)."""
+        return (shared * BLOCK_TOKENS >= self.min_tokens
+                and shared * BRANCH_SHARE[1] >= len(slot.keys) * BRANCH_SHARE[0]
+                and (start is None or shared >= len(start.keys) + RESTORE_MIN_GAIN_BLOCKS))
 
     def _start(self, opening: Opening | None, deepest: Entry | None, shared: int) -> Entry | None:
         """The saved opening a new chat starts from: the request's opening has an entry, and no saved chat
@@ -485,13 +545,19 @@ class Placement:
         (no write-back needed), then changed ones; the least recently used among equals."""
         return min(idle, key=lambda s: (self._worth_keeping(s), s.entry is not None, s.last_used))
 
-    def _llama_choice(self, idle: list[Slot], keys: list[str], n_tokens: int) -> Slot:
-        """Where llama-server itself will put an unpinnable request: the idle slot with the longest common
-        prefix if it covers over SLOT_PROMPT_SIMILARITY of the prompt, else the least recently used one."""
-        best, shared = max(((s, common_keys(s.keys, keys)) for s in idle), key=lambda p: p[1])
+    def _llama_choice(self, idle: list[Slot], keys: list[str], n_tokens: int, tokens: list[int] | None) -> Slot:
+        """Where llama-server itself will put an unpinnable request (`get_available_slot`, b11434): the idle slot
+        sharing the longest prefix with the prompt, the first of equals, if that covers over
+        SLOT_PROMPT_SIMILARITY of it; else the one its last task left longest ago, the last of equals. (A slot
+        whose restored state the request does not extend counts as empty: it is erased before the request goes.)"""
+        best, shared = idle[0], 0
+        for slot in idle:
+            n = self._shared(slot, keys, tokens)
+            if n > shared:
+                best, shared = slot, n
         if n_tokens and shared * BLOCK_TOKENS / n_tokens > SLOT_PROMPT_SIMILARITY:
             return best
-        return min(idle, key=lambda s: s.last_used)
+        return min(reversed(idle), key=lambda s: s.served)
 
     def _worth_keeping(self, slot: Slot) -> bool:
         """Worth a file: enough tokens, or content slotkeeper could not see (saved to find out); on extend-only
@@ -517,10 +583,12 @@ class Placement:
 
     # ---- preparing the slot -------------------------------------------------------------------------------
 
-    async def _prepare(self, plan: Plan) -> None:
+    async def _prepare(self, plan: Plan, unpinnable: bool = False) -> None:
         """Write the victim back if it changed since its last save, then restore the entry into it."""
         slot = plan.slot
         try:
+            if unpinnable and self.extend_only:
+                await self._clear_unextended(plan)
             if plan.write_back and self.policy is not CachePolicy.NONE and self._worth_keeping(slot):
                 await self.write_back(slot, "before it is reused")
             if self.policy is CachePolicy.PREFIX and plan.cold >= self.min_tokens:
@@ -534,6 +602,26 @@ class Placement:
         finally:
             if plan.opening is not None:
                 self._opening_saves.discard(plan.opening.key)
+
+    async def _clear_unextended(self, plan: Plan) -> None:
+        """Before a request llama-server places itself, on an extend-only model: every other idle slot holding a
+        restored state the request does not extend is saved if it changed, and erased. llama-server might
+        choose one of them, and on a sliding-window model reusing such a state answers wrongly."""
+        if plan.tokens is None:
+            return  # its chat continues in its slot (which shares the most with it), or its tokens are unknown
+        for slot in self.slots:
+            if slot is plan.slot or slot.busy or slot.extended_by(plan.tokens):
+                continue
+            self._reserve(slot)
+            try:
+                if self._worth_keeping(slot):
+                    await self.write_back(slot, "before a request llama-server places itself")
+                if self._worth_keeping(slot):
+                    continue  # not saved: it stays (the request is very likely placed elsewhere: see _llama_choice)
+                await self.erase(slot, "erased: a request llama-server places itself does not extend the chat "
+                                       "restored there")
+            finally:
+                self._release(slot)
 
     async def _park_idle(self, active: Slot) -> None:
         """Before a long prefill on `active`, the other idle slots' chats leave the KV cache for the store (saved
@@ -628,6 +716,10 @@ class Placement:
         result = await asyncio.wait_for(save, timeout)
         if result.entry is None:
             if result.failure is SaveFailure.EMPTY:
+                if slot.tokens:
+                    log.warning("slot %d held nothing to save (%s), though chat %s was placed there: %s tokens of it "
+                                "are not kept", slot.id, why, slot.label or "-", f"{slot.tokens:,}")
+                    self.metrics.chats_found_empty += 1
                 slot.dirty = False
                 return False
             log.warning("slot %d not saved (%s): %s; its previous entries are kept", slot.id, why, result.reason)
@@ -709,6 +801,7 @@ class Placement:
             reached = Reached(len(tokens), 0, 0.0)
         else:
             went = await self.boundaries.reach(slot.id, tokens)
+            slot.served = self._tick()  # (a task ran there, taken or not)
             if went is None:
                 return None, None
             reached = went
@@ -827,6 +920,59 @@ class Placement:
 
     # ---- after the request --------------------------------------------------------------------------------
 
+    async def _unpinned_done(self, plan: Plan, status: int, fast: FastKey, chat: dict[str, Any] | None,
+                             reader: ReplyReader | None) -> None:
+        """An unpinnable request ended: the slot it ran on is found before the table records it (its predicted
+        slot stays reserved until then, so that nothing else is placed on the strength of a guess)."""
+        predicted = plan.slot
+        ran = None
+        if status in (200, 499):
+            try:
+                ran = await self._ran_on(predicted, reader.usage() if reader is not None else None)
+            except asyncio.CancelledError:
+                self._finished(plan, status, fast, chat, reader)
+                raise
+            except Exception as exc:  # noqa: BLE001 - then the prediction stands, as before the check
+                log.debug("the slot a request ran on is unknown: %r", exc)
+        if ran is None or ran is predicted:
+            self._finished(plan, status, fast, chat, reader)
+            return
+        self._release(predicted)  # it holds what slotkeeper left there
+        if ran.busy:
+            log.warning("a request slotkeeper prepared slot %d for ran on slot %d (llama-server's own choice), which "
+                        "is in use again: what it left there is not kept", predicted.id, ran.id)
+            return
+        lost = f"; chat {ran.label} there had changed since its last save and is lost" \
+            if self._worth_keeping(ran) else ""
+        log.warning("a request slotkeeper prepared slot %d for ran on slot %d (llama-server's own choice): slot %d "
+                    "now holds its chat%s", predicted.id, ran.id, ran.id, lost)
+        self.metrics.unpinned_elsewhere += 1
+        plan.slot = self._reserve(ran)
+        ran.floor, ran.floor_checked = (ran.floor, ran.floor_checked) if plan.tokens is not None and \
+            ran.extended_by(plan.tokens) else (None, False)
+        if plan.outcome is Outcome.RESIDENT:
+            plan.outcome = Outcome.UNPLACED  # its tokens were not counted: what the slot holds is unknown
+        self._finished(plan, status, fast, chat, reader)
+
+    async def _ran_on(self, predicted: Slot, usage: Usage | None) -> Slot | None:
+        """The slot llama-server ran a request on, read from /slots once it is over: the idle slot holding as
+        many tokens as its prompt and reply (llama-server keeps all but the last token it generated); the
+        predicted one among equals, else the latest task's. None when the response did not say its counts."""
+        if usage is None:
+            return None
+        reply = await asyncio.wait_for(self.client.slots(), TOKENIZE_TIMEOUT_S)
+        if not reply.ok or not isinstance(reply.body, list):
+            return None
+        held = {usage.prompt + usage.generated - 1, usage.prompt + usage.generated, usage.prompt}
+        found = [info for info in reply.body if isinstance(info, dict) and not info.get("is_processing")
+                 and info.get("n_prompt_tokens") in held and isinstance(info.get("id"), int)
+                 and 0 <= info["id"] < len(self.slots)]
+        if not found:
+            return None
+        if any(info["id"] == predicted.id for info in found):
+            return predicted
+        return self.slots[max(found, key=lambda info: info.get("id_task") or -1)["id"]]
+
     def _finished(self, plan: Plan, status: int, fast: FastKey, chat: dict[str, Any] | None = None,
                   reader: ReplyReader | None = None) -> None:
         """The request ended: the slot now holds its prompt and what was generated (unless it was refused)."""
@@ -842,6 +988,7 @@ class Placement:
             else:  # unplaced: what it holds is unknown
                 slot.keys, slot.tokens = [], 0
             slot.fast, slot.entry, slot.dirty, slot.last_used = fast, None, True, self._tick()
+            slot.served = slot.last_used
             if plan.outcome is not Outcome.RESIDENT or not slot.label:
                 slot.label = fast.units[-1][:4] if fast.units else f"s{slot.id}"
             slot.exact = ""
@@ -897,6 +1044,7 @@ class Placement:
             if tokens is None or not slot.may_reach(tokens):
                 return
             reached = await self.boundaries.reach(slot.id, tokens)
+            slot.served = self._tick()
             if reached is not None:
                 self._measured(reached)
                 slot.keys, slot.tokens, slot.exact = block_keys(tokens), len(tokens), exact_key(tokens)
@@ -971,6 +1119,8 @@ class Placement:
     async def save_dirty(self, why: str, deadline: float | None = None, *, live: bool = False) -> tuple[int, int]:
         """Write back every idle changed slot, each reserved while it is saved; (saved, attempted)."""
         saved = attempted = 0
+        if self._confirming:  # those slots are reserved until it is known which one ran the request
+            await asyncio.gather(*list(self._confirming), return_exceptions=True)
         if self._settling:  # those slots are reserved until their boundary is reached: then they are saved
             await asyncio.gather(*list(self._settling), return_exceptions=True)
         for slot in self.dirty_slots():

@@ -1,0 +1,144 @@
+"""Agent sessions come back warm after a swap over every API agent clients speak: chat completions, the
+Responses API and Anthropic Messages (which llama-server will not let slotkeeper pin to a slot), streamed and
+not, on a full-attention model and on a hybrid (real llama-server)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from family_helpers import FAMILIES, common_prefix, swap_out
+
+from slotkeeper.prefix import BLOCK_TOKENS
+from slotkeeper.testing.agents import AGENT_SYSTEM, APIS, AgentSession, prompt_tokens
+
+AGENT_FAMILIES = ("llama", "qwen35-thinking-off")
+CASES = [(f, a, s) for f in AGENT_FAMILIES for a in APIS for s in (False, True)]
+
+
+def _id(case: tuple[str, str, bool]) -> str:
+    return f"{case[0]}-{case[1]}-{'streamed' if case[2] else 'whole'}"
+
+
+def _cold(sessions: list[AgentSession], turns) -> list[tuple[int, int, int]]:
+    return [(s.n, t.reused, s.turns[-2].prompt) for s, t in zip(sessions, turns) if not s.reused_enough(t)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_an_agent_session_is_warm_after_a_swap(family_start, case):
+    """Three turns of an agent session (a long system prompt, six tools), a swap, and its next turn reuses all
+    of its previous prompt; the turns before the swap went on in their slot too."""
+    family_name, api, stream = case
+    family = FAMILIES[family_name]
+    sk = family_start(family)
+    session = AgentSession(1, api, stream, dict(family.request))
+    for _ in range(3):
+        session.turn(sk.port)
+    assert session.reused_enough(session.turns[-1]), (session.turns[-1], sk.logs()[-3000:])
+    swap_out(sk)
+    logs = sk.logs()
+    assert "held nothing to save" not in logs, logs[-3000:]
+    sk = family_start(family)
+    turn = session.turn(sk.port)
+    assert session.reused_enough(turn), (turn.reused, session.turns[-2].prompt, logs[-3000:], sk.logs()[-3000:])
+    # All of the previous prompt, and the reply: on the hybrid, the latest turn boundary was saved (read from
+    # the API's own reply), not only the one before the last request's new message.
+    assert turn.reused > session.turns[-2].prompt, (turn.reused, session.turns[-2].prompt, logs[-3000:])
+
+
+@pytest.mark.parametrize("family_name", AGENT_FAMILIES)
+@pytest.mark.parametrize("api", APIS)
+def test_more_agent_sessions_than_slots_come_back_on_demand(family_start, family_name, api):
+    """Three sessions (every other one streamed) take turns on two slots: each turn, and each session's turn
+    after a swap, reuses at least 90% of its previous prompt (restored on demand where it is not in a slot)."""
+    family = FAMILIES[family_name]
+    sk = family_start(family, "-np", "2")
+    sessions = [AgentSession(n, api, n % 2 == 1, dict(family.request)) for n in range(3)]
+    for _ in range(2):
+        for session in sessions:
+            session.turn(sk.port)
+    assert not _cold(sessions, [s.turns[-1] for s in sessions]), sk.logs()[-4000:]
+    swap_out(sk)
+    sk = family_start(family, "-np", "2")
+    turns = [s.turn(sk.port) for s in sessions]
+    assert not _cold(sessions, turns), sk.logs()[-4000:]
+
+
+@pytest.mark.parametrize("family_name", AGENT_FAMILIES)
+@pytest.mark.parametrize("api", APIS)
+def test_a_new_agent_session_after_a_swap_starts_from_the_saved_opening(family_start, family_name, api):
+    """A session saves its opening (the system prompt and tools); after a swap a new session with the same
+    opening reuses all of it on its first turn, on the hybrid too (where a live chat cannot go back to it)."""
+    family = FAMILIES[family_name]
+    sk = family_start(family, "-np", "2")
+    first = AgentSession(1, api, False, dict(family.request))
+    for _ in range(2):
+        first.turn(sk.port)
+    swap_out(sk)
+    sk = family_start(family, "-np", "2")
+    opening = sk.call("GET", "/slotkeeper/status").body
+    newcomer = AgentSession(2, api, True, dict(family.request), first="A new task: list the files of the repo.")
+    own = len(newcomer.history[0]["content"])  # its message takes at most a token per character
+    turn = newcomer.turn(sk.port)
+    opening_tokens = turn.prompt - own - 16  # all but its own message (and the template's tokens around it)
+    assert turn.reused >= opening_tokens, (turn, opening, sk.logs()[-4000:])
+
+
+def test_the_slot_an_unpinnable_request_ran_on_is_the_one_saved(family_start):
+    """llama-server chooses the slot of an Anthropic request itself, by the longest common prefix in tokens;
+    slotkeeper predicts it in 64-token blocks, so two slots whose chats diverge from the request inside one
+    block look alike to it. Here the request runs on the second (it shares a few more tokens with its chat):
+    slotkeeper reads where it ran, keeps that slot's chat, and the session is warm after a swap."""
+    family = FAMILIES["llama"]
+    sk = family_start(family, "-np", "2")
+    shared = "Task: fix the failing test in module "
+    firsts = {"near": shared + "seven and report back.", "far": "Note: the build is green today, nothing to do.",
+              "new": shared + "nine and report back."}
+    pad = _pad_for_a_block_tie(sk.port, firsts)
+    system = AGENT_SYSTEM + " " + "x" * pad
+    near, far = (AgentSession(n, "messages", system=system, first=firsts[k]) for n, k in ((1, "near"), (2, "far")))
+    near.turn(sk.port)
+    far.turn(sk.port)  # the most recent: restored into slot 0 at the next start, `near` into slot 1
+    swap_out(sk)
+    sk = family_start(family, "-np", "2")
+    session = AgentSession(3, "messages", system=system, first=firsts["new"])
+    session.turn(sk.port)
+    swap_out(sk)
+    logs = sk.logs()
+    sk = family_start(family, "-np", "2")
+    turn = session.turn(sk.port)
+    assert turn.reused > session.turns[-2].prompt, (turn, logs[-4000:], sk.logs()[-3000:])
+    assert "llama-server's own choice" in logs, logs[-3000:]  # the scenario: the prediction was wrong
+
+
+def _pad_for_a_block_tie(port: int, firsts: dict[str, str]) -> int:
+    """How many characters added to the system prompt make the new session diverge from both earlier ones
+    inside one 64-token block, sharing more tokens with `near` than with `far`."""
+    for pad in range(200):
+        system = AGENT_SYSTEM + " " + "x" * pad
+        tokens = {k: prompt_tokens(port, AgentSession(0, "chat", system=system, first=v).body())
+                  for k, v in firsts.items()}
+        with_near, with_far = (common_prefix(tokens["new"], tokens[k]) for k in ("near", "far"))
+        if with_near > with_far and with_near // BLOCK_TOKENS == with_far // BLOCK_TOKENS:
+            return pad
+    raise AssertionError("no padding gives the scenario")
+
+
+def test_debug_logs_one_line_per_placement(family_start):
+    """With --log-level debug each request's placement is one line: its slot, outcome and the tokens
+    llama-server is expected to reuse there (and none of those lines without it)."""
+    family = FAMILIES["llama"]
+    sk = family_start(family, own=("--log-level", "debug"))
+    sessions = [AgentSession(1, "messages"), AgentSession(2, "chat", stream=True)]
+    for session in sessions * 2:
+        session.turn(sk.port)
+    lines = [line for line in sk.logs().splitlines() if "request placed on slot" in line]
+    assert len(lines) == 4, lines
+    assert all(re.fullmatch(r"slotkeeper: debug: /v1/(messages|chat/completions) request placed on slot \d "
+                            r"\((new|resident|restored|opening|branch)\): .*(reused|tokenized).*", line)
+               for line in lines), lines
+    assert "of 3," in lines[0] and "prompt tokens expected reused" in lines[0], lines
+    swap_out(sk)
+    quiet = family_start(family)
+    AgentSession(3, "messages").turn(quiet.port)
+    assert "request placed on slot" not in quiet.logs()

@@ -1,6 +1,6 @@
 """Agent sessions come back warm after a swap over every API agent clients speak: chat completions, the
 Responses API and Anthropic Messages (which llama-server will not let slotkeeper pin to a slot), streamed and
-not, on a full-attention model and on a hybrid (real llama-server)."""
+not, on a full-attention model and on a hybrid, and a session's swap on every tiny family (real llama-server)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ from slotkeeper.prefix import BLOCK_TOKENS
 from slotkeeper.testing.agents import AGENT_SYSTEM, APIS, AgentSession, prompt_tokens
 
 AGENT_FAMILIES = ("llama", "qwen35-thinking-off")
-CASES = [(f, a, s) for f in AGENT_FAMILIES for a in APIS for s in (False, True)]
+# The session test runs on every tiny family: sliding-window (where a restored state a request does not extend
+# must never serve it) and the hybrids with reasoning on and with a recurrent state of another kind.
+EVERY_FAMILY = (*AGENT_FAMILIES, "qwen35-thinking-on", "lfm2", "gemma3-swa-full")
+CASES = [(f, a, s) for f in EVERY_FAMILY for a in APIS for s in (False, True)]
 
 
 def _id(case: tuple[str, str, bool]) -> str:

@@ -173,8 +173,11 @@ class Plan:
     erase: bool = False  # the slot's restored state is not extended by the request: erased first
     opening: Opening | None = None  # a new chat's opening, not saved yet: reached and saved first
     cold: int = 0  # the prompt tokens llama-server is expected to prefill for it
-    n_tokens: int = 0  # the prompt's tokens, when it was tokenized
-    tokens: list[int] | None = None  # (themselves: an unpinnable request's other slots are checked against them)
+    tokens: list[int] | None = None  # the prompt's tokens, when it was tokenized
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens or ())
 
 
 def with_id_slot(body: bytes, slot_id: int) -> bytes:
@@ -348,8 +351,7 @@ class Placement:
         while (plan := self._decide(keys, len(tokens or ()), pinned, unpinnable, tokens, opening, fast)) is None:
             await self._wait_freed()
         plan.keys = keys
-        plan.n_tokens = len(tokens or ())
-        plan.tokens = tokens if unpinnable else None
+        plan.tokens = tokens
         if tokens is not None and keys is not None:
             reused = len(plan.restore.keys) if plan.restore is not None else self._shared(plan.slot, keys, tokens)
             plan.cold = max(0, len(tokens) - reused * BLOCK_TOKENS)
@@ -613,15 +615,22 @@ class Placement:
             if slot is plan.slot or slot.busy or slot.extended_by(plan.tokens):
                 continue
             self._reserve(slot)
-            try:
-                if self._worth_keeping(slot):
-                    await self.write_back(slot, "before a request llama-server places itself")
-                if self._worth_keeping(slot):
-                    continue  # not saved: it stays (the request is very likely placed elsewhere: see _llama_choice)
-                await self.erase(slot, "erased: a request llama-server places itself does not extend the chat "
-                                       "restored there")
+            try:  # (one whose save fails stays: the request is very likely placed elsewhere, see _llama_choice)
+                await self._save_and_erase(slot, "before a request llama-server places itself",
+                                           lambda _: "erased: a request llama-server places itself does not extend "
+                                                   "the chat restored there")
             finally:
                 self._release(slot)
+
+    async def _save_and_erase(self, slot: Slot, saved_why: str, erased_why: Callable[[Slot], str]) -> bool:
+        """Save a (reserved) slot if it changed, then erase it; False when the save failed and it was kept.
+        (`erased_why` is asked after the save, which names the slot's chat.)"""
+        if self._worth_keeping(slot):
+            await self.write_back(slot, saved_why)
+        if self._worth_keeping(slot):
+            return False
+        await self.erase(slot, erased_why(slot))
+        return True
 
     async def _park_idle(self, active: Slot) -> None:
         """Before a long prefill on `active`, the other idle slots' chats leave the KV cache for the store (saved
@@ -638,13 +647,11 @@ class Placement:
                 continue
             self._reserve(slot)
             try:
-                if self._worth_keeping(slot):
-                    await self.write_back(slot, f"parked: a long prompt runs on slot {active.id}")
-                if self._worth_keeping(slot):
-                    continue  # not saved: it stays
-                await self.erase(slot, f"parked (chat {slot.label or '-'} is in the store): its KV cells are freed "
-                                       f"for a long prompt on slot {active.id}")
-                self.metrics.slots_parked += 1
+                if await self._save_and_erase(
+                        slot, f"parked: a long prompt runs on slot {active.id}",
+                        lambda saved: f"parked (chat {saved.label or '-'} is in the store): its KV cells are freed "
+                                      f"for a long prompt on slot {active.id}"):
+                    self.metrics.slots_parked += 1
             except (ConnectionError, TimeoutError) as exc:
                 log.debug("slot %d not parked: %r", slot.id, exc)
             finally:
@@ -948,8 +955,8 @@ class Placement:
                     "now holds its chat%s", predicted.id, ran.id, ran.id, lost)
         self.metrics.unpinned_elsewhere += 1
         plan.slot = self._reserve(ran)
-        ran.floor, ran.floor_checked = (ran.floor, ran.floor_checked) if plan.tokens is not None and \
-            ran.extended_by(plan.tokens) else (None, False)
+        if plan.tokens is None or not ran.extended_by(plan.tokens):
+            ran.floor, ran.floor_checked = None, False  # it ran there all the same: that state is gone
         if plan.outcome is Outcome.RESIDENT:
             plan.outcome = Outcome.UNPLACED  # its tokens were not counted: what the slot holds is unknown
         self._finished(plan, status, fast, chat, reader)

@@ -39,8 +39,13 @@ def run_case(binary: str, model: Path, family: str, api: str, stream: bool, work
 
     def slotkeeper(n: int) -> Slotkeeper:
         port = free_port()
-        sk = Slotkeeper(["--", *server_args, "--port", str(port), "--slot-save-path", str(save)], env, work, port,
-                        work / f"slotkeeper-{n}.log").start()
+        sk = Slotkeeper(
+            ["--", *server_args, "--port", str(port), "--slot-save-path", str(save)],
+            env,
+            work,
+            port,
+            work / f"slotkeeper-{n}.log",
+        ).start()
         sk.wait_ready(300)
         return sk
 
@@ -89,8 +94,7 @@ def main() -> None:
                 work.mkdir()
                 previous, warm, cold = run_case(binary, model, family, api, args.stream, work)
                 reused = f"{warm.reused:,} / {cold.reused:,} of {previous:,}"
-                print(f"{family:8} {api:10} {reused:>44}  {fmt_s(warm.seconds)} vs {fmt_s(cold.seconds)}",
-                      flush=True)
+                print(f"{family:8} {api:10} {reused:>44}  {fmt_s(warm.seconds)} vs {fmt_s(cold.seconds)}", flush=True)
                 speedups.append(cold.seconds / warm.seconds)
         print(f"median: the returning turn {statistics.median(speedups):.1f}x faster through slotkeeper")
 

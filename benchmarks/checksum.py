@@ -98,9 +98,27 @@ def main() -> int:
     ConversationStore(root, None, {}).open()  # the layout, so that llama-server's save path exists
     port = free_port()
     server = subprocess.Popen(
-        [*find_llama_server(None, os.environ), "-m", str(model), "--port", str(port), "-np", "1", "-c",
-         str(args.tokens + 512), "-t", "2", "--no-warmup", "--slot-save-path", str(root / "snapshots")],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        [
+            *find_llama_server(None, os.environ),
+            "-m",
+            str(model),
+            "--port",
+            str(port),
+            "-np",
+            "1",
+            "-c",
+            str(args.tokens + 512),
+            "-t",
+            "2",
+            "--no-warmup",
+            "--slot-save-path",
+            str(root / "snapshots"),
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         assert wait_until(lambda: health_status(port) == 200, 120), "llama-server not healthy"
         prompt = " ".join(f"note {i} is {i * 7 % 100}." for i in range(args.tokens // 6))

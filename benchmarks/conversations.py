@@ -55,11 +55,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chats", type=int, default=8, help="conversations (default 8: twice the default slots)")
     parser.add_argument("--rounds", type=int, default=3, help="turns per chat, with a swap between rounds (default 3)")
-    parser.add_argument("--parallel", "-np", type=int, default=None,
-                        help="llama-server's -np (default: its own, 4 slots)")
-    parser.add_argument("--notes", type=int, default=NOTES_PER_CHAT,
-                        help="length of each chat's opening message, in notes of ~48 tokens "
-                        f"(default {NOTES_PER_CHAT})")
+    parser.add_argument(
+        "--parallel", "-np", type=int, default=None, help="llama-server's -np (default: its own, 4 slots)"
+    )
+    parser.add_argument(
+        "--notes",
+        type=int,
+        default=NOTES_PER_CHAT,
+        help=f"length of each chat's opening message, in notes of ~48 tokens (default {NOTES_PER_CHAT})",
+    )
     parser.add_argument("--seed", type=int, default=1, help="seed of the per-round chat order")
     parser.add_argument("--model", type=Path, help="any GGUF instead of benchmark model E")
     parser.add_argument("--keep", action="store_true", help="keep the working directory (logs, caches)")
@@ -79,8 +83,10 @@ def main() -> None:
     port = free_port()
     sk_args = [*server_args, "--port", str(port), "--slot-save-path", str(work / "cache")]
     rng = random.Random(args.seed)
-    chats = {"plain": [Chat(i, notes=args.notes) for i in range(args.chats)],
-             "slotkeeper": [Chat(i, notes=args.notes) for i in range(args.chats)]}
+    chats = {
+        "plain": [Chat(i, notes=args.notes) for i in range(args.chats)],
+        "slotkeeper": [Chat(i, notes=args.notes) for i in range(args.chats)],
+    }
     results: dict[str, list[list[Result]]] = {"plain": [], "slotkeeper": []}
     restores: list[int] = []
     n_slots = 0
@@ -118,9 +124,11 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
 
     print()
-    print(f"model {model.name} ({model.stat().st_size / 1e6:.1f} MB); {args.chats} chats on {n_slots} slots, "
-          f"{args.rounds} rounds, a swap between rounds, a title request after every turn; "
-          f"llama-server {' '.join(server_args[2:])}; {time.monotonic() - started:.0f} s in all")
+    print(
+        f"model {model.name} ({model.stat().st_size / 1e6:.1f} MB); {args.chats} chats on {n_slots} slots, "
+        f"{args.rounds} rounds, a swap between rounds, a title request after every turn; "
+        f"llama-server {' '.join(server_args[2:])}; {time.monotonic() - started:.0f} s in all"
+    )
     print()
     print(" round  chat  prompt   plain: first token   reused        slotkeeper: first token   reused        warm")
     for r in range(args.rounds):
@@ -128,11 +136,15 @@ def main() -> None:
         for p in results["plain"][r]:
             s = by_chat[p.chat]
             warm = "-" if r == 0 else ("yes" if s.warm else "NO")
-            print(f" {r + 1:>5}  {p.chat + 1:>4}  {s.turn.prompt_tokens:>6,}   {fmt_s(p.turn.first_token_s):>18}   "
-                  f"{reuse(p.turn):<12}  {fmt_s(s.turn.first_token_s):>23}   {reuse(s.turn):<12}  {warm}")
+            print(
+                f" {r + 1:>5}  {p.chat + 1:>4}  {s.turn.prompt_tokens:>6,}   {fmt_s(p.turn.first_token_s):>18}   "
+                f"{reuse(p.turn):<12}  {fmt_s(s.turn.first_token_s):>23}   {reuse(s.turn):<12}  {warm}"
+            )
         if r:
-            print(f"        slotkeeper restored {restores[r]} chat(s) on demand in this round "
-                  f"(after restoring {n_slots} at start)")
+            print(
+                f"        slotkeeper restored {restores[r]} chat(s) on demand in this round "
+                f"(after restoring {n_slots} at start)"
+            )
     returning = {side: [x for rnd in results[side][1:] for x in rnd] for side in results}
     print()
     if returning["slotkeeper"]:
@@ -141,17 +153,23 @@ def main() -> None:
         w_plain = sum(x.warm for x in returning["plain"])
         cold = statistics.median(x.turn.first_token_s for x in returning["plain"])
         warm = statistics.median(x.turn.first_token_s for x in returning["slotkeeper"])
-        print(f"(a) warm after a swap: slotkeeper {w_sk} of {n} ({w_sk / n:.0%}; target: all), "
-              f"plain llama-server {w_plain} of {n}")
+        print(
+            f"(a) warm after a swap: slotkeeper {w_sk} of {n} ({w_sk / n:.0%}; target: all), "
+            f"plain llama-server {w_plain} of {n}"
+        )
         worst = max(x.turn.first_token_s for x in returning["slotkeeper"])
-        print(f"(b) returning chats' first token, median: plain {fmt_s(cold)} vs slotkeeper {fmt_s(warm)} "
-              f"({cold / warm:.0f}x); slotkeeper worst {fmt_s(worst)}")
+        print(
+            f"(b) returning chats' first token, median: plain {fmt_s(cold)} vs slotkeeper {fmt_s(warm)} "
+            f"({cold / warm:.0f}x); slotkeeper worst {fmt_s(worst)}"
+        )
     new = {side: results[side][0] for side in results}
     first = {side: statistics.median(x.turn.first_token_s for x in new[side]) for side in new}
     reused_new = {side: sum(x.turn.cache_n for x in new[side]) for side in new}
-    print(f"(c) new chats (round 1) first token, median: plain {fmt_s(first['plain'])} vs slotkeeper "
-          f"{fmt_s(first['slotkeeper'])}; tokens reused: plain {reused_new['plain']:,}, slotkeeper "
-          f"{reused_new['slotkeeper']:,}")
+    print(
+        f"(c) new chats (round 1) first token, median: plain {fmt_s(first['plain'])} vs slotkeeper "
+        f"{fmt_s(first['slotkeeper'])}; tokens reused: plain {reused_new['plain']:,}, slotkeeper "
+        f"{reused_new['slotkeeper']:,}"
+    )
 
 
 if __name__ == "__main__":

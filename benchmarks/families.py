@@ -49,8 +49,16 @@ TEMPLATES = Path(__file__).resolve().parent.parent / "src" / "slotkeeper" / "tes
 
 def bench_spec(arch: str) -> TinyModelSpec:
     extra: dict[str, Any] = {"sliding_window": 512} if arch == "gemma3" else {}
-    return dataclasses.replace(PRESETS[arch], n_layers=8, width=512, n_heads=8, n_kv_heads=2, f16=True,
-                               name=f"slotkeeper-bench-{arch}", **extra)
+    return dataclasses.replace(
+        PRESETS[arch],
+        n_layers=8,
+        width=512,
+        n_heads=8,
+        n_kv_heads=2,
+        f16=True,
+        name=f"slotkeeper-bench-{arch}",
+        **extra,
+    )
 
 
 @dataclass(frozen=True)
@@ -66,8 +74,9 @@ FAMILIES = {
     "qwen35-thinking": Family("qwen35"),
     "lfm2": Family("lfm2", request=NO_THINKING),
     "gemma3-swa-full": Family("gemma3", ("--swa-full",)),
-    "gemma3-270m-swa-full": Family("gemma3-270m", ("--swa-full", "--chat-template-file",
-                                                   str(TEMPLATES / "gemma3.jinja"))),
+    "gemma3-270m-swa-full": Family(
+        "gemma3-270m", ("--swa-full", "--chat-template-file", str(TEMPLATES / "gemma3.jinja"))
+    ),
 }
 
 
@@ -156,21 +165,25 @@ def run_family(family: Family, model: Path, binary: str, work: Path, chats_n: in
     finally:
         plain.stop()
     return FamilyResult(
-        warm=sum(w for _, w in warm_turns), chats=chats_n,
+        warm=sum(w for _, w in warm_turns),
+        chats=chats_n,
         cold_first=statistics.median(t.first_token_s for t, _ in cold_turns),
         warm_first=statistics.median(t.first_token_s for t, _ in warm_turns),
         saves=saves_before_stop + len(stop_saves),
-        settles=extend.get("boundaries_settled", 0), settle_tokens=extend.get("settle_prefill_tokens", 0),
+        settles=extend.get("boundaries_settled", 0),
+        settle_tokens=extend.get("settle_prefill_tokens", 0),
         settle_ms=extend.get("settle_ms", 0.0),
         boundary_tokens=extend["boundary_prefill_tokens"] + stop_tokens,
         boundary_ms=extend["boundary_ms"] + stop_ms,
-        entries=len(entries), entry_bytes=sum(entries),
+        entries=len(entries),
+        entry_bytes=sum(entries),
         policy=status["model_memory"]["policy"],
     )
 
 
-def turn_latency(model: Path, binary: str, work: Path, request: dict[str, Any], turns: int, pause: float,
-                 notes: int) -> tuple[float, float, int]:
+def turn_latency(
+    model: Path, binary: str, work: Path, request: dict[str, Any], turns: int, pause: float, notes: int
+) -> tuple[float, float, int]:
     """Median turn time of one resident chat through slotkeeper and on plain llama-server (both run twice,
     alternating), and the bytes slotkeeper wrote during the turns."""
     env = clean_env(binary)
@@ -185,9 +198,13 @@ def turn_latency(model: Path, binary: str, work: Path, request: dict[str, Any], 
                 server: Any = PlainServer(binary, server_args, port, work / f"turns-{rep}.log", env)
                 server.wait_ready(180)
             else:
-                server = Slotkeeper(["--autosave-idle", "0", "--", *server_args, "--port", str(port),
-                                     "--slot-save-path", str(save)], env, work, port,
-                                    work / f"turns-sk-{rep}.log").start()
+                server = Slotkeeper(
+                    ["--autosave-idle", "0", "--", *server_args, "--port", str(port), "--slot-save-path", str(save)],
+                    env,
+                    work,
+                    port,
+                    work / f"turns-sk-{rep}.log",
+                ).start()
                 server.wait_ready(180)
             try:
                 chat = Chat(0, notes=notes, request=request)
@@ -222,34 +239,45 @@ def main() -> None:
         for name in args.families.split(","):
             family = FAMILIES[name]
             print(f"{name} ...", flush=True)
-            results[name] = run_family(family, model_file(family.model, cache), binary, work / name, args.chats,
-                                       args.notes)
+            results[name] = run_family(
+                family, model_file(family.model, cache), binary, work / name, args.chats, args.notes
+            )
         print("hybrid turn latency ...", flush=True)
         hybrid = model_file("qwen35", cache)
-        latency = {pause: turn_latency(hybrid, binary, work, NO_THINKING, args.turns, pause, args.notes)
-                   for pause in (0.0, 1.0)}
+        latency = {
+            pause: turn_latency(hybrid, binary, work, NO_THINKING, args.turns, pause, args.notes)
+            for pause in (0.0, 1.0)
+        }
     finally:
         if args.keep:
             print(f"(kept in {work})")
         else:
             shutil.rmtree(work, ignore_errors=True)
     print()
-    print(f"{args.chats} chats sharing a system prompt, 4 slots, a title request after every turn, a swap; "
-          f"{time.monotonic() - started:.0f} s in all")
+    print(
+        f"{args.chats} chats sharing a system prompt, 4 slots, a title request after every turn, a swap; "
+        f"{time.monotonic() - started:.0f} s in all"
+    )
     print()
-    print(f"  {'family':<22} {'policy':<12} {'warm after swap':>16} {'first token cold':>17} {'warm':>8} "
-          f"{'boundary per save':>22} {'settle per turn':>20} {'bytes per entry':>16}")
+    print(
+        f"  {'family':<22} {'policy':<12} {'warm after swap':>16} {'first token cold':>17} {'warm':>8} "
+        f"{'boundary per save':>22} {'settle per turn':>20} {'bytes per entry':>16}"
+    )
     for name, r in results.items():
-        per_save = (f"{r.boundary_tokens / r.saves:,.0f} tok, {r.boundary_ms / r.saves:.0f} ms" if r.saves else "-")
+        per_save = f"{r.boundary_tokens / r.saves:,.0f} tok, {r.boundary_ms / r.saves:.0f} ms" if r.saves else "-"
         per_entry = f"{r.entry_bytes / r.entries / 1e6:.1f} MB" if r.entries else "-"
         per_settle = f"{r.settle_tokens / r.settles:,.0f} tok, {r.settle_ms / r.settles:.0f} ms" if r.settles else "-"
-        print(f"  {name:<22} {r.policy:<12} {f'{r.warm} of {r.chats}':>16} {fmt_s(r.cold_first):>17} "
-              f"{fmt_s(r.warm_first):>8} {per_save:>22} {per_settle:>20} {per_entry:>16}")
+        print(
+            f"  {name:<22} {r.policy:<12} {f'{r.warm} of {r.chats}':>16} {fmt_s(r.cold_first):>17} "
+            f"{fmt_s(r.warm_first):>8} {per_save:>22} {per_settle:>20} {per_entry:>16}"
+        )
     print()
     for pause, (plain, sk, written) in latency.items():
         what = "back to back" if not pause else f"{pause:.0f} s between turns"
-        print(f"  hybrid resident turn, {what}: plain {plain * 1000:.0f} ms, slotkeeper {sk * 1000:.0f} ms "
-              f"(ratio {sk / plain:.2f}); bytes written during the turns: {written}")
+        print(
+            f"  hybrid resident turn, {what}: plain {plain * 1000:.0f} ms, slotkeeper {sk * 1000:.0f} ms "
+            f"(ratio {sk / plain:.2f}); bytes written during the turns: {written}"
+        )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,13 @@ def run(side: str, model: Path, binary: str, work: Path, chats: int) -> tuple[fl
     if side == "plain":
         server = PlainServer(binary, args, port, work / "plain.log", env)
     else:
-        server = Slotkeeper([*args, "--port", str(port), "--slot-save-path", str(work / "cache")], env, work, port,
-                            work / "slotkeeper.log").start()
+        server = Slotkeeper(
+            [*args, "--port", str(port), "--slot-save-path", str(work / "cache")],
+            env,
+            work,
+            port,
+            work / "slotkeeper.log",
+        ).start()
     try:
         server.wait_ready(180)
         turns = []
@@ -54,8 +59,11 @@ def run(side: str, model: Path, binary: str, work: Path, chats: int) -> tuple[fl
             server.wait(120)
             server.stop()
     later = turns[1:]
-    return (statistics.median(t.first_token_s for t in later),
-            statistics.median(t.timings.get("prompt_ms", 0.0) / 1000 for t in later), sum(t.cache_n for t in later))
+    return (
+        statistics.median(t.first_token_s for t in later),
+        statistics.median(t.timings.get("prompt_ms", 0.0) / 1000 for t in later),
+        sum(t.cache_n for t in later),
+    )
 
 
 def main() -> None:
@@ -78,17 +86,22 @@ def main() -> None:
                 folder.mkdir()
                 results[side].append(run(side, model, binary, folder, args.chats))
                 first, prompt, reused = results[side][-1]
-                print(f"pair {pair + 1} {side:>10}: first token {fmt_s(first)}, llama-server's prompt time "
-                      f"{fmt_s(prompt)}, tokens reused {reused:,}", flush=True)
+                print(
+                    f"pair {pair + 1} {side:>10}: first token {fmt_s(first)}, llama-server's prompt time "
+                    f"{fmt_s(prompt)}, tokens reused {reused:,}",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     plain, sk = results["plain"], results["slotkeeper"]
     faster = sum(s[0] <= p[0] for p, s in zip(plain, sk))
-    print(f"\nnew chats ({args.chats - 1} per run after the first, titles between), medians over {args.pairs} runs "
-          f"per side: first token plain {fmt_s(statistics.median(p[0] for p in plain))} vs slotkeeper "
-          f"{fmt_s(statistics.median(s[0] for s in sk))}; llama-server's prompt time "
-          f"{fmt_s(statistics.median(p[1] for p in plain))} vs {fmt_s(statistics.median(s[1] for s in sk))}; "
-          f"slotkeeper at least as fast in {faster} of {args.pairs} pairs")
+    print(
+        f"\nnew chats ({args.chats - 1} per run after the first, titles between), medians over {args.pairs} runs "
+        f"per side: first token plain {fmt_s(statistics.median(p[0] for p in plain))} vs slotkeeper "
+        f"{fmt_s(statistics.median(s[0] for s in sk))}; llama-server's prompt time "
+        f"{fmt_s(statistics.median(p[1] for p in plain))} vs {fmt_s(statistics.median(s[1] for s in sk))}; "
+        f"slotkeeper at least as fast in {faster} of {args.pairs} pairs"
+    )
 
 
 if __name__ == "__main__":

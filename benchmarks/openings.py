@@ -34,8 +34,10 @@ from slotkeeper.entries import cache_root
 from slotkeeper.testing.harness import Slotkeeper, free_port, http_call
 from slotkeeper.testing.tinymodel import BENCH_MODEL_E, write_tiny_model
 
-SYSTEM = ("You are a coding agent working in the user's repository. Use the tools to read, search and change "
-          "files; run the tests after every change; answer briefly.")
+SYSTEM = (
+    "You are a coding agent working in the user's repository. Use the tools to read, search and change "
+    "files; run the tests after every change; answer briefly."
+)
 AREAS = ("files", "search", "git", "tests", "build", "docs", "issues", "shell")
 
 
@@ -44,31 +46,51 @@ def tools(n: int) -> list[dict[str, Any]]:
     out = []
     for i in range(n):
         area = AREAS[i % len(AREAS)]
-        out.append({"type": "function", "function": {
-            "name": f"{area}_action_{i}",
-            "description": f"Performs action {i} on the {area} of the workspace. Use it when the task needs the "
-                           f"{area} changed or inspected; it returns a short report, or an error line.",
-            "parameters": {"type": "object", "properties": {
-                "path": {"type": "string", "description": f"The {area} path, relative to the repository root"},
-                "query": {"type": "string", "description": "What to look for, or the new content"},
-                "limit": {"type": "integer", "description": "At most this many results (default 20)"},
-                "dry_run": {"type": "boolean", "description": "Report what would change, change nothing"},
-            }, "required": ["path"]}}})
+        out.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": f"{area}_action_{i}",
+                    "description": f"Performs action {i} on the {area} of the workspace. Use it when the task needs "
+                    f"the {area} changed or inspected; it returns a short report, or an error line.",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {
+                            "path": {
+                                "type": "string",
+                                "description": f"The {area} path, relative to the repository root",
+                            },
+                            "query": {"type": "string", "description": "What to look for, or the new content"},
+                            "limit": {"type": "integer", "description": "At most this many results (default 20)"},
+                            "dry_run": {"type": "boolean", "description": "Report what would change, change nothing"},
+                        },
+                        "required": ["path"],
+                    },
+                },
+            }
+        )
     return out
 
 
 def session(k: int) -> list[dict[str, str]]:
-    return [{"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"Session {k}: the test test_case_{k} fails after commit {k * 7919:x}. "
-                                        "Find out why, and fix it."}]
+    return [
+        {"role": "system", "content": SYSTEM},
+        {
+            "role": "user",
+            "content": f"Session {k}: the test test_case_{k} fails after commit {k * 7919:x}. "
+            "Find out why, and fix it.",
+        },
+    ]
 
 
 def opening_tokens(port: int, request: dict[str, Any]) -> int:
     def tokens(text: str) -> list[int]:
         body = {**request, "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]}
         prompt = http_call(port, "POST", "/apply-template", body).body["prompt"]
-        return http_call(port, "POST", "/tokenize", {"content": prompt, "add_special": True,
-                                                     "parse_special": True}).body["tokens"]
+        return http_call(
+            port, "POST", "/tokenize", {"content": prompt, "add_special": True, "parse_special": True}
+        ).body["tokens"]
+
     a, b = tokens("A"), tokens("7")
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -76,8 +98,9 @@ def opening_tokens(port: int, request: dict[str, Any]) -> int:
     return n
 
 
-def run_side(side: str, model: Path, binary: str, work: Path, request: dict[str, Any], sessions: int,
-             n_ctx: int) -> tuple[list[Turn], int, dict[str, Any]]:
+def run_side(
+    side: str, model: Path, binary: str, work: Path, request: dict[str, Any], sessions: int, n_ctx: int
+) -> tuple[list[Turn], int, dict[str, Any]]:
     """One session, a swap, then `sessions` new sessions; their turns, the opening's length, slotkeeper's
     status (empty for plain llama-server)."""
     env = clean_env(binary)
@@ -90,8 +113,13 @@ def run_side(side: str, model: Path, binary: str, work: Path, request: dict[str,
         if side == "plain":
             server: Any = PlainServer(binary, server_args, port, work / f"{side}-{start}.log", env)
         else:
-            server = Slotkeeper([*server_args, "--port", str(port), "--slot-save-path", str(work / "cache")], env,
-                                work, port, work / f"{side}-{start}.log").start()
+            server = Slotkeeper(
+                [*server_args, "--port", str(port), "--slot-save-path", str(work / "cache")],
+                env,
+                work,
+                port,
+                work / f"{side}-{start}.log",
+            ).start()
         try:
             server.wait_ready(180)
             if start == 0:
@@ -114,8 +142,12 @@ def run_side(side: str, model: Path, binary: str, work: Path, request: dict[str,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", type=int, default=10, help="new sessions after the swap (default 10)")
-    parser.add_argument("--tools", type=int, default=16, help="tool definitions in the opening (default 16: ~8k "
-                        "tokens on the tiny models' tokenizer)")
+    parser.add_argument(
+        "--tools",
+        type=int,
+        default=16,
+        help="tool definitions in the opening (default 16: ~8k tokens on the tiny models' tokenizer)",
+    )
     parser.add_argument("--models", default="llama,qwen35", help="families of benchmarks/families.py")
     parser.add_argument("--keep", action="store_true", help="keep the working directory (logs, caches)")
     args = parser.parse_args()
@@ -150,23 +182,31 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
 
     print()
-    print(f"{args.sessions} new agent sessions after a swap, each opening with a system prompt and {args.tools} tool "
-          "definitions; first turn of each; llama-server's default 4 slots")
+    print(
+        f"{args.sessions} new agent sessions after a swap, each opening with a system prompt and {args.tools} tool "
+        "definitions; first turn of each; llama-server's default 4 slots"
+    )
     for name, per_side in results.items():
         plain, n_opening, _ = per_side["plain"]
         warm, _, status = per_side["slotkeeper"]
         print(f"\n{name}: opening {n_opening:,} tokens")
         print(" session   plain: first token   reused     slotkeeper: first token   reused")
         for k, (p, s) in enumerate(zip(plain, warm), start=1):
-            print(f"  {k:>5}   {fmt_s(p.first_token_s):>19}   {p.cache_n:>6,}   {fmt_s(s.first_token_s):>23}   "
-                  f"{s.cache_n:>6,}")
+            print(
+                f"  {k:>5}   {fmt_s(p.first_token_s):>19}   {p.cache_n:>6,}   {fmt_s(s.first_token_s):>23}   "
+                f"{s.cache_n:>6,}"
+            )
         median_plain = statistics.median(t.first_token_s for t in plain)
         median_sk = statistics.median(t.first_token_s for t in warm)
-        print(f"  median first token: plain {fmt_s(median_plain)} vs slotkeeper {fmt_s(median_sk)} "
-              f"(ratio {median_sk / median_plain:.2f}); first session after the swap: plain "
-              f"{fmt_s(plain[0].first_token_s)} vs slotkeeper {fmt_s(warm[0].first_token_s)}")
-        print(f"  tokens reused: plain {sum(t.cache_n for t in plain):,} vs slotkeeper "
-              f"{sum(t.cache_n for t in warm):,}; openings: {status.get('openings')}")
+        print(
+            f"  median first token: plain {fmt_s(median_plain)} vs slotkeeper {fmt_s(median_sk)} "
+            f"(ratio {median_sk / median_plain:.2f}); first session after the swap: plain "
+            f"{fmt_s(plain[0].first_token_s)} vs slotkeeper {fmt_s(warm[0].first_token_s)}"
+        )
+        print(
+            f"  tokens reused: plain {sum(t.cache_n for t in plain):,} vs slotkeeper "
+            f"{sum(t.cache_n for t in warm):,}; openings: {status.get('openings')}"
+        )
 
 
 if __name__ == "__main__":

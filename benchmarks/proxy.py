@@ -89,9 +89,20 @@ def sink_child(argv: list[str]) -> None:
 
 def wrk_run(port: int, connections: int, seconds: float, script: Path) -> dict[str, float]:
     out = subprocess.run(
-        ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--latency", "-s", str(script),
-         f"http://127.0.0.1:{port}/tokenize"],
-        capture_output=True, text=True, check=True, timeout=seconds + 60,
+        [
+            "wrk",
+            "-t1",
+            f"-c{connections}",
+            f"-d{max(1, round(seconds))}s",
+            "--latency",
+            "-s",
+            str(script),
+            f"http://127.0.0.1:{port}/tokenize",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=seconds + 60,
     ).stdout
     rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
     p50 = re.search(r"\s50%\s+([\d.]+)(us|ms|s)\b", out)
@@ -102,8 +113,12 @@ def wrk_run(port: int, connections: int, seconds: float, script: Path) -> dict[s
     if m := re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out):
         errors += sum(int(g) for g in m.groups())
     requests = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
-    return {"rps": rate, "p50_ms": float(p50.group(1)) * scale[p50.group(2)] if p50 else float("nan"),
-            "errors": errors, "requests": requests}
+    return {
+        "rps": rate,
+        "p50_ms": float(p50.group(1)) * scale[p50.group(2)] if p50 else float("nan"),
+        "errors": errors,
+        "requests": requests,
+    }
 
 
 def byte_pipe(argv: list[str]) -> None:
@@ -163,8 +178,10 @@ def python_loadgen(argv: list[str]) -> None:
 
     port, connections, seconds = int(argv[0]), int(argv[1]), float(argv[2])
     body = TOKENIZE_BODY.encode()
-    request = (b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    request = (
+        b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     latencies: list[float] = []
     errors = 0
 
@@ -192,8 +209,16 @@ def python_loadgen(argv: list[str]) -> None:
     started = time.perf_counter()
     uvloop.run(main())
     elapsed = time.perf_counter() - started
-    print(json.dumps({"rps": len(latencies) / elapsed, "p50_ms": statistics.median(latencies) * 1e3,
-                      "errors": errors, "requests": len(latencies)}))
+    print(
+        json.dumps(
+            {
+                "rps": len(latencies) / elapsed,
+                "p50_ms": statistics.median(latencies) * 1e3,
+                "errors": errors,
+                "requests": len(latencies),
+            }
+        )
+    )
 
 
 USE_WRK = bool(shutil.which("wrk"))
@@ -202,8 +227,13 @@ USE_WRK = bool(shutil.which("wrk"))
 def load(port: int, connections: int, seconds: float, script: Path) -> dict[str, float]:
     if USE_WRK:
         return wrk_run(port, connections, seconds, script)
-    out = subprocess.run([sys.executable, __file__, "--loadgen", str(port), str(connections), str(seconds)],
-                         capture_output=True, text=True, check=True, timeout=seconds + 60).stdout
+    out = subprocess.run(
+        [sys.executable, __file__, "--loadgen", str(port), str(connections), str(seconds)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=seconds + 60,
+    ).stdout
     return json.loads(out)
 
 
@@ -214,8 +244,10 @@ def stream_rate(port: int, body: dict[str, Any]) -> tuple[float, int]:
     """(events/s between the first and the last event, events) of one streamed /completion."""
     payload = json.dumps({**body, "stream": True}).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=120) as sock:
-        sock.sendall(b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        sock.sendall(
+            b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload)
+        )
         first = last = 0.0
         events = 0
         tail = head = b""
@@ -237,8 +269,10 @@ def stream_rate(port: int, body: dict[str, Any]) -> tuple[float, int]:
 async def many_streams(port: int, n: int, body: dict[str, Any]) -> tuple[int, float]:
     """(errors, seconds) of `n` streamed completions started at once, each on its own connection."""
     payload = json.dumps({**body, "stream": True}).encode()
-    request = (b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-               b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    request = (
+        b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload)
+    )
 
     async def one() -> bool:
         try:
@@ -326,17 +360,27 @@ def main() -> None:
 
     def plain(command: list[str], extra_env: dict[str, str] | None = None) -> int:
         port = free_port()
-        procs.append(subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(port)],
-                                      env={**env, **(extra_env or {})}, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                [*command, "--host", "127.0.0.1", "--port", str(port)],
+                env={**env, **(extra_env or {})},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         wait_healthy(port)
         return port
 
     def keeper(server: str, args: list[str], extra_env: dict[str, str] | None = None) -> Slotkeeper:
         port = free_port()
         name = f"sk{len(keepers)}"
-        sk = Slotkeeper([*args, "--port", str(port), "--slot-save-path", str(work / name)],
-                        {**env, "LLAMA_SERVER": server, **(extra_env or {})}, work, port, work / f"{name}.log")
+        sk = Slotkeeper(
+            [*args, "--port", str(port), "--slot-save-path", str(work / name)],
+            {**env, "LLAMA_SERVER": server, **(extra_env or {})},
+            work,
+            port,
+            work / f"{name}.log",
+        )
         keepers.append(sk.start())
         sk.wait_ready(120)
         return sk
@@ -345,8 +389,9 @@ def main() -> None:
         binary = find_llama_server(None, os.environ)[0]
         model = write_tiny_model(work / "tiny.gguf", TinyModelSpec(seed=1))
         script = work / "tokenize.lua"
-        script.write_text(f"wrk.method = \"POST\"\nwrk.body = '{TOKENIZE_BODY}'\n"
-                          "wrk.headers[\"Content-Type\"] = \"application/json\"\n")
+        script.write_text(
+            f'wrk.method = "POST"\nwrk.body = \'{TOKENIZE_BODY}\'\nwrk.headers["Content-Type"] = "application/json"\n'
+        )
         missing = " (wrk not found; for reference numbers: apt-get install wrk)"
         generator = "wrk" if USE_WRK else "python" + (" (--python-loadgen)" if shutil.which("wrk") else missing)
         print(f"load generator: {generator}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}")
@@ -385,12 +430,16 @@ def main() -> None:
                         errors += int(r["errors"])
                 d, p = median(rates["direct"]), median(rates["proxied"])
                 added = median([b - a for a, b in zip(p50s["direct"], p50s["proxied"])])
-                print(f"[1] {label:12} POST /tokenize, 32 connections: direct {d:8.0f} req/s, proxied {p:8.0f} req/s, "
-                      f"ratio {p / d:.2f} (target >= 0.6)   runs: {[round(x) for x in rates['proxied']]} "
-                      f"vs {[round(x) for x in rates['direct']]}; errors {errors}; slotkeeper CPU "
-                      f"{cpu / requests * 1e6:.0f} us/request")
-                print(f"[2] {label:12} p50 at 1 connection: direct {median(p50s['direct']):.3f} ms, proxied "
-                      f"{median(p50s['proxied']):.3f} ms, added {added:.3f} ms (target <= 0.25 ms)")
+                print(
+                    f"[1] {label:12} POST /tokenize, 32 connections: direct {d:8.0f} req/s, proxied {p:8.0f} req/s, "
+                    f"ratio {p / d:.2f} (target >= 0.6)   runs: {[round(x) for x in rates['proxied']]} "
+                    f"vs {[round(x) for x in rates['direct']]}; errors {errors}; slotkeeper CPU "
+                    f"{cpu / requests * 1e6:.0f} us/request"
+                )
+                print(
+                    f"[2] {label:12} p50 at 1 connection: direct {median(p50s['direct']):.3f} ms, proxied "
+                    f"{median(p50s['proxied']):.3f} ms, added {added:.3f} ms (target <= 0.25 ms)"
+                )
             # The floor: what copying the bytes alone costs, with no HTTP parsing (not a usable proxy).
             pipe_port = free_port()
             pipe = subprocess.Popen([sys.executable, __file__, "--byte-pipe", str(pipe_port), str(direct)])
@@ -405,8 +454,10 @@ def main() -> None:
                 cpu += cpu_seconds(pipe.pid) - before
                 requests += r["requests"]
                 ratios.append(r["rps"] / d)
-            print(f"[1] byte pipe    (no HTTP parsing, 1:1 connections: the floor for a Python proxy) to llama-server: "
-                  f"ratio {median(ratios):.2f}, CPU {cpu / requests * 1e6:.0f} us/request")
+            print(
+                f"[1] byte pipe    (no HTTP parsing, 1:1 connections: the floor for a Python proxy) to llama-server: "
+                f"ratio {median(ratios):.2f}, CPU {cpu / requests * 1e6:.0f} us/request"
+            )
 
         if "3" in ns.parts:
             # 3: SSE token rate. With -t 2 llama-server wants both cores, so every CPU cycle slotkeeper spends
@@ -431,15 +482,19 @@ def main() -> None:
                     p_rates.append(p_rate)
                     ratios.append(p_rate / d_rate)
                     assert d_events == p_events > 1000, (d_events, p_events)
-                print(f"[3] llama-server {label} SSE, {body['n_predict']} tokens: "
-                      f"direct {median(d_rates):.0f} tokens/s, "
-                      f"proxied {median(p_rates):.0f} tokens/s, ratio {median(ratios):.3f} (target >= 0.98); runs "
-                      f"{[round(r, 3) for r in ratios]}; slotkeeper CPU {cpu / events * 1e6:.0f} us/event")
+                print(
+                    f"[3] llama-server {label} SSE, {body['n_predict']} tokens: "
+                    f"direct {median(d_rates):.0f} tokens/s, "
+                    f"proxied {median(p_rates):.0f} tokens/s, ratio {median(ratios):.3f} (target >= 0.98); runs "
+                    f"{[round(r, 3) for r in ratios]}; slotkeeper CPU {cpu / events * 1e6:.0f} us/event"
+                )
             stub_body = {"prompt": "x", "n_predict": 50000}
             d_rate = median([stream_rate(stub_direct, stub_body)[0] for _ in range(ns.repeat)])
             p_rate = median([stream_rate(stub_proxied, stub_body)[0] for _ in range(ns.repeat)])
-            print(f"[3] stub SSE at full speed (STUB_TOKEN_SECONDS=0): direct {d_rate:.0f} events/s, proxied "
-                  f"{p_rate:.0f} events/s: slotkeeper's ceiling is at least that")
+            print(
+                f"[3] stub SSE at full speed (STUB_TOKEN_SECONDS=0): direct {d_rate:.0f} events/s, proxied "
+                f"{p_rate:.0f} events/s: slotkeeper's ceiling is at least that"
+            )
 
         if "4" in ns.parts:
             # 4: a huge request body
@@ -450,8 +505,10 @@ def main() -> None:
             chunk = b"x" * MB
             started = time.perf_counter()
             with socket.create_connection(("127.0.0.1", sink.port), timeout=120) as sock:
-                sock.sendall(b"POST /sink HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"
-                             b"Content-Length: %d\r\nConnection: close\r\n\r\n" % size)
+                sock.sendall(
+                    b"POST /sink HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"
+                    b"Content-Length: %d\r\nConnection: close\r\n\r\n" % size
+                )
                 sent = 0
                 while sent < size:
                     sock.sendall(chunk[: min(MB, size - sent)])
@@ -461,20 +518,29 @@ def main() -> None:
                     reply += data
             elapsed = time.perf_counter() - started
             counted = json.loads(reply.split(b"\r\n\r\n", 1)[1])["bytes"] if b"\r\n\r\n" in reply else None
-            print(f"[4] {size / MB:.0f} MiB body through slotkeeper to a sink: sink counted {counted} bytes "
-                  f"({'all' if counted == size else 'NOT ALL'}), {size / MB / elapsed:.0f} MiB/s; slotkeeper VmHWM "
-                  f"{before:.1f} MB before, {vm_hwm_mb(sink.pid):.1f} MB after (target <= 80 MB)")
+            print(
+                f"[4] {size / MB:.0f} MiB body through slotkeeper to a sink: sink counted {counted} bytes "
+                f"({'all' if counted == size else 'NOT ALL'}), {size / MB / elapsed:.0f} MiB/s; slotkeeper VmHWM "
+                f"{before:.1f} MB before, {vm_hwm_mb(sink.pid):.1f} MB after (target <= 80 MB)"
+            )
 
         if "5" in ns.parts:
             # 5: many concurrent streams
             errors, seconds = asyncio.run(many_streams(proxied, 256, {"prompt": "Hello", "n_predict": 16}))
-            print(f"[5] 256 concurrent streamed completions, llama-server -np 1 through slotkeeper: {errors} errors, "
-                  f"{seconds:.1f} s (target 0 errors)")
-            wide = keeper(STUB_COMMAND, ["-m", "stub.gguf", "-np", "256"],
-                          {"STUB_LOAD_SECONDS": "0", "STUB_TOKEN_SECONDS": "0.02"})
+            print(
+                f"[5] 256 concurrent streamed completions, llama-server -np 1 through slotkeeper: {errors} errors, "
+                f"{seconds:.1f} s (target 0 errors)"
+            )
+            wide = keeper(
+                STUB_COMMAND,
+                ["-m", "stub.gguf", "-np", "256"],
+                {"STUB_LOAD_SECONDS": "0", "STUB_TOKEN_SECONDS": "0.02"},
+            )
             errors, seconds = asyncio.run(many_streams(wide.port, 256, {"prompt": "Hello", "n_predict": 50}))
-            print(f"[5] 256 concurrent streamed completions, stub -np 256 (all at once, 50 tokens at 50/s) through "
-                  f"slotkeeper: {errors} errors, {seconds:.1f} s (target 0 errors)")
+            print(
+                f"[5] 256 concurrent streamed completions, stub -np 256 (all at once, 50 tokens at 50/s) through "
+                f"slotkeeper: {errors} errors, {seconds:.1f} s (target 0 errors)"
+            )
         print(f"load average at the end {os.getloadavg()[0]:.2f}")
     finally:
         for sk in keepers:

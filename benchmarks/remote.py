@@ -76,8 +76,11 @@ def chat_of(tokens: int, per_char: float, topic: str, turn_tokens: int = 600) ->
 
 
 def next_turn(messages: list[dict[str, str]], reply: str, topic: str) -> list[dict[str, str]]:
-    return [*messages, {"role": "assistant", "content": reply},
-            {"role": "user", "content": f"Thank you. One more question about {topic}: what comes next?"}]
+    return [
+        *messages,
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": f"Thank you. One more question about {topic}: what comes next?"},
+    ]
 
 
 def body(messages: list[dict[str, str]]) -> dict[str, Any]:
@@ -92,8 +95,9 @@ def stream_chat(port: int, messages: list[dict[str, str]]) -> Turn:
 def prompt_keys(port: int, messages: list[dict[str, str]]) -> list[str]:
     """The block keys placement computes for this chat (template applied, tokenized as llama-server does)."""
     prompt = http_call(port, "POST", "/apply-template", body(messages)).body["prompt"]
-    tokens = http_call(port, "POST", "/tokenize", {"content": prompt, "add_special": True,
-                                                   "parse_special": True}).body["tokens"]
+    tokens = http_call(port, "POST", "/tokenize", {"content": prompt, "add_special": True, "parse_special": True}).body[
+        "tokens"
+    ]
     return block_keys(tokens)
 
 
@@ -112,8 +116,17 @@ class Hosts:
         port = free_port()
         save_dir = self.work / f"host-{name}"
         own_args = [*(("--remote-store", URL) if s3 is not None else ()), *own]
-        args = [*own_args, "--", "-m", str(self.model), "--port", str(port), "--slot-save-path", str(save_dir),
-                *SERVER_ARGS]
+        args = [
+            *own_args,
+            "--",
+            "-m",
+            str(self.model),
+            "--port",
+            str(port),
+            "--slot-save-path",
+            str(save_dir),
+            *SERVER_ARGS,
+        ]
         env = {**self.env, **(s3.env() if s3 is not None else {})}
         sk = Slotkeeper(args, env, self.work, port, self.work / f"{name}-{self.count}.log").start()
         sk.wait_ready(120)
@@ -135,15 +148,21 @@ def llama_prompt_rate(sk: Slotkeeper) -> float | None:
     reply = http_call(sk.port, "GET", "/metrics")
     if reply.status != 200:
         return None
-    values = dict(line.split(" ", 1) for line in str(reply.body).splitlines()
-                  if line.startswith(("llamacpp:prompt_tokens_total ", "llamacpp:prompt_seconds_total ")))
+    values = dict(
+        line.split(" ", 1)
+        for line in str(reply.body).splitlines()
+        if line.startswith(("llamacpp:prompt_tokens_total ", "llamacpp:prompt_seconds_total "))
+    )
     seconds = float(values.get("llamacpp:prompt_seconds_total", 0))
     return float(values.get("llamacpp:prompt_tokens_total", 0)) / seconds if seconds else None
 
 
 def manifests(s3root: Path) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in (s3root / BUCKET / "kv").rglob("*.json")] \
-        if (s3root / BUCKET / "kv").exists() else []
+    return (
+        [json.loads(p.read_text()) for p in (s3root / BUCKET / "kv").rglob("*.json")]
+        if (s3root / BUCKET / "kv").exists()
+        else []
+    )
 
 
 # ---- one B host -------------------------------------------------------------------------------------------------
@@ -202,14 +221,17 @@ def run_b(hosts: Hosts, s3: S3Server, link: str, w_next, l_next, per_char: float
         lines = b.logs()[log_mark:]
         logged = next((ln for ln in lines.splitlines() if "slower than prefilling" in ln), None)
         return Run(
-            link, w_speed, rate_used,
+            link,
+            w_speed,
+            rate_used,
             fetched=sk_metric(b, "slotkeeper_remote_fetches_total") > fetches0,
             prefill_faster=int(sk_metric(b, "slotkeeper_remote_prefill_faster_total") - faster0),
-            logged=logged[logged.find("chat "):] if logged else None,
+            logged=logged[logged.find("chat ") :] if logged else None,
             download_s=after["download_seconds"] - after_w["download_seconds"],
             download_bytes=after["download_bytes"] - after_w["download_bytes"],
             restore_s=sk_metric(b, "slotkeeper_restore_seconds_sum") - restore0,
-            first_token_s=turn.first_token_s, timings=turn.timings,
+            first_token_s=turn.first_token_s,
+            timings=turn.timings,
             fetch_failed=after["fetches_failed"] - after_w["fetches_failed"],
         )
     finally:
@@ -243,12 +265,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=5000, help="length of the long chat L (default 5000)")
     parser.add_argument("--repeat", type=int, default=3, help="fresh B (and C) hosts per row (default 3)")
-    parser.add_argument("--slow-factor", type=float, default=4.0,
-                        help="the slow link is this many times below the break-even speed (default 4)")
+    parser.add_argument(
+        "--slow-factor",
+        type=float,
+        default=4.0,
+        help="the slow link is this many times below the break-even speed (default 4)",
+    )
     parser.add_argument("--slow-limit", help="the slow link's rclone --bwlimit instead (e.g. 300k)")
-    parser.add_argument("--fresh", action="store_true",
-                        help="also the slow link with a host that measured nothing yet (no N, no W): it downloads "
-                        "whatever the link (slow: about --slow-factor times the prefill)")
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="also the slow link with a host that measured nothing yet (no N, no W): it downloads "
+        "whatever the link (slow: about --slow-factor times the prefill)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, bucket)")
     args = parser.parse_args()
     started = time.monotonic()
@@ -281,9 +310,12 @@ def main() -> None:
             a.killpg(signal.SIGTERM)
             a.wait(60)
             a.stop()
-        uploads = [(float(m.group(2)), m.group(1)) for m in
-                   re.finditer(r"uploaded: (\S+ \S+) in ([\d.]+) s", "".join(
-                       p.read_text() for p in work.glob("a-*.log")))]
+        uploads = [
+            (float(m.group(2)), m.group(1))
+            for m in re.finditer(
+                r"uploaded: (\S+ \S+) in ([\d.]+) s", "".join(p.read_text() for p in work.glob("a-*.log"))
+            )
+        ]
         s3.stop()
         found = sorted(manifests(s3root), key=lambda m: m["tokens"])
         w_entry, l_entry = found[0], found[-1]
@@ -306,8 +338,9 @@ def main() -> None:
                 c.stop()
                 shutil.rmtree(work / "host-c", ignore_errors=True)
             for label, limit in links[:2]:
-                runs[label].append(run_b(hosts, S3Server(s3root, bucket=BUCKET, bwlimit=limit), label, w_next,
-                                         l_next, per_char))
+                runs[label].append(
+                    run_b(hosts, S3Server(s3root, bucket=BUCKET, bwlimit=limit), label, w_next, l_next, per_char)
+                )
             if i == 0:  # the slow link, from the prompt speed placement read on the first fast hosts
                 rate_b = med([r.rate_used for label, _ in links for r in runs[label] if r.rate_used])
                 break_even = l_entry["bytes"] * rate_b / gained  # bytes/s: the download takes as long as the prefill
@@ -316,12 +349,22 @@ def main() -> None:
                 slow_label = f"{rclone_rate(slow) / MB:.2f} MB/s"
                 links.append((slow_label, slow))
                 runs[slow_label] = []
-            runs[slow_label].append(run_b(hosts, S3Server(s3root, bucket=BUCKET, bwlimit=slow), slow_label, w_next,
-                                          l_next, per_char))
+            runs[slow_label].append(
+                run_b(hosts, S3Server(s3root, bucket=BUCKET, bwlimit=slow), slow_label, w_next, l_next, per_char)
+            )
         if args.fresh:
             fresh_label = f"{slow_label}*"
-            runs[fresh_label] = [run_b(hosts, S3Server(s3root, bucket=BUCKET, bwlimit=slow), fresh_label, w_next,
-                                       l_next, per_char, warm=False)]
+            runs[fresh_label] = [
+                run_b(
+                    hosts,
+                    S3Server(s3root, bucket=BUCKET, bwlimit=slow),
+                    fresh_label,
+                    w_next,
+                    l_next,
+                    per_char,
+                    warm=False,
+                )
+            ]
             links.append((fresh_label, slow))
         cold_ft = med([c.first_token_s for c in colds])
         cold_rate = med([c.timings["prompt_n"] / c.timings["prompt_ms"] * 1000 for c in colds])
@@ -332,25 +375,34 @@ def main() -> None:
     elapsed = time.monotonic() - started
 
     # ---- report ---------------------------------------------------------------------------------------------------
-    print(f"benchmark model E: {BENCH_MODEL_E.n_layers} layers x {BENCH_MODEL_E.width}, f16, "
-          f"{model.stat().st_size / MB:.1f} MB; {' '.join(SERVER_ARGS)}; medians of {args.repeat} hosts a row")
-    print(f"chat L's next turn: {l_prompt:,} prompt tokens; L's entry {l_entry['bytes'] / MB:.1f} MB "
-          f"({l_entry['tokens']:,} tokens, {l_entry['bytes'] / l_entry['tokens']:.0f} B/token) covers {gained:,} "
-          f"of them; W's entry {w_entry['bytes'] / MB:.2f} MB")
+    print(
+        f"benchmark model E: {BENCH_MODEL_E.n_layers} layers x {BENCH_MODEL_E.width}, f16, "
+        f"{model.stat().st_size / MB:.1f} MB; {' '.join(SERVER_ARGS)}; medians of {args.repeat} hosts a row"
+    )
+    print(
+        f"chat L's next turn: {l_prompt:,} prompt tokens; L's entry {l_entry['bytes'] / MB:.1f} MB "
+        f"({l_entry['tokens']:,} tokens, {l_entry['bytes'] / l_entry['tokens']:.0f} B/token) covers {gained:,} "
+        f"of them; W's entry {w_entry['bytes'] / MB:.2f} MB"
+    )
     if uploads:
         print("host A's uploads (unthrottled): " + ", ".join(f"{size} in {s:.1f} s" for s, size in uploads))
-    print(f"prompt speed: L's cold prefill {cold_rate:,.0f} tok/s (llama-server's timings); what placement read "
-          f"(llama-server's /metrics, lifetime) {rate_b:,.0f} tok/s")
-    print(f"break-even link speed for L: {l_entry['bytes'] / MB:.1f} MB x {rate_b:,.0f} tok/s / {gained:,} tokens "
-          f"= {break_even / MB:.2f} MB/s; slow link: --bwlimit {slow} = {slow_label}")
+    print(
+        f"prompt speed: L's cold prefill {cold_rate:,.0f} tok/s (llama-server's timings); what placement read "
+        f"(llama-server's /metrics, lifetime) {rate_b:,.0f} tok/s"
+    )
+    print(
+        f"break-even link speed for L: {l_entry['bytes'] / MB:.1f} MB x {rate_b:,.0f} tok/s / {gained:,} tokens "
+        f"= {break_even / MB:.2f} MB/s; slow link: --bwlimit {slow} = {slow_label}"
+    )
     print()
-    head = (f"{'link':<13} {'decision':<10} {'download':>9} {'restore':>8} {'prefill':>9} {'first token':>11} "
-            f"{'vs cold':>7}  placement's estimate: fetch (bytes / W's speed) vs prefill (tokens / rate)")
+    head = (
+        f"{'link':<13} {'decision':<10} {'download':>9} {'restore':>8} {'prefill':>9} {'first token':>11} "
+        f"{'vs cold':>7}  placement's estimate: fetch (bytes / W's speed) vs prefill (tokens / rate)"
+    )
     print(head)
     print("-" * len(head))
     cold_prefill_s = med([c.timings["prompt_ms"] for c in colds]) / 1000
-    print(f"{'cold (C)':<13} {'prefill':<10} {'-':>9} {'-':>8} {cold_prefill_s:>7.2f} s "
-          f"{cold_ft:>9.2f} s {1.0:>6.2f}x")
+    print(f"{'cold (C)':<13} {'prefill':<10} {'-':>9} {'-':>8} {cold_prefill_s:>7.2f} s {cold_ft:>9.2f} s {1.0:>6.2f}x")
     for label, _ in links:
         rs = runs[label]
         fetched = sum(r.fetched for r in rs)
@@ -361,43 +413,54 @@ def main() -> None:
         rates = [r.rate_used for r in rs if r.rate_used]
         if rates and speed == speed:
             fetch_est, prefill_est = l_entry["bytes"] / speed, gained / med(rates)
-            estimate = (f"{fetch_est:.2f} s ({speed / MB:.2f} MB/s) vs {prefill_est:.1f} s ({med(rates):,.0f} tok/s) "
-                        f"-> {'fetch' if fetch_est < prefill_est else 'prefill'}")
+            estimate = (
+                f"{fetch_est:.2f} s ({speed / MB:.2f} MB/s) vs {prefill_est:.1f} s ({med(rates):,.0f} tok/s) "
+                f"-> {'fetch' if fetch_est < prefill_est else 'prefill'}"
+            )
         else:
             estimate = "none (nothing measured yet on this host) -> fetch"
         dl = [r.download_s for r in rs if r.fetched]
         rst = [r.restore_s for r in rs if r.fetched]
         ft = med([r.first_token_s for r in rs])
-        print(f"{label:<13} {decision:<10} {(f'{med(dl):.2f} s' if dl else '-'):>9} "
-              f"{(f'{med(rst) * 1000:.0f} ms' if rst else '-'):>8} "
-              f"{med([r.timings.get('prompt_ms', 0) for r in rs]) / 1000:>7.2f} s {ft:>9.2f} s {ft / cold_ft:>6.2f}x  "
-              f"{estimate}")
+        print(
+            f"{label:<13} {decision:<10} {(f'{med(dl):.2f} s' if dl else '-'):>9} "
+            f"{(f'{med(rst) * 1000:.0f} ms' if rst else '-'):>8} "
+            f"{med([r.timings.get('prompt_ms', 0) for r in rs]) / 1000:>7.2f} s {ft:>9.2f} s {ft / cold_ft:>6.2f}x  "
+            f"{estimate}"
+        )
     print("  download: GET to fsynced file (remote stats download_seconds); restore: slotkeeper_restore_seconds;")
     print("  prefill: llama-server's prompt_ms for the turn (the new messages after a restore, all of it cold)")
     if args.fresh:
-        print(f"  {slow_label}*: a host that has measured neither a download nor a prompt speed (as right after a "
-              "swap): no N, no W")
+        print(
+            f"  {slow_label}*: a host that has measured neither a download nor a prompt speed (as right after a "
+            "swap): no N, no W"
+        )
     print()
     print("each host:")
     for c in colds:
-        print(f"  {'cold (C)':<12} first token {c.first_token_s:.2f} s; prompt_n {c.timings.get('prompt_n')} "
-              f"in {c.timings.get('prompt_ms', 0):.0f} ms")
+        print(
+            f"  {'cold (C)':<12} first token {c.first_token_s:.2f} s; prompt_n {c.timings.get('prompt_n')} "
+            f"in {c.timings.get('prompt_ms', 0):.0f} ms"
+        )
     for label, _ in links:
         for r in runs[label]:
             t = r.timings
-            print(f"  {label:<12} fetched {r.download_bytes / MB:.1f} MB in {r.download_s:.2f} s, restore "
-                  f"{r.restore_s * 1000:.0f} ms, first token {r.first_token_s:.2f} s; cache_n {t.get('cache_n')}, "
-                  f"prompt_n {t.get('prompt_n')} in {t.get('prompt_ms', 0):.0f} ms; {measured(r)}; "
-                  f"remote_prefill_faster +{r.prefill_faster}"
-                  if r.fetched else
-                  f"  {label:<12} prefilled: first token {r.first_token_s:.2f} s; cache_n {t.get('cache_n')}, "
-                  f"prompt_n {t.get('prompt_n')} in {t.get('prompt_ms', 0):.0f} ms; {measured(r)}; "
-                  f"remote_prefill_faster +{r.prefill_faster}")
+            print(
+                f"  {label:<12} fetched {r.download_bytes / MB:.1f} MB in {r.download_s:.2f} s, restore "
+                f"{r.restore_s * 1000:.0f} ms, first token {r.first_token_s:.2f} s; cache_n {t.get('cache_n')}, "
+                f"prompt_n {t.get('prompt_n')} in {t.get('prompt_ms', 0):.0f} ms; {measured(r)}; "
+                f"remote_prefill_faster +{r.prefill_faster}"
+                if r.fetched
+                else f"  {label:<12} prefilled: first token {r.first_token_s:.2f} s; cache_n {t.get('cache_n')}, "
+                f"prompt_n {t.get('prompt_n')} in {t.get('prompt_ms', 0):.0f} ms; {measured(r)}; "
+                f"remote_prefill_faster +{r.prefill_faster}"
+            )
             if r.logged:
                 print(f"      log: {r.logged}")
             if r.fetch_failed:
                 print("      the download failed (remote fetches_failed +1; see the host's log), then it prefilled")
     print(f"\n(total {elapsed:.0f} s{f'; logs and bucket in {work}' if args.keep else ''})")
+
 
 if __name__ == "__main__":
     main()

@@ -60,8 +60,22 @@ PRUNE_AGE = "7d"
 SPREAD_S = 30 * 86400  # synthesized entries were last used up to this long ago
 PROFILE_TOP = 14
 # The store's work, looked up by name in the profile (those that exist in this version of the code).
-PROFILE_NAMES = ("open", "_admit", "_admit_saved", "_index", "evict_over_cap", "save_slot", "_commit", "lookup",
-                 "find_exact", "lookup_extended", "restore_recent", "judge", "read_manifest", "from_manifest")
+PROFILE_NAMES = (
+    "open",
+    "_admit",
+    "_admit_saved",
+    "_index",
+    "evict_over_cap",
+    "save_slot",
+    "_commit",
+    "lookup",
+    "find_exact",
+    "lookup_extended",
+    "restore_recent",
+    "judge",
+    "read_manifest",
+    "from_manifest",
+)
 
 # Runs slotkeeper's main() under cProfile, with asyncio.to_thread in line: a profile sees only its own thread.
 PROFILED_MAIN = """
@@ -116,7 +130,11 @@ class ProfiledSlotkeeper(Slotkeeper):
         self.log_file = open(self.log_path, "ab")  # noqa: SIM115 - slotkeeper's output, open until stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-c", PROFILED_MAIN, str(self.profile_path), *self.args],
-            cwd=self.cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=self.log_file, stderr=subprocess.STDOUT,
+            cwd=self.cwd,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         return self
@@ -146,8 +164,13 @@ def seed_store(binary: str, model: Path, work: Path, chats: int) -> Path:
     """A save directory of real entries: `chats` demo chats through slotkeeper, saved at its stop."""
     save_dir = work / "seed"
     port = free_port()
-    sk = Slotkeeper([*OWN_ARGS, "--", "-m", str(model), *SERVER_ARGS, "--port", str(port), "--slot-save-path",
-                     str(save_dir)], clean_env(binary), work, port, work / "seed.log").start()
+    sk = Slotkeeper(
+        [*OWN_ARGS, "--", "-m", str(model), *SERVER_ARGS, "--port", str(port), "--slot-save-path", str(save_dir)],
+        clean_env(binary),
+        work,
+        port,
+        work / "seed.log",
+    ).start()
     try:
         sk.wait_ready(300)
         for n in range(chats):
@@ -189,13 +212,20 @@ def synthesize(seed: Path, target: Path, total: int, now: float) -> int:
         entry_id = key(16)
         blocks = list(data["blocks"])  # type: ignore[call-overload]
         tail = min(2, len(blocks))
-        blocks[len(blocks) - tail:] = [key(16) for _ in range(tail)]
+        blocks[len(blocks) - tail :] = [key(16) for _ in range(tail)]
         units = list(data.get("units") or [])  # type: ignore[call-overload]
         if units:
             units[-1] = key(16)
         used = now - rng.uniform(3600, SPREAD_S)
-        manifest = {**data, "id": entry_id, "blocks": blocks, "units": units, "exact": key(32),
-                    "saved_at": used - rng.uniform(0, 3600), "last_used": used}
+        manifest = {
+            **data,
+            "id": entry_id,
+            "blocks": blocks,
+            "units": units,
+            "exact": key(32),
+            "saved_at": used - rng.uniform(0, 3600),
+            "last_used": used,
+        }
         os.link(bin_path, entries / f"{entry_id}.bin")
         (entries / f"{entry_id}.json").write_text(json.dumps(manifest, separators=(",", ":")), encoding="utf-8")
         count += 1
@@ -205,12 +235,18 @@ def synthesize(seed: Path, target: Path, total: int, now: float) -> int:
 def time_command(argv: list[str], env: dict[str, str]) -> float:
     """Wall time of `slotkeeper ARGV` as a process (output discarded); NaN when it fails."""
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "slotkeeper.cli", *argv], env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "slotkeeper.cli", *argv],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        check=False,
+    )
     elapsed = time.monotonic() - started
     if proc.returncode != 0:
-        print(f"  slotkeeper {' '.join(argv[:2])} failed ({proc.returncode}): {proc.stderr.decode()[-300:]}",
-              flush=True)
+        print(
+            f"  slotkeeper {' '.join(argv[:2])} failed ({proc.returncode}): {proc.stderr.decode()[-300:]}", flush=True
+        )
         return float("nan")
     return elapsed
 
@@ -223,9 +259,10 @@ def new_chats(port: int, tag: str, n: int) -> list[Turn]:
     with a system prompt of its own: nothing to reuse on either side, what slotkeeper adds is placement's look."""
     turns = []
     for i in range(n):
-        messages = [{"role": "system", "content": f"Session {tag}-{i}. You are a careful assistant."},
-                    {"role": "user", "content": f"Chat {i + 1}: what should I read first about "
-                                                f"{TOPICS[i % len(TOPICS)]}?"}]
+        messages = [
+            {"role": "system", "content": f"Session {tag}-{i}. You are a careful assistant."},
+            {"role": "user", "content": f"Chat {i + 1}: what should I read first about {TOPICS[i % len(TOPICS)]}?"},
+        ]
         turns.append(stream_chat(port, messages, NEW_CHAT_TOKENS))
     return turns
 
@@ -236,8 +273,10 @@ def saving_chats(port: int, tag: str, n: int) -> None:
     before it, and the last one is saved at the stop."""
     for i in range(n):
         notes = " ".join(f"Note {k}: session {tag}-{i} logged entry {k} at dusk." for k in range(1, 9))
-        messages = [{"role": "system", "content": SYSTEM_PROMPT},
-                    {"role": "user", "content": f"Chat {tag}-{i}. {notes} What stands out?"}]
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": f"Chat {tag}-{i}. {notes} What stands out?"},
+        ]
         stream_chat(port, messages, NEW_CHAT_TOKENS)
 
 
@@ -261,19 +300,27 @@ def run_plain(binary: str, model: Path, work: Path, tag: str, chats: int) -> Sid
         server.stop()
 
 
-def run_slotkeeper(binary: str, model: Path, save_dir: Path, work: Path, tag: str, chats: int, saves: int,
-                   profile: Path | None) -> tuple[Side, float, float, list[float]]:
+def run_slotkeeper(
+    binary: str, model: Path, save_dir: Path, work: Path, tag: str, chats: int, saves: int, profile: Path | None
+) -> tuple[Side, float, float, list[float]]:
     port = free_port()
-    sk = ProfiledSlotkeeper([*OWN_ARGS, "--", "-m", str(model), *SERVER_ARGS, "--port", str(port),
-                             "--slot-save-path", str(save_dir)], clean_env(binary), work, port, work / f"sk-{tag}.log")
+    sk = ProfiledSlotkeeper(
+        [*OWN_ARGS, "--", "-m", str(model), *SERVER_ARGS, "--port", str(port), "--slot-save-path", str(save_dir)],
+        clean_env(binary),
+        work,
+        port,
+        work / f"sk-{tag}.log",
+    )
     sk.profile_path = profile
     started = time.monotonic()
     sk.start()
     try:
         proc = sk.proc
         assert proc is not None
-        if not wait_until(lambda: proc.poll() is not None or sk.health() == 200, 600, interval=0.002) \
-                or proc.poll() is not None:
+        if (
+            not wait_until(lambda: proc.poll() is not None or sk.health() == 200, 600, interval=0.002)
+            or proc.poll() is not None
+        ):
             raise SystemExit(f"slotkeeper did not become ready on {save_dir}:\n{sk.logs()[-2000:]}")
         ready = time.monotonic() - started
         rss_ready = rss_mb(sk.pid)
@@ -285,8 +332,9 @@ def run_slotkeeper(binary: str, model: Path, save_dir: Path, work: Path, tag: st
     return Side(ready, turns), rss_ready, rss_after, save_times(sk.logs())
 
 
-def measure(binary: str, model: Path, seed: Path, root: Path, size: int, chats: int, saves: int,
-            profile: Path | None) -> Row:
+def measure(
+    binary: str, model: Path, seed: Path, root: Path, size: int, chats: int, saves: int, profile: Path | None
+) -> Row:
     save_dir = root / f"store-{size}"
     entries = synthesize(seed, save_dir, size, time.time())
     env = clean_env(binary)
@@ -302,31 +350,39 @@ def measure(binary: str, model: Path, seed: Path, root: Path, size: int, chats: 
 # ---- the report ---------------------------------------------------------------------------------------------------
 
 
-HEADER = ("| saved chats | ready: plain / slotkeeper first start, next start | new chat's first token: plain / "
-          "slotkeeper (added) | "
-          "a save (median, count) | `ls` | `ls --json` | `prune --dry-run` | slotkeeper RSS: ready / after chats |\n"
-          "|---|---|---|---|---|---|---|---|")
+HEADER = (
+    "| saved chats | ready: plain / slotkeeper first start, next start | new chat's first token: plain / "
+    "slotkeeper (added) | "
+    "a save (median, count) | `ls` | `ls --json` | `prune --dry-run` | slotkeeper RSS: ready / after chats |\n"
+    "|---|---|---|---|---|---|---|---|"
+)
 
 
 def table_row(row: Row) -> str:
     added = (row.slotkeeper.first_token - row.plain.first_token) * 1000
     save = f"{statistics.median(row.save_ms):.0f} ms ({len(row.save_ms)})" if row.save_ms else "-"
-    return (f"| {row.entries:,} | {fmt_s(row.plain.ready_s)} / {fmt_s(row.first_ready_s)}, "
-            f"{fmt_s(row.slotkeeper.ready_s)} | "
-            f"{fmt_s(row.plain.first_token)} / {fmt_s(row.slotkeeper.first_token)} ({added:+.0f} ms) | {save} | "
-            f"{row.ls_s:.2f} s | {row.ls_json_s:.2f} s | {row.prune_s:.2f} s | "
-            f"{row.rss_ready:.0f} / {row.rss_after:.0f} MB |")
+    return (
+        f"| {row.entries:,} | {fmt_s(row.plain.ready_s)} / {fmt_s(row.first_ready_s)}, "
+        f"{fmt_s(row.slotkeeper.ready_s)} | "
+        f"{fmt_s(row.plain.first_token)} / {fmt_s(row.slotkeeper.first_token)} ({added:+.0f} ms) | {save} | "
+        f"{row.ls_s:.2f} s | {row.ls_json_s:.2f} s | {row.prune_s:.2f} s | "
+        f"{row.rss_ready:.0f} / {row.rss_after:.0f} MB |"
+    )
 
 
 def print_profile(path: Path, size: int) -> None:
     stats = pstats.Stats(str(path))
     raw = stats.stats  # type: ignore[attr-defined]
-    print(f"\nprofile of slotkeeper on {size:,} entries (whole run, the store's threads in line): "
-          f"the store's functions (calls, own time, cumulative)")
+    print(
+        f"\nprofile of slotkeeper on {size:,} entries (whole run, the store's threads in line): "
+        f"the store's functions (calls, own time, cumulative)"
+    )
     for (filename, line, name), (_, calls, own, cumulative, _) in sorted(raw.items(), key=lambda kv: -kv[1][3]):
         if "slotkeeper" in filename and name in PROFILE_NAMES:
-            print(f"  {Path(filename).name}:{line} {name}: {calls:,} calls, {own:.3f} s own, {cumulative:.3f} s "
-                  f"cumulative ({cumulative / calls * 1000:.2f} ms a call)")
+            print(
+                f"  {Path(filename).name}:{line} {name}: {calls:,} calls, {own:.3f} s own, {cumulative:.3f} s "
+                f"cumulative ({cumulative / calls * 1000:.2f} ms a call)"
+            )
     print(f"busiest functions by own time (top {PROFILE_TOP}; the event loop's own time, its waiting, left out):")
     busy = [item for item in raw.items() if not item[0][0].endswith("runners.py")]
     for (filename, line, name), (_, calls, own, cumulative, _) in sorted(busy, key=lambda kv: -kv[1][2])[:PROFILE_TOP]:
@@ -336,16 +392,28 @@ def print_profile(path: Path, size: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="10,1000,5000,20000",
-                        help="comma-separated store sizes in entries (default 10,1000,5000,20000)")
+    parser.add_argument(
+        "--sizes",
+        default="10,1000,5000,20000",
+        help="comma-separated store sizes in entries (default 10,1000,5000,20000)",
+    )
     parser.add_argument("--chats", type=int, default=6, help="short new chats per side and size (default 6)")
-    parser.add_argument("--saves", type=int, default=3,
-                        help="then chats worth saving, through slotkeeper only, for the save column (default 3)")
+    parser.add_argument(
+        "--saves",
+        type=int,
+        default=3,
+        help="then chats worth saving, through slotkeeper only, for the save column (default 3)",
+    )
     parser.add_argument("--seed-chats", type=int, default=4, help="real chats saved first (default 4)")
-    parser.add_argument("--profile", action="store_true", help="run slotkeeper under cProfile; print the profile "
-                        "of the largest size")
-    parser.add_argument("--keep", type=Path, metavar="DIR",
-                        help="build the stores in DIR and keep them (default: a temporary directory, removed)")
+    parser.add_argument(
+        "--profile", action="store_true", help="run slotkeeper under cProfile; print the profile of the largest size"
+    )
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        metavar="DIR",
+        help="build the stores in DIR and keep them (default: a temporary directory, removed)",
+    )
     args = parser.parse_args()
     try:
         sizes = [int(s.replace("_", "")) for s in args.sizes.split(",") if s.strip()]
@@ -368,10 +436,12 @@ def main() -> None:
             warm.stop()
         seed = seed_store(binary, model, work, args.seed_chats)
         real = len(list((seed / "entries").glob("*.json")))
-        print(f"benchmark model E; {' '.join(SERVER_ARGS)}; {real} real entries saved by {args.seed_chats} chats; "
-              f"{args.chats} short new chats per side and size, then {args.saves} saving ones through slotkeeper; "
-              f"prune --dry-run --older-than {PRUNE_AGE}"
-              + ("; slotkeeper under cProfile" if args.profile else ""), flush=True)
+        print(
+            f"benchmark model E; {' '.join(SERVER_ARGS)}; {real} real entries saved by {args.seed_chats} chats; "
+            f"{args.chats} short new chats per side and size, then {args.saves} saving ones through slotkeeper; "
+            f"prune --dry-run --older-than {PRUNE_AGE}" + ("; slotkeeper under cProfile" if args.profile else ""),
+            flush=True,
+        )
         print(HEADER, flush=True)
         profiles: dict[int, Path] = {}
         for size in sizes:

@@ -42,8 +42,11 @@ def health(port: int) -> int:
 
 def plain_ready_time(binary: str, model: Path, port: int) -> tuple[float, subprocess.Popen[bytes]]:
     started = time.monotonic()
-    proc = subprocess.Popen([binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     assert wait_until(lambda: health(port) == 200, 120, interval=0.002), "llama-server never became ready"
     return time.monotonic() - started, proc
 
@@ -134,21 +137,32 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     a, b = cold.first_token_s, statistics.median(firsts)
-    name = f"model {model.name}" if args.model else \
-        f"benchmark model E: {BENCH_MODEL_E.n_layers} layers x {BENCH_MODEL_E.width}, f16"
+    name = (
+        f"model {model.name}"
+        if args.model
+        else f"benchmark model E: {BENCH_MODEL_E.n_layers} layers x {BENCH_MODEL_E.width}, f16"
+    )
     print(f"{name}, {model.stat().st_size / 1e6:.1f} MB; prompt {n_prompt:,} tokens; {' '.join(SERVER_ARGS)}")
     print(f"(a) first token after restart, plain llama-server (cold prefill): {a * 1000:10.1f} ms")
     print(f"(b) first token after restart, slotkeeper (restored):              {b * 1000:10.1f} ms")
     print(f"    b/a = 1/{a / b:.0f}   (target <= 1/50)")
-    print(f"    plain time-to-ready {statistics.median(plain_readies) * 1000:.1f} ms, "
-          f"restore_ms {statistics.median(restores):.1f}, save_ms {statistics.median(saves):.1f}")
-    print(f"(c) slotkeeper ready - plain ready - restore_ms: median {statistics.median(ready_overheads):6.1f} ms "
-          f"(min {min(ready_overheads):.1f}, max {max(ready_overheads):.1f}; target <= 50 ms)")
+    print(
+        f"    plain time-to-ready {statistics.median(plain_readies) * 1000:.1f} ms, "
+        f"restore_ms {statistics.median(restores):.1f}, save_ms {statistics.median(saves):.1f}"
+    )
+    print(
+        f"(c) slotkeeper ready - plain ready - restore_ms: median {statistics.median(ready_overheads):6.1f} ms "
+        f"(min {min(ready_overheads):.1f}, max {max(ready_overheads):.1f}; target <= 50 ms)"
+    )
     if first_polls:
-        print(f"    slotkeeper's first health poll came {statistics.median(first_polls):.0f} ms after it spawned "
-              "llama-server: until then it is importing aiohttp and pydantic, which overlaps the model load")
-    print(f"(d) slotkeeper SIGTERM-to-exit - save_ms:         median {statistics.median(stop_overheads):6.1f} ms "
-          f"(min {min(stop_overheads):.1f}, max {max(stop_overheads):.1f}; target <= 100 ms)")
+        print(
+            f"    slotkeeper's first health poll came {statistics.median(first_polls):.0f} ms after it spawned "
+            "llama-server: until then it is importing aiohttp and pydantic, which overlaps the model load"
+        )
+    print(
+        f"(d) slotkeeper SIGTERM-to-exit - save_ms:         median {statistics.median(stop_overheads):6.1f} ms "
+        f"(min {min(stop_overheads):.1f}, max {max(stop_overheads):.1f}; target <= 100 ms)"
+    )
 
 
 if __name__ == "__main__":

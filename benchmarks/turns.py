@@ -70,8 +70,14 @@ class Server:
     def __init__(self, command: list[str], port: int, log_path: Path, env: dict[str, str]) -> None:
         self.port = port
         self.log_path = log_path
-        self.proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self._copier = threading.Thread(target=self._copy, daemon=True)
         self._copier.start()
 
@@ -214,8 +220,11 @@ async def in_process(port: int, store_root: Path, chat: Chat, long_chat: Chat, r
     entries = []
     for size in [None, *(n for n in (4096, 2048, 1024) if n < len(tokens))]:
         if size is not None:
-            reply = await client._call("POST", "/completion", {"prompt": tokens[:size], "id_slot": held, "n_predict": 1,
-                                                              "temperature": 0, "cache_prompt": True})
+            reply = await client._call(
+                "POST",
+                "/completion",
+                {"prompt": tokens[:size], "id_slot": held, "n_predict": 1, "temperature": 0, "cache_prompt": True},
+            )
             assert reply.ok and reply.body["timings"]["cache_n"] >= size - 1, reply.body
         saved = await store.save_slot(held)
         assert saved.entry is not None, saved.reason
@@ -288,10 +297,15 @@ async def in_process(port: int, store_root: Path, chat: Chat, long_chat: Chat, r
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=7500, help="the chat's length at the start (default 7500 tokens; "
-                        "each turn adds about 100)")
-    parser.add_argument("--turns", type=int, default=24,
-                        help="back-to-back turns per side for (a) and (b) (default 24)")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=7500,
+        help="the chat's length at the start (default 7500 tokens; each turn adds about 100)",
+    )
+    parser.add_argument(
+        "--turns", type=int, default=24, help="back-to-back turns per side for (a) and (b) (default 24)"
+    )
     parser.add_argument("--generate", type=int, default=16, help="tokens generated per turn (default 16)")
     parser.add_argument("--repeat", type=int, default=60, help="repeats for (c) (the in-process hook: 5x this)")
     parser.add_argument("--keep", action="store_true", help="keep the working directory (logs, caches)")
@@ -305,29 +319,86 @@ def main() -> None:
         write_tiny_model(model, TURNS_MODEL)
     work = Path(tempfile.mkdtemp(prefix="slotkeeper-bench-turns-"))
     env = clean_env(binary)
-    server_args = ["-m", str(model), "-c", "32768", "-np", "2", "-t", "2", "-ctk", "f16", "-ctv", "f16",
-                   "--no-cache-idle-slots"]
+    server_args = [
+        "-m",
+        str(model),
+        "-c",
+        "32768",
+        "-np",
+        "2",
+        "-t",
+        "2",
+        "-ctk",
+        "f16",
+        "-ctv",
+        "f16",
+        "--no-cache-idle-slots",
+    ]
     store_root = work / "plain-store"
     store_root.mkdir()
     ConversationStore(store_root, None, {}).open()  # the layout, so that llama-server's save path exists
     plain_port, sk_port, control_port = free_port(), free_port(), free_port()
-    plain = Server([binary, *server_args, "--slot-save-path", str(store_root / "snapshots"), "--host", "127.0.0.1",
-                    "--port", str(plain_port)], plain_port, work / "plain.log", env)
+    plain = Server(
+        [
+            binary,
+            *server_args,
+            "--slot-save-path",
+            str(store_root / "snapshots"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(plain_port),
+        ],
+        plain_port,
+        work / "plain.log",
+        env,
+    )
     sk_dir = work / "sk-cache"
-    sk = Server([sys.executable, "-m", "slotkeeper.cli", "--autosave-idle", "3600", "--", *server_args, "--port",
-                 str(sk_port), "--slot-save-path", str(sk_dir)], sk_port, work / "slotkeeper.log", env)
+    sk = Server(
+        [
+            sys.executable,
+            "-m",
+            "slotkeeper.cli",
+            "--autosave-idle",
+            "3600",
+            "--",
+            *server_args,
+            "--port",
+            str(sk_port),
+            "--slot-save-path",
+            str(sk_dir),
+        ],
+        sk_port,
+        work / "slotkeeper.log",
+        env,
+    )
     (work / "control-slots").mkdir()
-    control = Server([binary, *server_args, "--slot-save-path", str(work / "control-slots"), "--host", "127.0.0.1",
-                      "--port", str(control_port)], control_port, work / "control.log", env)
+    control = Server(
+        [
+            binary,
+            *server_args,
+            "--slot-save-path",
+            str(work / "control-slots"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(control_port),
+        ],
+        control_port,
+        work / "control.log",
+        env,
+    )
     started = time.monotonic()
     try:
         plain.wait_ready()
         sk.wait_ready()
         control.wait_ready()
         n_ctx = http_call(plain_port, "GET", "/props").body["default_generation_settings"]["n_ctx"]
-        sides = {"plain": (plain_port, Chat(0, notes=notes_for(args.tokens))),
-                 "slotkeeper": (sk_port, Chat(0, notes=notes_for(args.tokens))),
-                 "control": (control_port, Chat(0, notes=notes_for(args.tokens)))}  # a second plain llama-server
+        sides = {
+            "plain": (plain_port, Chat(0, notes=notes_for(args.tokens))),
+            "slotkeeper": (sk_port, Chat(0, notes=notes_for(args.tokens))),
+            "control": (control_port, Chat(0, notes=notes_for(args.tokens))),
+        }  # a second plain llama-server
         for name, (port, chat) in sides.items():
             print(f"{name}: the chat's first turn (a prefill) ... ", end="", flush=True)
             turn, _ = chat.turn(port, max_tokens=32)
@@ -370,7 +441,7 @@ def main() -> None:
         e2e_outside: dict[str, list[float]] = {"plain": [], "slotkeeper": []}
         print(f"(c) {args.repeat} repeated 1-token requests per side ... ", end="", flush=True)
         for i in range(args.repeat):
-            for name in (("plain", "slotkeeper") if i % 2 == 0 else ("slotkeeper", "plain")):
+            for name in ("plain", "slotkeeper") if i % 2 == 0 else ("slotkeeper", "plain"):
                 port, chat = sides[name]
                 turn = stream_chat(port, chat.messages, 1)
                 e2e[name].append(turn.total_s)
@@ -395,80 +466,112 @@ def main() -> None:
     last_len = sides["plain"][1].last_prompt_tokens
     ratios = [s / p for s, p in zip(lat["slotkeeper"], lat["plain"])]
     print()
-    print(f"model {TURNS_MODEL.n_layers} layers x {TURNS_MODEL.width}, {TURNS_MODEL.n_kv_heads} KV heads, f16 KV "
-          f"({model.stat().st_size / 1e6:.0f} MB); llama-server {' '.join(server_args[2:])} "
-          f"(n_ctx per slot {n_ctx:,}); "
-          f"{time.monotonic() - started:.0f} s in all")
-    print(f"(a) turn latency, {args.turns} turns per side of a {first_len:,}-{last_len:,}-token chat ({args.generate} "
-          f"tokens generated, streamed): plain median {statistics.median(lat['plain']) * 1000:.0f} ms, slotkeeper "
-          f"{statistics.median(lat['slotkeeper']) * 1000:.0f} ms; "
-          f"first token {statistics.median(ttft['plain']) * 1000:.0f}"
-          f" vs {statistics.median(ttft['slotkeeper']) * 1000:.0f} ms")
+    print(
+        f"model {TURNS_MODEL.n_layers} layers x {TURNS_MODEL.width}, {TURNS_MODEL.n_kv_heads} KV heads, f16 KV "
+        f"({model.stat().st_size / 1e6:.0f} MB); llama-server {' '.join(server_args[2:])} "
+        f"(n_ctx per slot {n_ctx:,}); "
+        f"{time.monotonic() - started:.0f} s in all"
+    )
+    print(
+        f"(a) turn latency, {args.turns} turns per side of a {first_len:,}-{last_len:,}-token chat ({args.generate} "
+        f"tokens generated, streamed): plain median {statistics.median(lat['plain']) * 1000:.0f} ms, slotkeeper "
+        f"{statistics.median(lat['slotkeeper']) * 1000:.0f} ms; "
+        f"first token {statistics.median(ttft['plain']) * 1000:.0f}"
+        f" vs {statistics.median(ttft['slotkeeper']) * 1000:.0f} ms"
+    )
     controls = [c / p for c, p in zip(lat["control"], lat["plain"])]
     versus_control = [s / c for s, c in zip(lat["slotkeeper"], lat["control"])]
-    print(f"    slotkeeper / plain: median of paired ratios {statistics.median(ratios):.3f} "
-          f"(range {min(ratios):.2f}-{max(ratios):.2f}; target <= 1.05); warm turns: plain {warm['plain']}, "
-          f"slotkeeper {warm['slotkeeper']} of {args.turns}")
-    print(f"    control, a second plain llama-server / plain: {statistics.median(controls):.3f} "
-          f"(range {min(controls):.2f}-{max(controls):.2f}): how much two identical llama-server processes differ; "
-          f"slotkeeper / that second one: {statistics.median(versus_control):.3f}")
+    print(
+        f"    slotkeeper / plain: median of paired ratios {statistics.median(ratios):.3f} "
+        f"(range {min(ratios):.2f}-{max(ratios):.2f}; target <= 1.05); warm turns: plain {warm['plain']}, "
+        f"slotkeeper {warm['slotkeeper']} of {args.turns}"
+    )
+    print(
+        f"    control, a second plain llama-server / plain: {statistics.median(controls):.3f} "
+        f"(range {min(controls):.2f}-{max(controls):.2f}): how much two identical llama-server processes differ; "
+        f"slotkeeper / that second one: {statistics.median(versus_control):.3f}"
+    )
     server_ratios = [s / p for s, p in zip(server["slotkeeper"], server["plain"])]
     control_ratios = [c / p for c, p in zip(server["control"], server["plain"])]
     added = [(s - p) * 1000 for s, p in zip(outside["slotkeeper"], outside["plain"])]
     plain_median = statistics.median(lat["plain"]) * 1000
-    print(f"    the turn outside llama-server's own prompt_ms + predicted_ms (HTTP, templating, and slotkeeper): plain "
-          f"median {statistics.median(outside['plain']) * 1000:.1f} ms, slotkeeper "
-          f"{statistics.median(outside['slotkeeper']) * 1000:.1f} ms; paired difference median "
-          f"{statistics.median(added):+.2f} ms, i.e. a ratio of {1 + statistics.median(added) / plain_median:.4f} "
-          f"on the {plain_median:.0f} ms turn")
-    print(f"    llama-server's own time per turn (prompt_ms + predicted_ms), slotkeeper's child / plain: median of "
-          f"paired ratios {statistics.median(server_ratios):.3f} "
-          f"(control / plain {statistics.median(control_ratios):.3f});"
-          f" prompt tokens computed: plain {new_tokens['plain']:,}, slotkeeper's child {new_tokens['slotkeeper']:,}")
-    print(f"    CPU time per turn (schedstat): plain llama-server {cpu['plain'] / args.turns * 1000:.0f} ms, "
-          f"slotkeeper's child {cpu['child'] / args.turns * 1000:.0f} ms, "
-          f"slotkeeper {cpu['slotkeeper'] / args.turns * 1000:.2f} ms; "
-          f"(child + slotkeeper) / plain = {(cpu['child'] + cpu['slotkeeper']) / cpu['plain']:.3f}; control "
-          f"{cpu['control'] / args.turns * 1000:.0f} ms")
+    print(
+        f"    the turn outside llama-server's own prompt_ms + predicted_ms (HTTP, templating, and slotkeeper): plain "
+        f"median {statistics.median(outside['plain']) * 1000:.1f} ms, slotkeeper "
+        f"{statistics.median(outside['slotkeeper']) * 1000:.1f} ms; paired difference median "
+        f"{statistics.median(added):+.2f} ms, i.e. a ratio of {1 + statistics.median(added) / plain_median:.4f} "
+        f"on the {plain_median:.0f} ms turn"
+    )
+    print(
+        f"    llama-server's own time per turn (prompt_ms + predicted_ms), slotkeeper's child / plain: median of "
+        f"paired ratios {statistics.median(server_ratios):.3f} "
+        f"(control / plain {statistics.median(control_ratios):.3f});"
+        f" prompt tokens computed: plain {new_tokens['plain']:,}, slotkeeper's child {new_tokens['slotkeeper']:,}"
+    )
+    print(
+        f"    CPU time per turn (schedstat): plain llama-server {cpu['plain'] / args.turns * 1000:.0f} ms, "
+        f"slotkeeper's child {cpu['child'] / args.turns * 1000:.0f} ms, "
+        f"slotkeeper {cpu['slotkeeper'] / args.turns * 1000:.2f} ms; "
+        f"(child + slotkeeper) / plain = {(cpu['child'] + cpu['slotkeeper']) / cpu['plain']:.3f}; control "
+        f"{cpu['control'] / args.turns * 1000:.0f} ms"
+    )
     written = {pid: io_after[pid] - io_before[pid] for pid in io_before}
-    print(f"(b) during those turns: the save directory went from {dir_before[0]:,} to {dir_after[0]:,} bytes "
-          f"({len(dir_after[1] - dir_before[1])} new files); write_bytes (/proc/<pid>/io; their log goes to a pipe): "
-          f"slotkeeper {written[sk_pid]:,}, its llama-server {written[child_pid]:,} (target 0)")
+    print(
+        f"(b) during those turns: the save directory went from {dir_before[0]:,} to {dir_after[0]:,} bytes "
+        f"({len(dir_after[1] - dir_before[1])} new files); write_bytes (/proc/<pid>/io; their log goes to a pipe): "
+        f"slotkeeper {written[sk_pid]:,}, its llama-server {written[child_pid]:,} (target 0)"
+    )
     print(f"    placements: {status['placements']}, prompt tokenizations: {status['prompt_tokenizations']}")
     place = [t * 1000 for t in got["place"]]
-    print(f"(c) Placement.place() in-process, the {last_len:,}-token chat continuing in its slot "
-          f"({got['body_bytes'] / 1000:.0f} kB body): p50 {pct(place, 0.5):.3f} ms, p90 {pct(place, 0.9):.3f} ms, "
-          f"max {max(place):.3f} ms (target p50 <= 2 ms)")
+    print(
+        f"(c) Placement.place() in-process, the {last_len:,}-token chat continuing in its slot "
+        f"({got['body_bytes'] / 1000:.0f} kB body): p50 {pct(place, 0.5):.3f} ms, p90 {pct(place, 0.9):.3f} ms, "
+        f"max {max(place):.3f} ms (target p50 <= 2 ms)"
+    )
     place_long = [t * 1000 for t in got["place_long"]]
     tok = [t * 1000 for t in got["tokenize"]]
-    print(f"    the same for a {got['long_tokens']:,}-token chat: p50 {pct(place_long, 0.5):.3f} ms; its "
-          f"/apply-template + /tokenize round trip (not paid on this path): p50 {pct(tok, 0.5):.1f} ms, "
-          f"p90 {pct(tok, 0.9):.1f} ms")
+    print(
+        f"    the same for a {got['long_tokens']:,}-token chat: p50 {pct(place_long, 0.5):.3f} ms; its "
+        f"/apply-template + /tokenize round trip (not paid on this path): p50 {pct(tok, 0.5):.1f} ms, "
+        f"p90 {pct(tok, 0.9):.1f} ms"
+    )
     diffs = [(s - p) * 1000 for s, p in zip(e2e["slotkeeper"], e2e["plain"])]
-    print(f"    end to end, the chat's request with max_tokens 1 repeated: plain median "
-          f"{statistics.median(e2e['plain']) * 1000:.1f} ms, "
-          f"slotkeeper {statistics.median(e2e['slotkeeper']) * 1000:.1f} ms; "
-          f"paired difference median {statistics.median(diffs):+.2f} ms (IQR {pct(diffs, 0.25):+.1f} to "
-          f"{pct(diffs, 0.75):+.1f}): proxy and placement together")
+    print(
+        f"    end to end, the chat's request with max_tokens 1 repeated: plain median "
+        f"{statistics.median(e2e['plain']) * 1000:.1f} ms, "
+        f"slotkeeper {statistics.median(e2e['slotkeeper']) * 1000:.1f} ms; "
+        f"paired difference median {statistics.median(diffs):+.2f} ms (IQR {pct(diffs, 0.25):+.1f} to "
+        f"{pct(diffs, 0.75):+.1f}): proxy and placement together"
+    )
     diffs = [(s - p) * 1000 for s, p in zip(e2e_outside["slotkeeper"], e2e_outside["plain"])]
-    print(f"    ... outside llama-server's own timings: paired difference median {statistics.median(diffs):+.2f} ms "
-          f"(IQR {pct(diffs, 0.25):+.2f} to {pct(diffs, 0.75):+.2f})")
+    print(
+        f"    ... outside llama-server's own timings: paired difference median {statistics.median(diffs):+.2f} ms "
+        f"(IQR {pct(diffs, 0.25):+.2f} to {pct(diffs, 0.75):+.2f})"
+    )
     rd, rc = got["read_disk"], got["read_cache"]
-    print(f"(d) read speed of an entry file: disk {rd / MB:,.0f} MB/s (pages evicted with posix_fadvise), page "
-          f"cache {rc / MB:,.0f} MB/s")
-    print("    medians of 5; ms      file        from   size/speed   ConversationStore.restore   excess   "
-          "the slot action alone   llama-server's restore_ms   Placement.restore_into")
+    print(
+        f"(d) read speed of an entry file: disk {rd / MB:,.0f} MB/s (pages evicted with posix_fadvise), page "
+        f"cache {rc / MB:,.0f} MB/s"
+    )
+    print(
+        "    medians of 5; ms      file        from   size/speed   ConversationStore.restore   excess   "
+        "the slot action alone   llama-server's restore_ms   Placement.restore_into"
+    )
     for row in got["sizes"]:
         for mode, speed in (("page cache", rc), ("disk", rd)):
             wall, direct, own = row[mode]
             expected = row["bytes"] / speed
             into = f"{row['restore_into'] * 1000:.1f}" if mode == "page cache" else ""
-            print(f"    {row['tokens']:>6,} tokens  {row['bytes'] / MB:>6.1f} MB  {mode:>10}  {expected * 1000:>11.1f}"
-                  f"  {wall * 1000:>26.1f}  {(wall - expected) * 1000:>+7.1f}  {direct * 1000:>22.1f}"
-                  f"  {own * 1000:>26.1f}  {into:>23}")
+            print(
+                f"    {row['tokens']:>6,} tokens  {row['bytes'] / MB:>6.1f} MB  {mode:>10}  {expected * 1000:>11.1f}"
+                f"  {wall * 1000:>26.1f}  {(wall - expected) * 1000:>+7.1f}  {direct * 1000:>22.1f}"
+                f"  {own * 1000:>26.1f}  {into:>23}"
+            )
     pr = [t * 1000 for t in got["place_restore"]]
-    print(f"    the whole hook for the chat in the store only (tokenize, choose, restore "
-          f"{got['sizes'][0]['bytes'] / MB:.0f} MB from the page cache): median {statistics.median(pr):.1f} ms")
+    print(
+        f"    the whole hook for the chat in the store only (tokenize, choose, restore "
+        f"{got['sizes'][0]['bytes'] / MB:.0f} MB from the page cache): median {statistics.median(pr):.1f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -30,9 +30,15 @@ def starter(tmp_path: Path) -> Iterator[Callable[[str, list[str]], Starter]]:
     started: list[Slotkeeper] = []
 
     def make(server: str, base_args: list[str]) -> Starter:
-        def start(*extra: str, own: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                  port: int | None = None, wait: bool = True, save_dir: Path | None = None,
-                  replace_args: list[str] | None = None) -> Slotkeeper:
+        def start(
+            *extra: str,
+            own: tuple[str, ...] = (),
+            env: dict[str, str] | None = None,
+            port: int | None = None,
+            wait: bool = True,
+            save_dir: Path | None = None,
+            replace_args: list[str] | None = None,
+        ) -> Slotkeeper:
             full_env = clean_env(tmp_path)
             full_env["LLAMA_SERVER"] = server
             full_env["STUB_LOG"] = str(tmp_path / "stub-events.jsonl")
@@ -40,8 +46,14 @@ def starter(tmp_path: Path) -> Iterator[Callable[[str, list[str]], Starter]]:
             port = port or free_port()
             cache = save_dir or tmp_path / "cache"
             args = [*own, "--"] if own else []
-            args += [*(replace_args if replace_args is not None else base_args), "--port", str(port),
-                     "--slot-save-path", str(cache), *extra]
+            args += [
+                *(replace_args if replace_args is not None else base_args),
+                "--port",
+                str(port),
+                "--slot-save-path",
+                str(cache),
+                *extra,
+            ]
             sk = Slotkeeper(args, full_env, tmp_path, port, tmp_path / f"slotkeeper-{len(started)}.log")
             sk.extra["save_dir"] = cache
             sk.extra["events"] = tmp_path / "stub-events.jsonl"
@@ -126,7 +138,9 @@ def real_gemma() -> Path:
 @pytest.fixture
 def family_start(starter, llama_server, family_models, request):
     """family_start(family, *extra, **kw): slotkeeper around the real llama-server with that family's model."""
+
     def start(family: Family, *extra: str, **kw):
         model = model_path(family.model, family_models, request)
         return starter(llama_server, ["-m", str(model), *BASE, *family.args])(*extra, **kw)
+
     return start

@@ -35,8 +35,9 @@ FAMILIES = {
     "qwen35-thinking-on": Family("qwen35", reasoning=True),
     "lfm2": Family("lfm2", request=NO_THINKING),
     "gemma3-swa-full": Family("gemma3", ("--swa-full",)),
-    "gemma3-270m-swa-full": Family("gemma3-270m", ("--swa-full", "--chat-template-file",
-                                                   str(TEMPLATES / "gemma3.jinja"))),
+    "gemma3-270m-swa-full": Family(
+        "gemma3-270m", ("--swa-full", "--chat-template-file", str(TEMPLATES / "gemma3.jinja"))
+    ),
 }
 
 
@@ -58,9 +59,14 @@ class Chat:
     facts: int = 40  # the length of its first message
 
     def __post_init__(self) -> None:
-        self.messages = [{"role": "system", "content": self.system},
-                         {"role": "user", "content": f"Conversation {self.n}. " + " ".join(
-                             f"Fact {i}: item {self.n * 7 + i} is {COLOURS[i % 5]}." for i in range(self.facts))}]
+        self.messages = [
+            {"role": "system", "content": self.system},
+            {
+                "role": "user",
+                "content": f"Conversation {self.n}. "
+                + " ".join(f"Fact {i}: item {self.n * 7 + i} is {COLOURS[i % 5]}." for i in range(self.facts)),
+            },
+        ]
 
     def send(self, port: int, messages: list[dict[str, Any]], **extra: Any) -> dict:
         body = {"messages": messages, "max_tokens": 8, "temperature": 0, **self.request, **extra}
@@ -72,8 +78,10 @@ class Chat:
         """The chat's next turn; returns llama-server's timings, and grows the chat."""
         body = self.send(port, self.messages)
         timings = body["timings"]
-        self.previous_prompt_tokens, self.last_prompt_tokens = self.last_prompt_tokens, \
-            timings["prompt_n"] + timings["cache_n"]
+        self.previous_prompt_tokens, self.last_prompt_tokens = (
+            self.last_prompt_tokens,
+            timings["prompt_n"] + timings["cache_n"],
+        )
         message = body["choices"][0]["message"]
         self.reasoning.append(message.get("reasoning_content") or "")
         self.messages.append({"role": "assistant", "content": message.get("content") or ""})
@@ -108,8 +116,9 @@ def cold_ones(chats: list[Chat], results: list[dict]) -> list[tuple[int, int, in
 
 def tokens_of(port: int, chat: Chat, messages: list[dict[str, Any]]) -> list[int]:
     rendered = http_call(port, "POST", "/apply-template", {"messages": messages, **chat.request}).body["prompt"]
-    return http_call(port, "POST", "/tokenize", {"content": rendered, "add_special": True,
-                                                 "parse_special": True}).body["tokens"]
+    return http_call(port, "POST", "/tokenize", {"content": rendered, "add_special": True, "parse_special": True}).body[
+        "tokens"
+    ]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -123,8 +132,7 @@ def answer(port: int, chat: Chat, messages: list[dict[str, Any]]) -> tuple[str, 
     """The greedy reply and, per token, its top five alternatives with their log-probabilities."""
     body = chat.send(port, messages, max_tokens=12, logprobs=True, top_logprobs=5)
     choice = body["choices"][0]
-    tops = [[(alt["token"], alt["logprob"]) for alt in item["top_logprobs"]]
-            for item in choice["logprobs"]["content"]]
+    tops = [[(alt["token"], alt["logprob"]) for alt in item["top_logprobs"]] for item in choice["logprobs"]["content"]]
     return choice["message"].get("content") or "", tops
 
 

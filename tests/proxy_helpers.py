@@ -62,8 +62,9 @@ async def read_body(request: RawRequest, reader: asyncio.StreamReader) -> None:
         request.body = await reader.readexactly(int(length[0]))
 
 
-def raw_response(status: str = "200 OK", headers: list[tuple[str, str]] | None = None, body: bytes = b"",
-                 length: bool = True) -> bytes:
+def raw_response(
+    status: str = "200 OK", headers: list[tuple[str, str]] | None = None, body: bytes = b"", length: bool = True
+) -> bytes:
     lines = [f"HTTP/1.1 {status}"] + [f"{k}: {v}" for k, v in headers or []]
     if length:
         lines.append(f"Content-Length: {len(body)}")

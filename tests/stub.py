@@ -167,8 +167,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def encode_slot_file(tokens: Sequence[int], model: str, bytes_per_token: int = 64,
-                     version: int = SEQ_VERSION) -> bytes:
+def encode_slot_file(tokens: Sequence[int], model: str, bytes_per_token: int = 64, version: int = SEQ_VERSION) -> bytes:
     """The bytes a save writes: llama.cpp's seq-state header and b11434's packed tokens, then the "state"
     (a JSON line naming the model, and padding); see the module docstring."""
     packed = [-1, 1, len(tokens), *tokens, 0]  # LLAMA_TOKEN_NULL, payload version 1, n, tokens, no media
@@ -228,8 +227,14 @@ def validate_filename(filename: str) -> bool:
         return False
     for ch in filename:
         c = ord(ch)
-        if (c <= 0x1F or c == 0x7F or 0x80 <= c <= 0x9F or c in (0xFF0E, 0x2215, 0x2216, 0xFFFD, 0xFEFF)
-                or 0xD800 <= c <= 0xDFFF or ch in ':*?"<>|/\\'):
+        if (
+            c <= 0x1F
+            or c == 0x7F
+            or 0x80 <= c <= 0x9F
+            or c in (0xFF0E, 0x2215, 0x2216, 0xFFFD, 0xFEFF)
+            or 0xD800 <= c <= 0xDFFF
+            or ch in ':*?"<>|/\\'
+        ):
             return False
     if filename[0] == " " or filename[-1] in " .":
         return False
@@ -432,8 +437,9 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str]) -> ServerArgs:
             try:
                 VALUE_OPTIONS[flag](args, value)
             except (ValueError, OSError) as exc:
-                raise UsageError(f'error while handling argument "{flag}": {exc}\n\n'
-                                 "to show complete usage, run with -h") from None
+                raise UsageError(
+                    f'error while handling argument "{flag}": {exc}\n\nto show complete usage, run with -h'
+                ) from None
         elif flag in BOOL_OPTIONS and not eq:
             attr, value_bool = BOOL_OPTIONS[flag]
             setattr(args, attr, value_bool)
@@ -558,8 +564,12 @@ class RequestError(Exception):
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, text=json.dumps(data, ensure_ascii=False, separators=(",", ":")),
-                        content_type="application/json", charset="utf-8")
+    return web.Response(
+        status=status,
+        text=json.dumps(data, ensure_ascii=False, separators=(",", ":")),
+        content_type="application/json",
+        charset="utf-8",
+    )
 
 
 def error_response(message: str, error_type: str, **extra: Any) -> web.Response:
@@ -592,8 +602,9 @@ def json_type_name(value: Any) -> str:
 def sse(data: Any) -> bytes:
     """One server-sent event per object (a list is several events), as llama-server's format_oai_sse."""
     items = data if isinstance(data, list) else [data]
-    return b"".join(b"data: " + json.dumps(item, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-                    for item in items)
+    return b"".join(
+        b"data: " + json.dumps(item, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n" for item in items
+    )
 
 
 def _require(body: Any, key: str) -> Any:
@@ -639,16 +650,26 @@ class Slot:
         self.n_remain = -1
 
     def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"id": self.id, "n_ctx": self.n_ctx, "speculative": False,
-                                "is_processing": self.processing}
+        data: dict[str, Any] = {
+            "id": self.id,
+            "n_ctx": self.n_ctx,
+            "speculative": False,
+            "is_processing": self.processing,
+        }
         if self.id_task is not None:
             data["id_task"] = self.id_task
             data["n_prompt_tokens"] = len(self.tokens)
             data["n_prompt_tokens_processed"] = self.n_prompt_processed
             data["n_prompt_tokens_cache"] = self.n_prompt_cached
             data["params"] = self.params
-            data["next_token"] = [{"has_next_token": self.processing, "has_new_line": False,
-                                   "n_remain": self.n_remain, "n_decoded": self.n_decoded}]
+            data["next_token"] = [
+                {
+                    "has_next_token": self.processing,
+                    "has_new_line": False,
+                    "n_remain": self.n_remain,
+                    "n_decoded": self.n_decoded,
+                }
+            ]
         return data
 
 
@@ -693,8 +714,12 @@ class Generation:
 
     def usage(self) -> dict[str, Any]:
         n = len(self.generated)
-        return {"completion_tokens": n, "prompt_tokens": len(self.prompt), "total_tokens": n + len(self.prompt),
-                "prompt_tokens_details": {"cached_tokens": self.cache_n}}
+        return {
+            "completion_tokens": n,
+            "prompt_tokens": len(self.prompt),
+            "total_tokens": n + len(self.prompt),
+            "prompt_tokens_details": {"cached_tokens": self.cache_n},
+        }
 
 
 class StubServer:
@@ -727,8 +752,10 @@ class StubServer:
             try:
                 sock, address = bind_socket(host, self.args.port)
             except OSError as exc:
-                eprint(f"srv          start: couldn't bind HTTP server socket, hostname: {host}, "
-                       f"port: {self.args.port} ({exc.strerror})")
+                eprint(
+                    f"srv          start: couldn't bind HTTP server socket, hostname: {host}, "
+                    f"port: {self.args.port} ({exc.strerror})"
+                )
                 eprint("srv           main: exiting due to HTTP server error")
                 return 1
             await web.SockSite(runner, sock).start()
@@ -827,9 +854,15 @@ class StubServer:
     async def _dispatch(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """llama-server's pre-routing order: CORS preflight, loading state, API key; then the route."""
         if request.method == "OPTIONS":
-            return web.Response(text="", content_type="text/html", headers={
-                "Access-Control-Allow-Credentials": "false", "Access-Control-Allow-Methods": "GET, POST",
-                "Access-Control-Allow-Headers": "*"})
+            return web.Response(
+                text="",
+                content_type="text/html",
+                headers={
+                    "Access-Control-Allow-Credentials": "false",
+                    "Access-Control-Allow-Methods": "GET, POST",
+                    "Access-Control-Allow-Headers": "*",
+                },
+            )
         if not self.ready and request.path not in FRONTEND_PATHS:
             return middleware_error(LOADING_MESSAGE, "unavailable_error")
         if self.args.api_keys and request.path not in PUBLIC_PATHS and not self._api_key_ok(request):
@@ -878,45 +911,68 @@ class StubServer:
         return json_response({"status": "ok"})
 
     def _default_params(self) -> dict[str, Any]:
-        return {"n_predict": -1, "seed": 4294967295, "temperature": 0.8, "top_k": 40, "top_p": 0.95,
-                "min_p": 0.05, "stream": False, "cache_prompt": True}
+        return {
+            "n_predict": -1,
+            "seed": 4294967295,
+            "temperature": 0.8,
+            "top_k": 40,
+            "top_p": 0.95,
+            "min_p": 0.05,
+            "stream": False,
+            "cache_prompt": True,
+        }
 
     async def get_props(self, request: web.Request) -> web.Response:
-        return json_response({
-            "default_generation_settings": {"params": self._default_params(), "n_ctx": self.args.slot_n_ctx},
-            "total_slots": len(self.slots),
-            "model_alias": self.args.model_name,
-            "model_ftype": "stub",
-            "model_path": self.args.model,
-            "modalities": {"vision": False, "video": False, "audio": False},
-            "media_marker": "<__media__>",
-            "endpoint_slots": self.args.endpoint_slots,
-            "endpoint_props": False,
-            "endpoint_metrics": self.args.endpoint_metrics,
-            "ui": False,
-            "ui_settings": {},
-            "chat_template": "",
-            "chat_template_caps": {},
-            "bos_token": "",
-            "eos_token": "",
-            "build_info": BUILD_INFO,
-            "is_sleeping": False,
-            "cors_proxy_enabled": False,
-        })
+        return json_response(
+            {
+                "default_generation_settings": {"params": self._default_params(), "n_ctx": self.args.slot_n_ctx},
+                "total_slots": len(self.slots),
+                "model_alias": self.args.model_name,
+                "model_ftype": "stub",
+                "model_path": self.args.model,
+                "modalities": {"vision": False, "video": False, "audio": False},
+                "media_marker": "<__media__>",
+                "endpoint_slots": self.args.endpoint_slots,
+                "endpoint_props": False,
+                "endpoint_metrics": self.args.endpoint_metrics,
+                "ui": False,
+                "ui_settings": {},
+                "chat_template": "",
+                "chat_template_caps": {},
+                "bos_token": "",
+                "eos_token": "",
+                "build_info": BUILD_INFO,
+                "is_sleeping": False,
+                "cors_proxy_enabled": False,
+            }
+        )
 
     async def get_models(self, request: web.Request) -> web.Response:
-        entry = {"id": self.args.model_name, "object": "model", "created": int(time.time()),
-                 "owned_by": "llamacpp", "meta": {"n_ctx_train": DEFAULT_N_CTX, "n_vocab": 256}}
-        return json_response({"models": [{"name": self.args.model_name, "model": self.args.model_name}],
-                              "object": "list", "data": [entry]})
+        entry = {
+            "id": self.args.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "llamacpp",
+            "meta": {"n_ctx_train": DEFAULT_N_CTX, "n_vocab": 256},
+        }
+        return json_response(
+            {
+                "models": [{"name": self.args.model_name, "model": self.args.model_name}],
+                "object": "list",
+                "data": [entry],
+            }
+        )
 
     async def get_metrics(self, request: web.Request) -> web.Response:
         if not self.args.endpoint_metrics:
-            raise RequestError("This server does not support metrics endpoint. Start it with `--metrics`",
-                               "not_supported_error")
+            raise RequestError(
+                "This server does not support metrics endpoint. Start it with `--metrics`", "not_supported_error"
+            )
         busy = sum(s.processing for s in self.slots)
-        text = (f"# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing {busy}\n"
-                f"# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 0\n")
+        text = (
+            f"# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing {busy}\n"
+            f"# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 0\n"
+        )
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def post_apply_template(self, request: web.Request) -> web.Response:
@@ -956,8 +1012,9 @@ class StubServer:
 
     async def get_slots(self, request: web.Request) -> web.Response:
         if not self.args.endpoint_slots:
-            raise RequestError("This server does not support slots endpoint. Start it with `--slots`",
-                               "not_supported_error")
+            raise RequestError(
+                "This server does not support slots endpoint. Start it with `--slots`", "not_supported_error"
+            )
         async with self.task_loop:  # answered by the task loop, so it waits out a save/restore
             self._new_task_id()
             data = [slot.to_json() for slot in self.slots]
@@ -968,8 +1025,9 @@ class StubServer:
 
     async def post_slots(self, request: web.Request) -> web.Response:
         if self.args.slot_save_path is None:
-            raise RequestError("This server does not support slots action. Start it with `--slot-save-path`",
-                               "not_supported_error")
+            raise RequestError(
+                "This server does not support slots action. Start it with `--slot-save-path`", "not_supported_error"
+            )
         try:
             id_slot = c_stoi(request.match_info["id_slot"])
         except ValueError:
@@ -979,8 +1037,9 @@ class StubServer:
             body = await self._read_json(request)
             filename = _require(body, "filename")
             if not isinstance(filename, str):
-                raise RequestError(f"[json.exception.type_error.302] type must be string, but is "
-                                   f"{json_type_name(filename)}")
+                raise RequestError(
+                    f"[json.exception.type_error.302] type must be string, but is {json_type_name(filename)}"
+                )
             if not validate_filename(filename):
                 raise RequestError("Invalid filename")
             if action == "save":
@@ -1009,8 +1068,15 @@ class StubServer:
                     half = len(data) // 2
                     f.write(data[:half])
                     f.flush()
-                    self.log.write("save_begin", request, id_slot=id_slot, slot=slot.id, filename=filename,
-                                   n_tokens=len(tokens), n_bytes=len(data))
+                    self.log.write(
+                        "save_begin",
+                        request,
+                        id_slot=id_slot,
+                        slot=slot.id,
+                        filename=filename,
+                        n_tokens=len(tokens),
+                        n_bytes=len(data),
+                    )
                     if self.knobs.save_seconds > 0:
                         await asyncio.sleep(self.knobs.save_seconds)
                     f.write(data[half:])
@@ -1019,10 +1085,25 @@ class StubServer:
                 self.log.write("save", request, id_slot=id_slot, slot=slot.id, filename=filename, ok=False)
                 raise RequestError("Unable to save slot", "server_error") from None
             save_ms = (time.perf_counter() - t0) * 1e3
-            self.log.write("save", request, id_slot=id_slot, slot=slot.id, filename=filename, ok=True,
-                           n_saved=len(tokens), n_written=len(data))
-        return json_response({"id_slot": id_slot, "filename": filename, "n_saved": len(tokens),
-                              "n_written": len(data), "timings": {"save_ms": save_ms}})
+            self.log.write(
+                "save",
+                request,
+                id_slot=id_slot,
+                slot=slot.id,
+                filename=filename,
+                ok=True,
+                n_saved=len(tokens),
+                n_written=len(data),
+            )
+        return json_response(
+            {
+                "id_slot": id_slot,
+                "filename": filename,
+                "n_saved": len(tokens),
+                "n_written": len(data),
+                "timings": {"save_ms": save_ms},
+            }
+        )
 
     async def _restore(self, request: web.Request, id_slot: int, filename: str) -> web.Response:
         """Load a slot file; any failure (missing, foreign, truncated, other model) clears the slot."""
@@ -1049,15 +1130,31 @@ class StubServer:
                     raise SlotFileError("Invalid tokens in slot save file")
             except SlotFileError as exc:
                 slot.tokens = []
-                self.log.write("restore", request, id_slot=id_slot, slot=slot.id, filename=filename, ok=False,
-                               reason=str(exc))
+                self.log.write(
+                    "restore", request, id_slot=id_slot, slot=slot.id, filename=filename, ok=False, reason=str(exc)
+                )
                 raise RequestError(f"Unable to restore slot: {exc}") from None
             slot.tokens = tokens
             restore_ms = (time.perf_counter() - t0) * 1e3
-            self.log.write("restore", request, id_slot=id_slot, slot=slot.id, filename=filename, ok=True,
-                           n_restored=len(tokens), n_read=len(data))
-        return json_response({"id_slot": id_slot, "filename": filename, "n_restored": len(tokens),
-                              "n_read": len(data), "timings": {"restore_ms": restore_ms}})
+            self.log.write(
+                "restore",
+                request,
+                id_slot=id_slot,
+                slot=slot.id,
+                filename=filename,
+                ok=True,
+                n_restored=len(tokens),
+                n_read=len(data),
+            )
+        return json_response(
+            {
+                "id_slot": id_slot,
+                "filename": filename,
+                "n_restored": len(tokens),
+                "n_read": len(data),
+                "timings": {"restore_ms": restore_ms},
+            }
+        )
 
     async def _erase(self, request: web.Request, id_slot: int) -> web.Response:
         slot = self.slot_by_id(id_slot)
@@ -1149,8 +1246,10 @@ class StubServer:
 
     def _count_completion_request(self) -> None:
         self.n_completion_requests += 1
-        if self.knobs.crash_after_requests is not None and \
-                self.n_completion_requests >= self.knobs.crash_after_requests:
+        if (
+            self.knobs.crash_after_requests is not None
+            and self.n_completion_requests >= self.knobs.crash_after_requests
+        ):
             self._crash(f"completion request {self.n_completion_requests}")
 
     async def _completion(self, request: web.Request, kind: str) -> web.StreamResponse:
@@ -1161,8 +1260,9 @@ class StubServer:
             if not isinstance(messages, list):
                 raise RequestError("Expected 'messages' to be an array")
             prompt = tokenize(chat_prompt(messages))
-            n_predict = _int_field(body, "n_predict", _int_field(body, "max_completion_tokens",
-                                                                 _int_field(body, "max_tokens", -1)))
+            n_predict = _int_field(
+                body, "n_predict", _int_field(body, "max_completion_tokens", _int_field(body, "max_tokens", -1))
+            )
         else:
             prompt = tokenize(_require(body, "prompt"))
             n_predict = _int_field(body, "n_predict", _int_field(body, "max_tokens", -1))
@@ -1170,14 +1270,23 @@ class StubServer:
             n_predict = DEFAULT_N_PREDICT
         stream = bool(body.get("stream", False))
         stream_options = body.get("stream_options")
-        gen_params = {**self._default_params(), "n_predict": n_predict, "stream": stream,
-                      "cache_prompt": bool(body.get("cache_prompt", True))}
+        gen_params = {
+            **self._default_params(),
+            "n_predict": n_predict,
+            "stream": stream,
+            "cache_prompt": bool(body.get("cache_prompt", True)),
+        }
         gen = await self._start_generation(
-            kind=kind, prompt=prompt, n_predict=n_predict, stream=stream,
-            id_slot=_int_field(body, "id_slot", -1), cache_prompt=gen_params["cache_prompt"],
+            kind=kind,
+            prompt=prompt,
+            n_predict=n_predict,
+            stream=stream,
+            id_slot=_int_field(body, "id_slot", -1),
+            cache_prompt=gen_params["cache_prompt"],
             return_tokens=bool(body.get("return_tokens", False)),
             include_usage=isinstance(stream_options, dict) and bool(stream_options.get("include_usage")),
-            params=gen_params)
+            params=gen_params,
+        )
         try:
             if not stream:
                 async with aclosing(self._generate(request, gen)) as tokens:
@@ -1201,9 +1310,19 @@ class StubServer:
             asyncio.get_running_loop().create_task(self._cancel(request, gen))
             raise
 
-    async def _start_generation(self, *, kind: str, prompt: list[int], n_predict: int, stream: bool,
-                                id_slot: int, cache_prompt: bool, return_tokens: bool, include_usage: bool,
-                                params: dict[str, Any]) -> Generation:
+    async def _start_generation(
+        self,
+        *,
+        kind: str,
+        prompt: list[int],
+        n_predict: int,
+        stream: bool,
+        id_slot: int,
+        cache_prompt: bool,
+        return_tokens: bool,
+        include_usage: bool,
+        params: dict[str, Any],
+    ) -> Generation:
         """Take a slot (waiting for one like a deferred task), evict idle slots, then "process" the prompt."""
         async with self.task_loop:
             id_task = self._new_task_id()
@@ -1219,15 +1338,26 @@ class StubServer:
                         self._cache_store(other.tokens)
                         if self.args.unified:
                             other.tokens = []
-            gen = Generation(kind=kind, id_task=id_task, slot=slot, prompt=prompt, n_predict=n_predict,
-                             stream=stream, return_tokens=return_tokens, include_usage=include_usage,
-                             params=params)
+            gen = Generation(
+                kind=kind,
+                id_task=id_task,
+                slot=slot,
+                prompt=prompt,
+                n_predict=n_predict,
+                stream=stream,
+                return_tokens=return_tokens,
+                include_usage=include_usage,
+                params=params,
+            )
             if prompt and len(prompt) >= slot.n_ctx:
                 self._release(slot)
                 raise RequestError(
                     f"request ({len(prompt)} tokens) exceeds the available context size ({slot.n_ctx} tokens), "
-                    "try increasing it", "exceed_context_size_error", n_prompt_tokens=len(prompt),
-                    n_ctx=slot.n_ctx)
+                    "try increasing it",
+                    "exceed_context_size_error",
+                    n_prompt_tokens=len(prompt),
+                    n_ctx=slot.n_ctx,
+                )
             t0 = time.perf_counter()
             cache_n = common_prefix(slot.tokens, prompt) if cache_prompt else 0
             if prompt and cache_n >= len(prompt):
@@ -1272,8 +1402,9 @@ class StubServer:
         async with self.task_loop:
             if gen.slot.processing and gen.slot.id_task == gen.id_task:
                 self._release(gen.slot)
-                self.log.write("cancelled", request, id_slot=gen.slot.id, id_task=gen.id_task,
-                               n_decoded=len(gen.generated))
+                self.log.write(
+                    "cancelled", request, id_slot=gen.slot.id, id_task=gen.id_task, n_decoded=len(gen.generated)
+                )
                 eprint(f"stub: slot {gen.slot.id}: task {gen.id_task} cancelled, client disconnected")
 
     def _release(self, slot: Slot) -> None:
@@ -1286,20 +1417,43 @@ class StubServer:
     def _partial(self, gen: Generation, token: int) -> Any:
         piece = detokenize([token])
         if gen.kind == "native":
-            return {"index": 0, "content": piece, "tokens": [token], "stop": False, "id_slot": gen.slot.id,
-                    "tokens_predicted": len(gen.generated), "tokens_evaluated": len(gen.prompt)}
-        head = {"created": int(time.time()), "id": gen.completion_id, "model": self.args.model_name,
-                "system_fingerprint": BUILD_INFO}
+            return {
+                "index": 0,
+                "content": piece,
+                "tokens": [token],
+                "stop": False,
+                "id_slot": gen.slot.id,
+                "tokens_predicted": len(gen.generated),
+                "tokens_evaluated": len(gen.prompt),
+            }
+        head = {
+            "created": int(time.time()),
+            "id": gen.completion_id,
+            "model": self.args.model_name,
+            "system_fingerprint": BUILD_INFO,
+        }
         if gen.kind == "oai_cmpl":
-            return {"choices": [{"text": piece, "index": 0, "logprobs": None, "finish_reason": None}],
-                    **head, "object": "text_completion"}
+            return {
+                "choices": [{"text": piece, "index": 0, "logprobs": None, "finish_reason": None}],
+                **head,
+                "object": "text_completion",
+            }
         chunks = []
         if len(gen.generated) == 1:  # OpenAI clients expect the role in a first chunk of its own
-            chunks.append({"choices": [{"finish_reason": None, "index": 0,
-                                        "delta": {"role": "assistant", "content": None}}],
-                           **head, "object": "chat.completion.chunk"})
-        chunks.append({"choices": [{"finish_reason": None, "index": 0, "delta": {"content": piece}}],
-                       **head, "object": "chat.completion.chunk"})
+            chunks.append(
+                {
+                    "choices": [{"finish_reason": None, "index": 0, "delta": {"role": "assistant", "content": None}}],
+                    **head,
+                    "object": "chat.completion.chunk",
+                }
+            )
+        chunks.append(
+            {
+                "choices": [{"finish_reason": None, "index": 0, "delta": {"content": piece}}],
+                **head,
+                "object": "chat.completion.chunk",
+            }
+        )
         return chunks
 
     def _final(self, gen: Generation) -> Any:
@@ -1309,28 +1463,61 @@ class StubServer:
         head = {"created": int(time.time()), "model": self.args.model_name, "system_fingerprint": BUILD_INFO}
         if gen.kind == "native":
             return {
-                "index": 0, "content": text,
+                "index": 0,
+                "content": text,
                 "tokens": list(gen.generated) if gen.return_tokens and not gen.stream else [],
-                "id_slot": gen.slot.id, "stop": True, "model": self.args.model_name,
-                "tokens_predicted": len(gen.generated), "tokens_evaluated": len(gen.prompt),
-                "generation_settings": gen.params, "prompt": detokenize(gen.prompt), "has_new_line": False,
-                "truncated": False, "stop_type": "limit" if gen.generated else "none", "stopping_word": "",
-                "tokens_cached": len(gen.slot.tokens), "timings": timings,
+                "id_slot": gen.slot.id,
+                "stop": True,
+                "model": self.args.model_name,
+                "tokens_predicted": len(gen.generated),
+                "tokens_evaluated": len(gen.prompt),
+                "generation_settings": gen.params,
+                "prompt": detokenize(gen.prompt),
+                "has_new_line": False,
+                "truncated": False,
+                "stop_type": "limit" if gen.generated else "none",
+                "stopping_word": "",
+                "tokens_cached": len(gen.slot.tokens),
+                "timings": timings,
             }
         if gen.kind == "oai_cmpl":
-            return {"choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}],
-                    **head, "object": "text_completion", "usage": gen.usage(), "id": gen.completion_id,
-                    "timings": timings}
+            return {
+                "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}],
+                **head,
+                "object": "text_completion",
+                "usage": gen.usage(),
+                "id": gen.completion_id,
+                "timings": timings,
+            }
         if not gen.stream:
-            return {"choices": [{"finish_reason": finish_reason, "index": 0,
-                                 "message": {"role": "assistant", "content": text}}],
-                    **head, "object": "chat.completion", "usage": gen.usage(), "id": gen.completion_id,
-                    "timings": timings}
-        chunks = [{"choices": [{"finish_reason": finish_reason, "index": 0, "delta": {}}], **head,
-                   "id": gen.completion_id, "object": "chat.completion.chunk"}]
+            return {
+                "choices": [
+                    {"finish_reason": finish_reason, "index": 0, "message": {"role": "assistant", "content": text}}
+                ],
+                **head,
+                "object": "chat.completion",
+                "usage": gen.usage(),
+                "id": gen.completion_id,
+                "timings": timings,
+            }
+        chunks = [
+            {
+                "choices": [{"finish_reason": finish_reason, "index": 0, "delta": {}}],
+                **head,
+                "id": gen.completion_id,
+                "object": "chat.completion.chunk",
+            }
+        ]
         if gen.include_usage:
-            chunks.append({"choices": [], **head, "id": gen.completion_id, "object": "chat.completion.chunk",
-                           "usage": gen.usage()})
+            chunks.append(
+                {
+                    "choices": [],
+                    **head,
+                    "id": gen.completion_id,
+                    "object": "chat.completion.chunk",
+                    "usage": gen.usage(),
+                }
+            )
         chunks[-1]["timings"] = timings
         return chunks
 

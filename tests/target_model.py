@@ -103,7 +103,7 @@ def slot_request(target: Target) -> SlotRequest | None:
     path = target.path
     if not path.startswith(SLOTS_ROUTE):
         return None
-    segment, _, rest = path[len(SLOTS_ROUTE):].partition("/")
+    segment, _, rest = path[len(SLOTS_ROUTE) :].partition("/")
     if rest:  # the route's one segment, then at most a trailing '/'
         return None
     params = target.params

@@ -95,8 +95,11 @@ def test_the_slot_an_unpinnable_request_ran_on_is_the_one_saved(family_start):
     family = FAMILIES["llama"]
     sk = family_start(family, "-np", "2")
     shared = "Task: fix the failing test in module "
-    firsts = {"near": shared + "seven and report back.", "far": "Note: the build is green today, nothing to do.",
-              "new": shared + "nine and report back."}
+    firsts = {
+        "near": shared + "seven and report back.",
+        "far": "Note: the build is green today, nothing to do.",
+        "new": shared + "nine and report back.",
+    }
     pad = _pad_for_a_block_tie(sk.port, firsts)
     system = AGENT_SYSTEM + " " + "x" * pad
     near, far = (AgentSession(n, "messages", system=system, first=firsts[k]) for n, k in ((1, "near"), (2, "far")))
@@ -119,8 +122,9 @@ def _pad_for_a_block_tie(port: int, firsts: dict[str, str]) -> int:
     inside one 64-token block, sharing more tokens with `near` than with `far`."""
     for pad in range(200):
         system = AGENT_SYSTEM + " " + "x" * pad
-        tokens = {k: prompt_tokens(port, AgentSession(0, "chat", system=system, first=v).body())
-                  for k, v in firsts.items()}
+        tokens = {
+            k: prompt_tokens(port, AgentSession(0, "chat", system=system, first=v).body()) for k, v in firsts.items()
+        }
         with_near, with_far = (common_prefix(tokens["new"], tokens[k]) for k in ("near", "far"))
         if with_near > with_far and with_near // BLOCK_TOKENS == with_far // BLOCK_TOKENS:
             return pad
@@ -137,9 +141,14 @@ def test_debug_logs_one_line_per_placement(family_start):
         session.turn(sk.port)
     lines = [line for line in sk.logs().splitlines() if "request placed on slot" in line]
     assert len(lines) == 4, lines
-    assert all(re.fullmatch(r"slotkeeper: debug: /v1/(messages|chat/completions) request placed on slot \d "
-                            r"\((new|resident|restored|opening|branch)\): .*(reused|tokenized).*", line)
-               for line in lines), lines
+    assert all(
+        re.fullmatch(
+            r"slotkeeper: debug: /v1/(messages|chat/completions) request placed on slot \d "
+            r"\((new|resident|restored|opening|branch)\): .*(reused|tokenized).*",
+            line,
+        )
+        for line in lines
+    ), lines
     assert "of 3," in lines[0] and "prompt tokens expected reused" in lines[0], lines
     swap_out(sk)
     quiet = family_start(family)

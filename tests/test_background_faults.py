@@ -35,7 +35,7 @@ OTHER = "Something else entirely, to make the slot hold another conversation. " 
 ESCALATED = "after SIGTERM; sending SIGKILL"  # supervisor.ChildProcess.stop, when the child outlives SIGTERM
 # Loaded before slotkeeper runs (PYTHONPATH): the store's save (restore) raises EROFS while the marker file
 # `save` (`restore`) exists in $FAULT_DIR.
-FAULTY_STORE = '''
+FAULTY_STORE = """
 import errno, os
 from pathlib import Path
 from slotkeeper.store import ConversationStore
@@ -52,7 +52,7 @@ def _faulty(name):
 
 _faulty("save_slot")
 _faulty("restore")
-'''
+"""
 
 ReadOnly = Callable[[Path], AbstractContextManager[None]]
 
@@ -181,7 +181,8 @@ def test_an_error_in_the_idle_autosave_is_one_line_and_the_autosave_goes_on(fami
     marker.unlink()
     assert wait_until(lambda: saved(sk.logs()), 20), f"the autosave did not run again:\n{sk.logs()}"
     assert sk.logs().count(failed) == 1 and "warning: idle autosave failed" not in sk.logs().replace(
-        f"warning: {failed}", ""), sk.logs()
+        f"warning: {failed}", ""
+    ), sk.logs()
     sk.killpg(signal.SIGTERM)
     assert sk.wait(30) == 0, sk.logs()
     assert clean_exit(sk.logs()) and "nothing to save" in sk.logs(), sk.logs()
@@ -206,7 +207,8 @@ def test_an_error_in_the_stop_time_save_still_stops_the_child_and_exits_0(family
     assert sk2.wait(30) == 0, sk2.logs()
     logs = sk2.logs()
     assert re.findall(r"warning: saving at stop failed: (.*)", logs) == [
-        "[Errno 30] Read-only file system; slots not saved yet keep their previous entries"], logs
+        "[Errno 30] Read-only file system; slots not saved yet keep their previous entries"
+    ], logs
     assert clean_exit(logs), logs
     assert entry_ids(save_dir) == [entry]
     marker.unlink()
@@ -224,8 +226,10 @@ def test_an_error_in_a_start_up_restore_is_one_line_and_the_start_goes_on(family
     entry = only_entry(sk.extra["save_dir"])
     (faults / "restore").touch()
     sk2 = family_start(FAMILIES["llama"], "-np", "1", own=("--autosave-idle", "0"), env=env)
-    assert f"warning: chat {entry[:4]} not restored into slot 0 (OSError(30, 'Read-only file system')); it " \
-           "starts cold" in sk2.logs(), sk2.logs()
+    assert (
+        f"warning: chat {entry[:4]} not restored into slot 0 (OSError(30, 'Read-only file system')); it "
+        "starts cold" in sk2.logs()
+    ), sk2.logs()
     assert complete(sk2)["timings"]["cache_n"] == 0
     sk2.killpg(signal.SIGTERM)
     assert sk2.wait(30) == 0, sk2.logs()
@@ -263,12 +267,15 @@ def test_sigterm_during_the_start_up_restore_waits_for_it_then_the_child_exits_o
     sk.killpg(signal.SIGTERM)
     assert sk.wait(15) == 0, sk.logs()
     logs = sk.logs()
-    assert "stop requested during restoring: stopping llama-server without saving once its slot restore under " \
-           "way ends (up to 2 s)" in logs, logs
+    assert (
+        "stop requested during restoring: stopping llama-server without saving once its slot restore under "
+        "way ends (up to 2 s)" in logs
+    ), logs
     assert clean_exit(logs), logs
     pid = child_pid(sk)
-    assert [e["event"] for e in read_events(sk.extra["events"]) if e["pid"] == pid and e["event"] in (
-        "term", "save")] == ["term"]
+    assert [
+        e["event"] for e in read_events(sk.extra["events"]) if e["pid"] == pid and e["event"] in ("term", "save")
+    ] == ["term"]
     assert entry_ids(sk.extra["save_dir"]) == [entry]
 
 
@@ -276,10 +283,12 @@ def test_sigterm_during_an_on_demand_restore_waits_for_it_then_the_child_exits_o
     """A stop while a request's restore runs (3 s) outlasts the drain (0.5 s): the request is cancelled, but
     its slot action ends before llama-server is signalled, so it exits on its SIGTERM (no SIGKILL), exit 0."""
     entry = seed(stub_slotkeeper)
-    sk = stub_slotkeeper("-np", "1", own=("--drain-timeout", "0.5", "--autosave-idle", "0"),
-                         stub={"STUB_RESTORE_SECONDS": "3"})
+    sk = stub_slotkeeper(
+        "-np", "1", own=("--drain-timeout", "0.5", "--autosave-idle", "0"), stub={"STUB_RESTORE_SECONDS": "3"}
+    )
     assert restored(sk.logs()) == [(entry[:4], 0)], sk.logs()
     complete(sk, OTHER)  # the slot now holds another chat: the first one is in the store only
+
     def cut_off_request() -> None:  # the drain cancels it: its connection is closed without a reply
         with contextlib.suppress(OSError):
             http_call(sk.port, "POST", "/completion", {"prompt": STUB_PROMPT + " and on", "n_predict": 8}, timeout=30)

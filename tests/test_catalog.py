@@ -63,8 +63,15 @@ def write_model(path: Path, content: bytes = b"GGUF model A" * 1000) -> Path:
 
 
 def write_entry(
-    directory: Path, *, tokens: int = 100, bytes_per_token: int = 64, age: float = 0.0, used_age: float | None = None,
-    fingerprint: dict[str, Any] | None = None, version: int = 4, entry_id: str | None = None,
+    directory: Path,
+    *,
+    tokens: int = 100,
+    bytes_per_token: int = 64,
+    age: float = 0.0,
+    used_age: float | None = None,
+    fingerprint: dict[str, Any] | None = None,
+    version: int = 4,
+    entry_id: str | None = None,
 ) -> Entry:
     """An entry as a save leaves it: the slot file lands in snapshots/ under a transient name and
     ConversationStore._commit (the store's own code) renames it into entries/ and writes its manifest."""
@@ -75,9 +82,16 @@ def write_entry(
     transient = directory / "snapshots" / f"{TRANSIENT_PREFIX}{secrets.token_hex(16)}.bin"
     transient.write_bytes(encode_slot_file(list(range(1, tokens + 1)), "m.gguf", bytes_per_token, version=version))
     entry = Entry(
-        id=entry_id or secrets.token_hex(8), tokens=0, nbytes=transient.stat().st_size, keys=[],
-        saved_at=NOW - age, last_used=NOW - (age if used_age is None else used_age), fingerprint=fp,
-        seq_version=0, layout="", save_ms=12.5,
+        id=entry_id or secrets.token_hex(8),
+        tokens=0,
+        nbytes=transient.stat().st_size,
+        keys=[],
+        saved_at=NOW - age,
+        last_used=NOW - (age if used_age is None else used_age),
+        fingerprint=fp,
+        seq_version=0,
+        layout="",
+        save_ms=12.5,
     )
     store._commit(transient, entry)
     return entry
@@ -95,18 +109,35 @@ def edit_manifest(directory: Path, entry: Entry, **changes: Any) -> None:
     write_json_atomic(path, data, fsync=False)
 
 
-def write_slot_file(directory: Path, slot: int, *, tokens: int = 50, age: float = 0.0, manifest: bool = True,
-                    fingerprint: dict[str, Any] | None = None) -> None:
+def write_slot_file(
+    directory: Path,
+    slot: int,
+    *,
+    tokens: int = 50,
+    age: float = 0.0,
+    manifest: bool = True,
+    fingerprint: dict[str, Any] | None = None,
+) -> None:
     """A pair of the slot-file layout, as SlotStore wrote it: `<slot>.bin`, then its version-1 `<slot>.json`."""
     directory.mkdir(parents=True, exist_ok=True)
     data = encode_slot_file(list(range(tokens)), "m.gguf", 64)
     (directory / f"{slot}.bin").write_bytes(data)
     os.utime(directory / f"{slot}.bin", (NOW - age, NOW - age))
     if manifest:
-        (directory / f"{slot}.json").write_text(json.dumps({
-            "version": 1, "slot": slot, "tokens": tokens, "bytes": len(data), "saved_at": NOW - age, "save_ms": 3.0,
-            "fingerprint": FP if fingerprint is None else fingerprint,
-        }, indent=1))
+        (directory / f"{slot}.json").write_text(
+            json.dumps(
+                {
+                    "version": 1,
+                    "slot": slot,
+                    "tokens": tokens,
+                    "bytes": len(data),
+                    "saved_at": NOW - age,
+                    "save_ms": 3.0,
+                    "fingerprint": FP if fingerprint is None else fingerprint,
+                },
+                indent=1,
+            )
+        )
 
 
 def run(main, capsys, *argv: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
@@ -136,12 +167,22 @@ def mixed_dir(tmp_path: Path) -> dict[str, Any]:
     d = tmp_path / "cache"
     qwen = {**FP, "model": MODEL}
     e = {
-        "newest": write_entry(d, tokens=6222, bytes_per_token=2000, age=HOUR, used_age=3 * MIN + 5, fingerprint=qwen,
-                              entry_id="aaaa0000" + "11" * 4),
+        "newest": write_entry(
+            d,
+            tokens=6222,
+            bytes_per_token=2000,
+            age=HOUR,
+            used_age=3 * MIN + 5,
+            fingerprint=qwen,
+            entry_id="aaaa0000" + "11" * 4,
+        ),
         "older": write_entry(d, tokens=300, age=2 * HOUR + 100, fingerprint=qwen, entry_id="aaaa1111" + "22" * 4),
-        "other_config": write_entry(d, tokens=500, age=3 * DAY, fingerprint={**qwen, "n_ctx_slot": 8192},
-                                    entry_id="bbbb" + "33" * 6),
-        "other_format": write_entry(d, tokens=100, age=4 * DAY, fingerprint=qwen, version=3, entry_id="cccc" + "44" * 6),
+        "other_config": write_entry(
+            d, tokens=500, age=3 * DAY, fingerprint={**qwen, "n_ctx_slot": 8192}, entry_id="bbbb" + "33" * 6
+        ),
+        "other_format": write_entry(
+            d, tokens=100, age=4 * DAY, fingerprint=qwen, version=3, entry_id="cccc" + "44" * 6
+        ),
         "size_mismatch": write_entry(d, tokens=12_001, age=5 * HOUR, fingerprint=qwen, entry_id="dddd" + "55" * 6),
         "no_bin": write_entry(d, tokens=50, age=40, fingerprint=qwen, entry_id="eeee" + "66" * 6),
         "bad_manifest": write_entry(d, tokens=70, age=10, fingerprint=qwen, entry_id="ffff" + "77" * 6),
@@ -157,8 +198,17 @@ def mixed_dir(tmp_path: Path) -> dict[str, Any]:
     os.utime(interrupted, (NOW - 5 * DAY - 7, NOW - 5 * DAY - 7))
     (d / "entries" / ("aaaa0000" + "11" * 4 + ".json.partial")).write_bytes(b"x" * 300)  # a manifest being written
     (d / "quarantine").mkdir()
-    quarantined = Entry(id="4444" + "99" * 6, tokens=77, nbytes=700, keys=[], saved_at=NOW - 3 * DAY,
-                        last_used=NOW - 3 * DAY, fingerprint=qwen, seq_version=4, layout="packed-1")
+    quarantined = Entry(
+        id="4444" + "99" * 6,
+        tokens=77,
+        nbytes=700,
+        keys=[],
+        saved_at=NOW - 3 * DAY,
+        last_used=NOW - 3 * DAY,
+        fingerprint=qwen,
+        seq_version=4,
+        layout="packed-1",
+    )
     (d / "quarantine" / f"20250101-120000-{quarantined.id}.bin").write_bytes(b"x" * 700)
     write_json_atomic(d / "quarantine" / f"20250101-120000-{quarantined.id}.json", quarantined.manifest(), fsync=False)
     write_slot_file(d, 0, tokens=40, age=2 * DAY)  # the slot-file layout, not yet taken over
@@ -198,8 +248,14 @@ def test_ls_table_shows_each_entry_with_its_status(capsys, mixed_dir):
     assert rows["dddd"][1] == "12,001" and rows["dddd"][-1] == "size mismatch (quarantined at start)"
     assert rows["eeee"][-1] == "no .bin (manifest dropped at start)"
     assert rows["ffff"][1:2] == ["-"] and rows["ffff"][-1] == "bad manifest (never used)"
-    assert rows["9999"] == ["9999", "-", fmt_bytes((d / "entries" / ("9999" + "88" * 6 + ".bin")).stat().st_size),
-                            "5 d ago", "-", "interrupted save (removed at start)"]
+    assert rows["9999"] == [
+        "9999",
+        "-",
+        fmt_bytes((d / "entries" / ("9999" + "88" * 6 + ".bin")).stat().st_size),
+        "5 d ago",
+        "-",
+        "interrupted save (removed at start)",
+    ]
     assert rows["4444"][1] == "77" and rows["4444"][-1] == "quarantined"
     assert rows["0.bin"][1] == "40" and rows["0.bin"][3] == "2 d ago"
     assert rows["0.bin"][-1] == "slot file (taken over at next start)"
@@ -230,7 +286,9 @@ def test_ls_status_is_what_the_store_makes_of_each_entry(capsys, mixed_dir):
     store.check_formats()
     assert by_status["usable"] < set(store.entries)  # and the slot file, taken over under a new id:
     assert len(store.entries) == len(by_status["usable"]) + len(by_status["slot_file"]) == 3
-    assert [i for i, why in store.skipped.items() if "another configuration" in why] == list(by_status["other_configuration"])
+    assert [i for i, why in store.skipped.items() if "another configuration" in why] == list(
+        by_status["other_configuration"]
+    )
     assert [i for i, why in store.skipped.items() if why.startswith("format v3")] == list(by_status["other_format"])
     quarantined = {p.name.split("-", 2)[2].removesuffix(".bin") for p in (d / "quarantine").glob("*.bin")}
     assert quarantined == by_status["quarantined"] | by_status["size_mismatch"]
@@ -287,7 +345,9 @@ def test_ls_json_lists_every_row_with_its_fields(capsys, mixed_dir):
     assert directory["reference"] == mixed_dir["newest"].id  # the most recently used: the last run's configuration
     assert directory["quarantined"] == 1 and directory["slot_files"] == 1 and directory["partials"] == 1
     assert directory["client_files"] == 2 and directory["in_use"] is False
-    assert directory["bytes"] == sum(p.stat().st_size for p in (d / "entries").iterdir() if not p.name.endswith(".partial"))
+    assert directory["bytes"] == sum(
+        p.stat().st_size for p in (d / "entries").iterdir() if not p.name.endswith(".partial")
+    )
     rows = {r["id"]: r for r in records if r["kind"] != "directory"}
     newest = rows[mixed_dir["newest"].id]
     bin_path, manifest_path = entry_files(d, mixed_dir["newest"])
@@ -304,7 +364,11 @@ def test_ls_json_lists_every_row_with_its_fields(capsys, mixed_dir):
     mismatch = rows[mixed_dir["size_mismatch"].id]
     assert mismatch["status"] == "size_mismatch" and mismatch["bin_size"] == mismatch["bytes"] + 5
     interrupted = rows["9999" + "88" * 6]
-    assert interrupted["status"] == "interrupted_save" and interrupted["manifest"] is None and interrupted["tokens"] is None
+    assert (
+        interrupted["status"] == "interrupted_save"
+        and interrupted["manifest"] is None
+        and interrupted["tokens"] is None
+    )
     assert rows[mixed_dir["no_bin"].id]["bin"] is None
     quarantined = rows["4444" + "99" * 6]
     assert quarantined["kind"] == "quarantined" and quarantined["tokens"] == 77
@@ -340,7 +404,10 @@ def test_ls_without_dirs_lists_the_default_cache_dirs(capsys, tmp_path):
     code, out, _ = run(ls_main, capsys, str(root), "--json", env={"XDG_CACHE_HOME": str(tmp_path / "nothing")})
     assert sorted({Path(r["dir"]).name for r in json.loads(out)}) == expected
     code, out, _ = run(ls_main, capsys, str(root / "empty"))
-    assert out.splitlines()[1:] == ["  (no entries)", "  0 entries, 0 B; quarantine: 0 entries; snapshots/: 0 client files"]
+    assert out.splitlines()[1:] == [
+        "  (no entries)",
+        "  0 entries, 0 B; quarantine: 0 entries; snapshots/: 0 client files",
+    ]
 
 
 def test_ls_reads_what_the_store_writes(capsys, tmp_path):
@@ -481,8 +548,9 @@ def test_ls_and_prune_respect_a_held_lock(capsys, tmp_path):
         for dry in ([], ["--dry-run"]):
             code, out, err = run(prune_main, capsys, str(d), "--older-than", "1d", *dry)
             assert code == 1 and out == "nothing to remove\n"
-            assert err == (f"slotkeeper prune: skipped {d}: in use by slotkeeper pid {os.getpid()} "
-                           "(--force prunes it anyway)\n")
+            assert err == (
+                f"slotkeeper prune: skipped {d}: in use by slotkeeper pid {os.getpid()} (--force prunes it anyway)\n"
+            )
             assert all(p.exists() for p in entry_files(d, old))
         code, out, err = run(prune_main, capsys, str(d), "--older-than", "1d", "--force")
         assert code == 0 and err == ""
@@ -577,8 +645,11 @@ def test_prune_quarantine_only_touches_quarantine(capsys, mixed_dir):
     qid = "4444" + "99" * 6
     assert names(d) == before - {f"quarantine/20250101-120000-{qid}.bin", f"quarantine/20250101-120000-{qid}.json"}
     assert (d / "quarantine").is_dir()
-    assert re.fullmatch(rf"removed quarantined entry 4444 in {re.escape(str(d))} \(77 tokens, [\d.]+ KB, "
-                        r"last used 3 d ago\): quarantined", out.splitlines()[0]), out
+    assert re.fullmatch(
+        rf"removed quarantined entry 4444 in {re.escape(str(d))} \(77 tokens, [\d.]+ KB, "
+        r"last used 3 d ago\): quarantined",
+        out.splitlines()[0],
+    ), out
     assert re.fullmatch(r"removed 0 entries and 1 quarantined entry: [\d.]+ KB", out.splitlines()[-1])
 
 
@@ -619,8 +690,14 @@ def test_prune_other_configs(capsys, tmp_path):
 
 @pytest.mark.parametrize(
     "criteria",
-    [["--older-than", "1s"], ["--max-total", "0"], ["--quarantine"], ["--missing-models"], ["--other-configs"],
-     ["--older-than", "0s", "--max-total", "0", "--quarantine", "--missing-models", "--other-configs"]],
+    [
+        ["--older-than", "1s"],
+        ["--max-total", "0"],
+        ["--quarantine"],
+        ["--missing-models"],
+        ["--other-configs"],
+        ["--older-than", "0s", "--max-total", "0", "--quarantine", "--missing-models", "--other-configs"],
+    ],
 )
 def test_prune_dry_run_removes_nothing(capsys, mixed_dir, criteria):
     d = mixed_dir["dir"]
@@ -638,13 +715,28 @@ def test_prune_everything_leaves_foreign_files_alone(capsys, mixed_dir):
     (d / "quarantine" / "keep" / "x.bin").write_bytes(b"x")
     (d / "entries" / "notes.txt").write_bytes(b"x")
     snapshots = names(d / "snapshots")
-    code, out, _ = run(prune_main, capsys, str(d), "--older-than", "0s", "--max-total", "0",
-                       "--quarantine", "--missing-models", "--other-configs")
+    code, out, _ = run(
+        prune_main,
+        capsys,
+        str(d),
+        "--older-than",
+        "0s",
+        "--max-total",
+        "0",
+        "--quarantine",
+        "--missing-models",
+        "--other-configs",
+    )
     assert code == 0
     # every entry, slot file and quarantined pair went; clients' files, what is not slotkeeper's, the lock and
     # the partial manifest (the next start finishes or removes it) stayed
-    assert names(d) == {*FOREIGN, "quarantine/keep/x.bin", "entries/notes.txt",
-                        "entries/aaaa0000" + "11" * 4 + ".json.partial", *(f"snapshots/{n}" for n in snapshots)}
+    assert names(d) == {
+        *FOREIGN,
+        "quarantine/keep/x.bin",
+        "entries/notes.txt",
+        "entries/aaaa0000" + "11" * 4 + ".json.partial",
+        *(f"snapshots/{n}" for n in snapshots),
+    }
     assert out.splitlines()[-1].startswith("removed 8 entries, 1 slot file and 1 quarantined entry: ")
 
 
@@ -740,8 +832,14 @@ def remote_objects(s3: S3Server) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()} if root.exists() else set()
 
 
-def put_remote(s3: S3Server, namespace: str, entry: Entry | None, *, manifest: dict[str, Any] | None = None,
-               entry_id: str | None = None) -> str:
+def put_remote(
+    s3: S3Server,
+    namespace: str,
+    entry: Entry | None,
+    *,
+    manifest: dict[str, Any] | None = None,
+    entry_id: str | None = None,
+) -> str:
     """An entry as the remote tier uploads it: the .bin, then its manifest with the .bin's sha256 and bytes."""
     import obstore
 
@@ -758,8 +856,17 @@ def put_remote(s3: S3Server, namespace: str, entry: Entry | None, *, manifest: d
 
 
 def remote_entry(tokens: int, used_age: float, fingerprint: dict[str, Any]) -> Entry:
-    return Entry(id=secrets.token_hex(8), tokens=tokens, nbytes=0, keys=["k"], saved_at=NOW - used_age,
-                 last_used=NOW - used_age, fingerprint=fingerprint, seq_version=4, layout="packed-1")
+    return Entry(
+        id=secrets.token_hex(8),
+        tokens=tokens,
+        nbytes=0,
+        keys=["k"],
+        saved_at=NOW - used_age,
+        last_used=NOW - used_age,
+        fingerprint=fingerprint,
+        seq_version=4,
+        layout="packed-1",
+    )
 
 
 def test_ls_and_prune_the_shared_tier(capsys, s3):
@@ -783,8 +890,12 @@ def test_ls_and_prune_the_shared_tier(capsys, s3):
     assert set(namespaces) == {ns_plain, ns_q8} and namespaces[ns_q8]["entries"] == 3
     rows = {r["id"]: r for r in records if r["kind"] == "remote"}
     assert {i: rows[i]["status"] for i in rows} == {
-        old.id: "shared", new.id: "shared", other.id: "shared", misplaced.id: "other_namespace",
-        bad: "remote_bad_manifest"}
+        old.id: "shared",
+        new.id: "shared",
+        other.id: "shared",
+        misplaced.id: "other_namespace",
+        bad: "remote_bad_manifest",
+    }
     assert rows[new.id]["tokens"] == 200 and rows[new.id]["age_s"] == HOUR and rows[new.id]["namespace"] == ns_plain
     assert rows[new.id]["bytes"] == len(encode_slot_file(list(range(200)), "m.gguf"))
 
@@ -797,15 +908,18 @@ def test_ls_and_prune_the_shared_tier(capsys, s3):
     assert "3 entries, " in out and "(2 never used)" in out and "total: 5 entries, " in out
 
     before = remote_objects(s3)
-    code, out, _ = run(prune_main, capsys, "--remote", "--remote-store", URL, "--older-than", "7d", "--dry-run", env=env)
+    code, out, _ = run(
+        prune_main, capsys, "--remote", "--remote-store", URL, "--older-than", "7d", "--dry-run", env=env
+    )
     assert code == 0 and remote_objects(s3) == before
     assert {line.split()[4] for line in out.splitlines()[:-1]} == {short(old), bad[:4]}  # (no last use: oldest)
     code, out, _ = run(prune_main, capsys, "--remote", "--remote-store", URL, "--older-than", "7d", env=env)
     assert code == 0 and out.splitlines()[-1].startswith("removed 2 remote entries: ")
     gone = {f"{ns_plain}/{old.id}.bin", f"{ns_plain}/{old.id}.json", f"{ns_q8}/{bad}.bin", f"{ns_q8}/{bad}.json"}
     assert remote_objects(s3) == before - gone
-    code, out, _ = run(prune_main, capsys, "--remote", "--remote-store", URL, "--other-configs", "--", "-ctk", "q8_0",
-                       env=env)
+    code, out, _ = run(
+        prune_main, capsys, "--remote", "--remote-store", URL, "--other-configs", "--", "-ctk", "q8_0", env=env
+    )
     assert code == 0 and out.splitlines()[0].startswith(f"removed remote entry {short(new)} in {URL}/{ns_plain} ")
     assert out.splitlines()[0].endswith("not for these llama-server arguments: cache_type_k default -> q8_0")
     assert {p.split("/")[1].split(".")[0] for p in remote_objects(s3)} == {other.id, misplaced.id}
@@ -838,15 +952,21 @@ def test_ls_and_prune_remote_what_a_real_slotkeeper_uploaded(capsys, s3, stub_sl
     assert {r["id"]: r["tokens"] for r in rows} == {i: m["tokens"] for i, m in local.items()}  # type: ignore[index]
     assert all(r["status"] == "shared" and r["match"] is True for r in rows)
     last = max(rows, key=lambda r: r["last_used"])
-    code, out, _ = run(prune_main, capsys, "--remote", "--remote-store", URL, "--max-total", str(last["bytes"]), env=env)
+    code, out, _ = run(
+        prune_main, capsys, "--remote", "--remote-store", URL, "--max-total", str(last["bytes"]), env=env
+    )
     assert code == 0 and out.splitlines()[-1].startswith("removed 1 remote entry: ")
     assert {p.split("/")[1] for p in remote_objects(s3)} == {f"{last['id']}.bin", f"{last['id']}.json"}
     assert {p.stem for p in (save_dir / "entries").glob("*.json")} == set(local)
 
 
 def test_an_unreachable_shared_tier_is_one_line_and_exit_1(capsys):
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "k" * 20,
-           "AWS_SECRET_ACCESS_KEY": "s" * 30, "XDG_CACHE_HOME": "/nonexistent-xdg"}
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",
+        "AWS_ACCESS_KEY_ID": "k" * 20,
+        "AWS_SECRET_ACCESS_KEY": "s" * 30,
+        "XDG_CACHE_HOME": "/nonexistent-xdg",
+    }
     for main, extra in ((ls_main, []), (prune_main, ["--older-than", "1d"])):
         code, out, err = run(main, capsys, "--remote", "--remote-store", URL, *extra, env=env)
         assert code == 1 and out == ""
@@ -877,10 +997,22 @@ def test_an_unreachable_shared_tier_is_one_line_and_exit_1(capsys):
         (ls_main, ["--remote"], "--remote needs --remote-store s3://bucket/prefix or SLOTKEEPER_REMOTE_STORE"),
         (ls_main, ["--remote-store", "s3://b/p"], "--remote-store is used with --remote"),
         (ls_main, ["{tmp}", "--remote", "--remote-store", "s3://bucket/p"], "give DIR or --remote, not both"),
-        (ls_main, ["--remote", "--remote-store", "http://bucket/p"], "--remote-store must look like s3://bucket/prefix"),
+        (
+            ls_main,
+            ["--remote", "--remote-store", "http://bucket/p"],
+            "--remote-store must look like s3://bucket/prefix",
+        ),
         (prune_main, ["--remote", "--remote-store", "s3://bucket/p", "--quarantine"], "--quarantine applies to save"),
-        (prune_main, ["--remote", "--remote-store", "s3://bucket/p", "--older-than", "1d", "--force"], "--force applies"),
-        (prune_main, ["--remote", "--remote-store", "s3://bucket/p", "--other-configs"], "needs llama-server arguments"),
+        (
+            prune_main,
+            ["--remote", "--remote-store", "s3://bucket/p", "--older-than", "1d", "--force"],
+            "--force applies",
+        ),
+        (
+            prune_main,
+            ["--remote", "--remote-store", "s3://bucket/p", "--other-configs"],
+            "needs llama-server arguments",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, main, argv, message):
@@ -911,7 +1043,16 @@ def test_parse_duration_and_size():
 
 def test_format_age():
     assert [catalog.format_age(s) for s in (-5, 0, 59, 60, 3 * MIN + 59, HOUR, 2 * HOUR + 1, DAY - 1, 5 * DAY)] == [
-        "0 s", "0 s", "59 s", "1 min", "3 min", "1 h", "2 h", "23 h", "5 d"]
+        "0 s",
+        "0 s",
+        "59 s",
+        "1 min",
+        "3 min",
+        "1 h",
+        "2 h",
+        "23 h",
+        "5 d",
+    ]
 
 
 def test_short_ids_tell_entries_apart(capsys, tmp_path):
@@ -941,6 +1082,7 @@ def reference_short_ids(rows: Sequence[Row | RemoteRow]) -> list[str]:
 def random_ids(rng: random.Random, n: int) -> list[str]:
     """Hex ids as saves make them, and the cases that are not: ids sharing long prefixes (up to all but the last
     digit), ids that are prefixes of others, repeats, ids shorter than 4 characters, the empty id."""
+
     def hexes(k: int) -> str:
         return "".join(rng.choice("0123456789abcdef") for _ in range(k))
 
@@ -961,7 +1103,8 @@ def test_short_ids_are_the_reference_rules(tmp_path, seed):
     for entry_id in random_ids(rng, rng.choice([0, 1, 2, 5, 30, 200])):
         kind = rng.choice([Kind.ENTRY, Kind.ENTRY, Kind.QUARANTINED, Kind.SLOT_FILE])
         name = {Kind.QUARANTINED: f"20250101-120000-{entry_id}", Kind.SLOT_FILE: str(rng.randint(0, 3))}.get(
-            kind, entry_id)
+            kind, entry_id
+        )
         rows.append(Row(kind, tmp_path, tmp_path, name, None, None, None, Status.USABLE))
     expected = reference_short_ids(rows)
     assign_short_ids(rows)
@@ -975,8 +1118,10 @@ def test_short_ids_are_the_reference_rules(tmp_path, seed):
 def test_short_ids_of_a_large_store_take_no_quadratic_time(tmp_path):
     """20,000 ids (the reference rule took minutes): well under a second, and still told apart."""
     rng = random.Random(7)
-    rows = [Row(Kind.ENTRY, tmp_path, tmp_path, f"{rng.getrandbits(64):016x}", None, None, None, Status.USABLE)
-            for _ in range(20_000)]
+    rows = [
+        Row(Kind.ENTRY, tmp_path, tmp_path, f"{rng.getrandbits(64):016x}", None, None, None, Status.USABLE)
+        for _ in range(20_000)
+    ]
     started = time.monotonic()
     assign_short_ids(rows)
     assert time.monotonic() - started < 2.0
@@ -993,7 +1138,7 @@ def test_short_ids_of_a_large_store_take_no_quadratic_time(tmp_path):
 def random_json(rng: random.Random, depth: int = 0) -> Any:
     choice = rng.randrange(12 if depth < 4 else 8)
     if choice == 0:
-        return rng.choice(["", "plain", "ünïcødé ✓", "quote \" back\\slash", "tab\tnew\nline\x00", "\ud83d\ude00"])
+        return rng.choice(["", "plain", "ünïcødé ✓", 'quote " back\\slash', "tab\tnew\nline\x00", "\ud83d\ude00"])
     if choice == 1:
         return rng.choice([0, -1, 7, 2**70, -(2**63)])
     if choice == 2:
@@ -1003,8 +1148,10 @@ def random_json(rng: random.Random, depth: int = 0) -> Any:
     if choice in (4, 5, 6, 7):
         return rng.choice(["entry", 12, 3.25, None])
     if choice in (8, 9):
-        return {rng.choice(["a", "kind", "ü", "x y", str(i)]) + str(i): random_json(rng, depth + 1)
-                for i in range(rng.randrange(4))}
+        return {
+            rng.choice(["a", "kind", "ü", "x y", str(i)]) + str(i): random_json(rng, depth + 1)
+            for i in range(rng.randrange(4))
+        }
     if choice == 10:
         return [random_json(rng, depth + 1) for _ in range(rng.randrange(4))]
     return rng.choice([(1, 2), Status.USABLE, {1: "int key"}, {"k": (None,)}, [Kind.ENTRY], 2.5])
@@ -1067,18 +1214,28 @@ ENTRY = "import sys; from slotkeeper.catalog import {0}; sys.exit({0}(sys.argv[1
 
 
 def test_as_a_process_bad_input_prints_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", ENTRY.format("prune_main"), str(tmp_path), "--max-total", "lots"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", ENTRY.format("prune_main"), str(tmp_path), "--max-total", "lots"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr == "slotkeeper prune: error: invalid size 'lots': use e.g. 500MB, 20GB, 1.5TB, 8GiB or a byte count\n"
+    assert (
+        proc.stderr
+        == "slotkeeper prune: error: invalid size 'lots': use e.g. 500MB, 20GB, 1.5TB, 8GiB or a byte count\n"
+    )
 
 
 def test_as_a_process_a_closed_pipe_is_not_an_error(tmp_path):
     """`slotkeeper ls --json | head`: the reader goes away early; no traceback, exit 0."""
     for _ in range(400):
         write_entry(tmp_path, tokens=1)
-    proc = subprocess.Popen([sys.executable, "-c", ENTRY.format("ls_main"), str(tmp_path), "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ENTRY.format("ls_main"), str(tmp_path), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     assert proc.stdout is not None and proc.stdout.read(10) == b'[\n {\n  "ki'
     proc.stdout.close()
     assert proc.wait(60) == 0

@@ -81,7 +81,7 @@ class Child:
         with open(self.log, "rb") as f:
             f.seek(self.log_offset)
             data = f.read()
-        data = data[:data.rfind(b"\n") + 1]
+        data = data[: data.rfind(b"\n") + 1]
         self.log_offset += len(data)
         marker = b"converted request: "  # split on b"\n" only: str.splitlines() also splits at U+0085 etc.
         return [line.split(marker, 1)[1].decode() for line in data.split(b"\n") if marker in line]
@@ -102,8 +102,7 @@ class Child:
         status, reply = self.post("/apply-template", chat)
         if status != 200:
             return status, reply["error"]["message"]
-        status, reply = self.post("/tokenize", {"content": reply["prompt"], "add_special": True,
-                                                "parse_special": True})
+        status, reply = self.post("/tokenize", {"content": reply["prompt"], "add_special": True, "parse_special": True})
         assert status == 200, reply
         return status, reply["tokens"]
 
@@ -117,9 +116,28 @@ def child(llama_server: str, models: dict[str, Path], tmp_path_factory) -> Itera
     # -t 1: with more compute threads than free CPUs a decode here sometimes stalled for ~1 s
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [llama_server, "--host", "127.0.0.1", "--port", str(port), "-m", str(models["A"]), "-c", "4096",
-             "-t", "1", "--no-warmup", "-lv", "5", "--chat-template-file", str(root / "template.jinja")],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+            [
+                llama_server,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "-m",
+                str(models["A"]),
+                "-c",
+                "4096",
+                "-t",
+                "1",
+                "--no-warmup",
+                "-lv",
+                "5",
+                "--chat-template-file",
+                str(root / "template.jinja"),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -168,51 +186,108 @@ def check(child: Child, path: str, body: Any) -> dict | None:
 
 # --- hand-written cases ------------------------------------------------------------------
 
-TOOL_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-               "required": ["city"]}
+TOOL_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city"],
+}
 
 RESPONSES_CASES: dict[str, dict] = {
     "plain text": {"input": "Hello there"},
     "instructions": {"instructions": "Be brief.", "input": "Hi"},
     "null instructions": {"instructions": None, "input": "Hi"},
-    "message list with system and developer": {"input": [
-        {"role": "system", "content": "You are a test."},
-        {"role": "developer", "content": [{"type": "input_text", "text": "Dev note"}]},
-        {"type": "message", "role": "user", "status": "completed", "id": "m1", "content": "Question?"}]},
-    "multi-turn with assistant turns": {"instructions": "sys", "input": [
-        {"role": "user", "content": "one"},
-        {"type": "message", "role": "assistant", "status": "completed", "id": "msg_1",
-         "content": [{"type": "output_text", "text": "two", "annotations": []}]},
-        {"role": "user", "content": [{"type": "input_text", "text": "three"}, {"type": "input_text", "text": "four"}]},
-        {"type": "message", "role": "assistant", "content": "five"}]},
-    "refusal": {"input": [{"role": "user", "content": "x"},
-                          {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}]},
+    "message list with system and developer": {
+        "input": [
+            {"role": "system", "content": "You are a test."},
+            {"role": "developer", "content": [{"type": "input_text", "text": "Dev note"}]},
+            {"type": "message", "role": "user", "status": "completed", "id": "m1", "content": "Question?"},
+        ]
+    },
+    "multi-turn with assistant turns": {
+        "instructions": "sys",
+        "input": [
+            {"role": "user", "content": "one"},
+            {
+                "type": "message",
+                "role": "assistant",
+                "status": "completed",
+                "id": "msg_1",
+                "content": [{"type": "output_text", "text": "two", "annotations": []}],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "input_text", "text": "three"}, {"type": "input_text", "text": "four"}],
+            },
+            {"type": "message", "role": "assistant", "content": "five"},
+        ],
+    },
+    "refusal": {
+        "input": [
+            {"role": "user", "content": "x"},
+            {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+        ]
+    },
     "tools, function call and outputs": {
         "input": [
             {"role": "user", "content": "weather?"},
-            {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "think"}]},
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "think"}],
+            },
             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
-            {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "weather",
-             "arguments": "{\"city\": \"Paris\"}", "status": "completed"},
-            {"type": "function_call", "call_id": "call_2", "name": "weather", "arguments": "{\"city\":\"Rome\"}"},
+            {
+                "type": "function_call",
+                "id": "fc_1",
+                "call_id": "call_1",
+                "name": "weather",
+                "arguments": '{"city": "Paris"}',
+                "status": "completed",
+            },
+            {"type": "function_call", "call_id": "call_2", "name": "weather", "arguments": '{"city":"Rome"}'},
             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
-            {"type": "function_call_output", "call_id": "call_2",
-             "output": [{"type": "input_text", "text": "rain"}, {"type": "input_text", "text": " later"}]},
-            {"type": "function_call", "call_id": "call_3", "name": "weather", "arguments": "{}"}],
-        "tools": [{"type": "function", "name": "weather", "description": "Get weather", "parameters": TOOL_SCHEMA},
-                  {"type": "web_search"},
-                  {"type": "function", "name": "noop", "strict": False, "parameters": {"type": "object"}}],
-        "tool_choice": "auto", "reasoning": {"effort": "high", "summary": "auto"}, "temperature": 0.5},
+            {
+                "type": "function_call_output",
+                "call_id": "call_2",
+                "output": [{"type": "input_text", "text": "rain"}, {"type": "input_text", "text": " later"}],
+            },
+            {"type": "function_call", "call_id": "call_3", "name": "weather", "arguments": "{}"},
+        ],
+        "tools": [
+            {"type": "function", "name": "weather", "description": "Get weather", "parameters": TOOL_SCHEMA},
+            {"type": "web_search"},
+            {"type": "function", "name": "noop", "strict": False, "parameters": {"type": "object"}},
+        ],
+        "tool_choice": "auto",
+        "reasoning": {"effort": "high", "summary": "auto"},
+        "temperature": 0.5,
+    },
     "only non-function tools": {"input": "x", "tools": [{"type": "file_search"}]},
-    "reasoning first, then message merged": {"input": [
-        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}], "content": "plan"},
-        {"type": "message", "role": "assistant", "content": "done"},
-        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "again"}]}]},
-    "input image": {"input": [{"role": "user", "content": [
-        {"type": "input_text", "text": "see"}, {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]},
-    "image tool output": {"input": [
-        {"type": "function_call", "call_id": "c", "name": "shot", "arguments": "{}"},
-        {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image", "image_url": "u"}]}]},
+    "reasoning first, then message merged": {
+        "input": [
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}], "content": "plan"},
+            {"type": "message", "role": "assistant", "content": "done"},
+            {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "again"}]},
+        ]
+    },
+    "input image": {
+        "input": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "see"},
+                    {"type": "input_image", "image_url": "data:image/png;base64,AAAA"},
+                ],
+            }
+        ]
+    },
+    "image tool output": {
+        "input": [
+            {"type": "function_call", "call_id": "c", "name": "shot", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image", "image_url": "u"}]},
+        ]
+    },
     "reasoning effort without reasoning object": {"input": "x", "reasoning": "low"},
     "empty previous_response_id": {"input": "x", "previous_response_id": ""},
     "missing input": {"instructions": "x"},
@@ -222,17 +297,21 @@ RESPONSES_CASES: dict[str, dict] = {
     "input_file": {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
     "unknown input part": {"input": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]},
     "input_image without url": {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
-    "output_text without text": {"input": [{"type": "message", "role": "assistant", "content": [{"type": "output_text"}]}]},
+    "output_text without text": {
+        "input": [{"type": "message", "role": "assistant", "content": [{"type": "output_text"}]}]
+    },
     "refusal without refusal": {"input": [{"type": "message", "role": "assistant", "content": [{"type": "refusal"}]}]},
     "unknown output part": {"input": [{"type": "message", "role": "assistant", "content": [{"type": "x"}]}]},
     "assistant without type": {"input": [{"role": "assistant", "content": "hi"}]},
     "unknown item": {"input": [{"type": "item_reference", "id": "x"}]},
     "string item": {"input": ["hello"]},
     "tool output part without type": {"input": [{"type": "function_call_output", "call_id": "c", "output": [{}]}]},
-    "tool output part of other type": {"input": [{"type": "function_call_output", "call_id": "c",
-                                                 "output": [{"type": "output_text", "text": "x"}]}]},
-    "tool output image without url": {"input": [{"type": "function_call_output", "call_id": "c",
-                                                "output": [{"type": "input_image"}]}]},
+    "tool output part of other type": {
+        "input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "output_text", "text": "x"}]}]
+    },
+    "tool output image without url": {
+        "input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image"}]}]
+    },
     "reasoning without content": {"input": [{"type": "reasoning", "summary": []}]},
     "reasoning with empty content": {"input": [{"type": "reasoning", "summary": [], "content": []}]},
     "reasoning without text": {"input": [{"type": "reasoning", "summary": [], "content": [{"type": "x"}]}]},
@@ -242,6 +321,7 @@ RESPONSES_CASES: dict[str, dict] = {
 
 def non_shortest_floats(n: int) -> list[float]:
     """Doubles for which nlohmann's Grisu2 gives more digits than the shortest round trip (repr)."""
+
     def digits(s: str) -> str:
         return s.split("e")[0].lstrip("-").replace(".", "").strip("0")
 
@@ -255,61 +335,144 @@ def non_shortest_floats(n: int) -> list[float]:
 
 ANTHROPIC_CASES: dict[str, dict] = {
     "plain text": {"messages": [{"role": "user", "content": "Hello"}]},
-    "system string and multi-turn": {"system": "Be brief.", "messages": [
-        {"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
-        {"role": "user", "content": [{"type": "text", "text": "three"}, {"type": "text", "text": "four"}]}],
-        "max_tokens": 1},
-    "system blocks and billing header": {"system": [
-        {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.101.e51; cc_entrypoint=cli; cch=a5145;"},
-        {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
-        {"type": "image", "text": "skipped"}], "messages": [{"role": "user", "content": "hi"}]},
-    "billing header without cch": {"system": "x-anthropic-billing-header: cc_version=1;Hello",
-                                   "messages": [{"role": "user", "content": "hi"}]},
-    "billing header with short cch": {"system": "x-anthropic-billing-header: cch=ab;Hello",
-                                      "messages": [{"role": "user", "content": "hi"}]},
+    "system string and multi-turn": {
+        "system": "Be brief.",
+        "messages": [
+            {"role": "user", "content": "one"},
+            {"role": "assistant", "content": "two"},
+            {"role": "user", "content": [{"type": "text", "text": "three"}, {"type": "text", "text": "four"}]},
+        ],
+        "max_tokens": 1,
+    },
+    "system blocks and billing header": {
+        "system": [
+            {
+                "type": "text",
+                "text": "x-anthropic-billing-header: cc_version=2.1.101.e51; cc_entrypoint=cli; cch=a5145;",
+            },
+            {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+            {"type": "image", "text": "skipped"},
+        ],
+        "messages": [{"role": "user", "content": "hi"}],
+    },
+    "billing header without cch": {
+        "system": "x-anthropic-billing-header: cc_version=1;Hello",
+        "messages": [{"role": "user", "content": "hi"}],
+    },
+    "billing header with short cch": {
+        "system": "x-anthropic-billing-header: cch=ab;Hello",
+        "messages": [{"role": "user", "content": "hi"}],
+    },
     "empty system": {"system": [], "messages": [{"role": "user", "content": "hi"}]},
     "tool use and results": {
-        "system": "tools", "max_tokens": 1, "temperature": 0.2, "top_p": 0.9, "top_k": 5,
-        "stop_sequences": ["END"], "metadata": {"user_id": "u-1"}, "thinking": {"type": "enabled", "budget_tokens": 64},
+        "system": "tools",
+        "max_tokens": 1,
+        "temperature": 0.2,
+        "top_p": 0.9,
+        "top_k": 5,
+        "stop_sequences": ["END"],
+        "metadata": {"user_id": "u-1"},
+        "thinking": {"type": "enabled", "budget_tokens": 64},
         "tool_choice": {"type": "tool", "name": "weather"},
-        "tools": [{"name": "weather", "description": "Get weather", "input_schema": TOOL_SCHEMA},
-                  {"name": "bare"}],
+        "tools": [{"name": "weather", "description": "Get weather", "input_schema": TOOL_SCHEMA}, {"name": "bare"}],
         "messages": [
             {"role": "user", "content": "weather in Paris and Rome?"},
-            {"role": "assistant", "content": [
-                {"type": "thinking", "thinking": "need tools", "signature": "sig"},
-                {"type": "text", "text": "Checking."},
-                {"type": "tool_use", "id": "toolu_1", "name": "weather", "input": {"city": "Paris", "days": 3}},
-                {"type": "tool_use", "id": "toolu_2", "name": "weather",
-                 "input": {"city": "Rome", "f": [1e15, 1e16, 1e-5, 0.1, -0.0, 123.0, 2**64, 2**70],
-                           "grisu": non_shortest_floats(3), "s": "é\n\"\x01/\x7f"}}]},
-            {"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
-                {"type": "tool_result", "tool_use_id": "toolu_2", "content": [{"type": "text", "text": "rain"},
-                                                                               {"type": "text", "text": " soon"}]},
-                {"type": "text", "text": "thanks"}]}]},
-    "tool use only, no input": {"messages": [
-        {"role": "user", "content": "x"},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f"}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
-    "thinking only": {"messages": [{"role": "user", "content": "x"},
-                                   {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm"}]}]},
-    "images": {"messages": [{"role": "user", "content": [
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}},
-        {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}},
-        {"type": "image", "source": {"type": "file", "file_id": "f"}},
-        {"type": "text", "text": "what is this?"}]}]},
-    "image tool result": {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
-        {"type": "text", "text": "shot"}, {"type": "image", "source": {"type": "base64", "data": "AAAA"}}]}]}]},
-    "odd messages": {"messages": [{"role": "assistant"}, {"role": "user", "content": []},
-                                  {"role": "user", "content": [{"type": "redacted_thinking", "data": "x"}]},
-                                  {"role": "user", "content": "kept", "name": "bob"}]},
-    "tool choice auto, thinking disabled": {"messages": [{"role": "user", "content": "x"}],
-                                            "tool_choice": {"type": "auto"}, "thinking": {"type": "disabled"},
-                                            "tools": [{"name": "f", "input_schema": {"type": "object"}}]},
-    "tool choice none, default budget": {"messages": [{"role": "user", "content": "x"}],
-                                         "tool_choice": {"type": "none"}, "thinking": {"type": "enabled"},
-                                         "metadata": {"user_id": ""}},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "need tools", "signature": "sig"},
+                    {"type": "text", "text": "Checking."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "weather", "input": {"city": "Paris", "days": 3}},
+                    {
+                        "type": "tool_use",
+                        "id": "toolu_2",
+                        "name": "weather",
+                        "input": {
+                            "city": "Rome",
+                            "f": [1e15, 1e16, 1e-5, 0.1, -0.0, 123.0, 2**64, 2**70],
+                            "grisu": non_shortest_floats(3),
+                            "s": 'é\n"\x01/\x7f',
+                        },
+                    },
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_2",
+                        "content": [{"type": "text", "text": "rain"}, {"type": "text", "text": " soon"}],
+                    },
+                    {"type": "text", "text": "thanks"},
+                ],
+            },
+        ],
+    },
+    "tool use only, no input": {
+        "messages": [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f"}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]},
+        ]
+    },
+    "thinking only": {
+        "messages": [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm"}]},
+        ]
+    },
+    "images": {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}},
+                    {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}},
+                    {"type": "image", "source": {"type": "file", "file_id": "f"}},
+                    {"type": "text", "text": "what is this?"},
+                ],
+            }
+        ]
+    },
+    "image tool result": {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "t",
+                        "content": [
+                            {"type": "text", "text": "shot"},
+                            {"type": "image", "source": {"type": "base64", "data": "AAAA"}},
+                        ],
+                    }
+                ],
+            }
+        ]
+    },
+    "odd messages": {
+        "messages": [
+            {"role": "assistant"},
+            {"role": "user", "content": []},
+            {"role": "user", "content": [{"type": "redacted_thinking", "data": "x"}]},
+            {"role": "user", "content": "kept", "name": "bob"},
+        ]
+    },
+    "tool choice auto, thinking disabled": {
+        "messages": [{"role": "user", "content": "x"}],
+        "tool_choice": {"type": "auto"},
+        "thinking": {"type": "disabled"},
+        "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+    },
+    "tool choice none, default budget": {
+        "messages": [{"role": "user", "content": "x"}],
+        "tool_choice": {"type": "none"},
+        "thinking": {"type": "enabled"},
+        "metadata": {"user_id": ""},
+    },
     "missing messages": {"system": "x"},
     "messages not a list": {"messages": {"role": "user", "content": "x"}},
 }
@@ -343,8 +506,10 @@ def test_the_cases_reach_what_they_claim(child: Child) -> None:
     assert chat["messages"][0] == {"role": "system", "content": "tools"}
     assert [m["role"] for m in chat["messages"]] == ["system", "user", "assistant", "user", "tool", "tool"]
     assert chat["tool_choice"] == "required" and chat["thinking_budget_tokens"] == 64
-    assert '"f":[1e+15,1e+16,1e-05,0.1,-0.0,123.0,1.8446744073709552e+19,1.1805916207174113e+21]' in \
-        chat["messages"][2]["tool_calls"][1]["function"]["arguments"]
+    assert (
+        '"f":[1e+15,1e+16,1e-05,0.1,-0.0,123.0,1.8446744073709552e+19,1.1805916207174113e+21]'
+        in chat["messages"][2]["tool_calls"][1]["function"]["arguments"]
+    )
     billing = anthropic_to_chat(ANTHROPIC_CASES["system blocks and billing header"])["messages"][0]["content"]
     assert "cch=fffff;" in billing
 
@@ -381,11 +546,16 @@ def test_input_is_not_modified() -> None:
 text = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=12)
 word = st.text("abcxyz_", min_size=1, max_size=6)
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False) | text,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(word, inner, max_size=3), max_leaves=8)
-schemas = st.fixed_dictionaries({"type": st.just("object"),
-                                 "properties": st.dictionaries(word, st.fixed_dictionaries({"type": st.just("string")}),
-                                                               max_size=2)})
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False) | text,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(word, inner, max_size=3),
+    max_leaves=8,
+)
+schemas = st.fixed_dictionaries(
+    {
+        "type": st.just("object"),
+        "properties": st.dictionaries(word, st.fixed_dictionaries({"type": st.just("string")}), max_size=2),
+    }
+)
 
 
 def maybe(strategy: st.SearchStrategy, key: str) -> st.SearchStrategy:
@@ -399,29 +569,63 @@ def merged(*parts: st.SearchStrategy) -> st.SearchStrategy:
 input_parts = st.one_of(
     st.builds(lambda t: {"type": "input_text", "text": t}, text),
     st.just({"type": "input_image", "image_url": "data:image/png;base64,AAAA"}),
-    st.sampled_from([{"type": "input_text"}, {"type": "input_file"}, {"type": "nope"}, "bare"]))
+    st.sampled_from([{"type": "input_text"}, {"type": "input_file"}, {"type": "nope"}, "bare"]),
+)
 output_parts = st.one_of(
     st.builds(lambda t: {"type": "output_text", "text": t, "annotations": []}, text),
     st.builds(lambda t: {"type": "refusal", "refusal": t}, text),
-    st.sampled_from([{"type": "output_text"}, {"type": "refusal"}, {"type": "input_text", "text": "in"}]))
+    st.sampled_from([{"type": "output_text"}, {"type": "refusal"}, {"type": "input_text", "text": "in"}]),
+)
 responses_items = st.one_of(
-    merged(st.fixed_dictionaries({"role": st.sampled_from(["user", "user", "system", "developer"]),
-                                  "content": text | st.lists(input_parts, max_size=3)}),
-           maybe(st.just("message"), "type"), maybe(st.just("completed"), "status")),
-    merged(st.fixed_dictionaries({"type": st.just("message"), "role": st.just("assistant"),
-                                  "content": text | st.lists(output_parts, max_size=2)}),
-           maybe(st.just("msg_1"), "id"), maybe(st.just("completed"), "status")),
-    st.builds(lambda c, n, a: {"type": "function_call", "call_id": c, "name": n, "arguments": a},
-              word, word, json_values.map(json.dumps) | text),
-    st.builds(lambda c, o: {"type": "function_call_output", "call_id": c, "output": o},
-              word, text | st.lists(st.builds(lambda t: {"type": "input_text", "text": t}, text), max_size=2)),
+    merged(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["user", "user", "system", "developer"]),
+                "content": text | st.lists(input_parts, max_size=3),
+            }
+        ),
+        maybe(st.just("message"), "type"),
+        maybe(st.just("completed"), "status"),
+    ),
+    merged(
+        st.fixed_dictionaries(
+            {
+                "type": st.just("message"),
+                "role": st.just("assistant"),
+                "content": text | st.lists(output_parts, max_size=2),
+            }
+        ),
+        maybe(st.just("msg_1"), "id"),
+        maybe(st.just("completed"), "status"),
+    ),
+    st.builds(
+        lambda c, n, a: {"type": "function_call", "call_id": c, "name": n, "arguments": a},
+        word,
+        word,
+        json_values.map(json.dumps) | text,
+    ),
+    st.builds(
+        lambda c, o: {"type": "function_call_output", "call_id": c, "output": o},
+        word,
+        text | st.lists(st.builds(lambda t: {"type": "input_text", "text": t}, text), max_size=2),
+    ),
     st.builds(lambda t: {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": t}]}, text),
-    st.sampled_from([{"type": "reasoning", "summary": []}, {"type": "item_reference", "id": "x"},
-                     {"role": "assistant", "content": "untyped"}]))
+    st.sampled_from(
+        [
+            {"type": "reasoning", "summary": []},
+            {"type": "item_reference", "id": "x"},
+            {"role": "assistant", "content": "untyped"},
+        ]
+    ),
+)
 responses_tools = st.one_of(
-    merged(st.fixed_dictionaries({"type": st.just("function"), "name": word, "parameters": schemas}),
-           maybe(text, "description"), maybe(st.booleans(), "strict")),
-    st.just({"type": "web_search"}))
+    merged(
+        st.fixed_dictionaries({"type": st.just("function"), "name": word, "parameters": schemas}),
+        maybe(text, "description"),
+        maybe(st.booleans(), "strict"),
+    ),
+    st.just({"type": "web_search"}),
+)
 responses_bodies = merged(
     st.fixed_dictionaries({"input": text | st.lists(responses_items, max_size=6)}),
     maybe(text | st.none(), "instructions"),
@@ -429,13 +633,27 @@ responses_bodies = merged(
     maybe(st.fixed_dictionaries({"effort": st.sampled_from(["low", "medium", "high"])}), "reasoning"),
     maybe(st.floats(0, 2), "temperature"),
     maybe(st.sampled_from(["", "resp_1"]), "previous_response_id"),
-    st.just({"max_output_tokens": 1}))
+    st.just({"max_output_tokens": 1}),
+)
 
-image_source = st.sampled_from([{"type": "base64", "media_type": "image/png", "data": "AAAA"},
-                                {"type": "url", "url": "https://example.com/i.png"}, {"type": "file"}])
-result_content = st.one_of(text, st.none(), st.lists(st.one_of(
-    st.builds(lambda t: {"type": "text", "text": t}, text),
-    st.builds(lambda s: {"type": "image", "source": s}, image_source)), max_size=3))
+image_source = st.sampled_from(
+    [
+        {"type": "base64", "media_type": "image/png", "data": "AAAA"},
+        {"type": "url", "url": "https://example.com/i.png"},
+        {"type": "file"},
+    ]
+)
+result_content = st.one_of(
+    text,
+    st.none(),
+    st.lists(
+        st.one_of(
+            st.builds(lambda t: {"type": "text", "text": t}, text),
+            st.builds(lambda s: {"type": "image", "source": s}, image_source),
+        ),
+        max_size=3,
+    ),
+)
 blocks = st.one_of(
     st.builds(lambda t: {"type": "text", "text": t}, text),
     st.builds(lambda t: {"type": "text", "text": t, "cache_control": {"type": "ephemeral"}}, text),
@@ -443,27 +661,47 @@ blocks = st.one_of(
     st.builds(lambda i, n, v: {"type": "tool_use", "id": i, "name": n, "input": v}, word, word, json_values),
     st.builds(lambda i, c: {"type": "tool_result", "tool_use_id": i, "content": c}, word, result_content),
     st.builds(lambda s: {"type": "image", "source": s}, image_source),
-    st.sampled_from([{"type": "redacted_thinking", "data": "x"}, {"type": "tool_use"}, 7]))
+    st.sampled_from([{"type": "redacted_thinking", "data": "x"}, {"type": "tool_use"}, 7]),
+)
 anthropic_messages = st.one_of(
-    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
-                           "content": text | st.lists(blocks, max_size=4)}),
-    st.sampled_from([{"role": "assistant"}]))
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant"]), "content": text | st.lists(blocks, max_size=4)}
+    ),
+    st.sampled_from([{"role": "assistant"}]),
+)
 system = st.one_of(
-    text, st.none(),
+    text,
+    st.none(),
     st.lists(st.one_of(st.builds(lambda t: {"type": "text", "text": t}, text), st.just({"type": "other"})), max_size=2),
-    st.builds(lambda c, t: f"x-anthropic-billing-header: cc_version=2.1; cch={c};{t}", st.text("abc0123é;", max_size=7), text))
+    st.builds(
+        lambda c, t: f"x-anthropic-billing-header: cc_version=2.1; cch={c};{t}", st.text("abc0123é;", max_size=7), text
+    ),
+)
 anthropic_bodies = merged(
     st.fixed_dictionaries({"messages": st.lists(anthropic_messages, min_size=1, max_size=5)}),
     maybe(system, "system"),
-    maybe(st.lists(merged(st.fixed_dictionaries({"name": word}), maybe(text, "description"),
-                          maybe(schemas, "input_schema")), max_size=2), "tools"),
+    maybe(
+        st.lists(
+            merged(st.fixed_dictionaries({"name": word}), maybe(text, "description"), maybe(schemas, "input_schema")),
+            max_size=2,
+        ),
+        "tools",
+    ),
     maybe(st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none"])}), "tool_choice"),
     maybe(st.lists(word, max_size=2), "stop_sequences"),
-    maybe(st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled"]),
-                                 "budget_tokens": st.integers(0, 2**40) | st.floats(-10, 1e12)}), "thinking"),
+    maybe(
+        st.fixed_dictionaries(
+            {
+                "type": st.sampled_from(["enabled", "disabled"]),
+                "budget_tokens": st.integers(0, 2**40) | st.floats(-10, 1e12),
+            }
+        ),
+        "thinking",
+    ),
     maybe(st.fixed_dictionaries({"user_id": word}), "metadata"),
     maybe(st.floats(0, 1), "temperature"),
-    st.just({"max_tokens": 1}))
+    st.just({"max_tokens": 1}),
+)
 
 ODD_VALUES: list[Any] = [None, 0, -1, 2.5, True, "", "text", [], [1], {}, {"type": "text"}, {"type": "input_text"}]
 

@@ -50,8 +50,9 @@ async def test_the_clients_eof_reaches_the_child_after_its_request(tmp_path: Pat
     child.respond = respond
     await child.start()
     gate = Gate()
-    proxy = Proxy(ChildEndpoint(runtime_dir=tmp_path, socket_path=child.path), gate, lambda: "restoring",
-                  time.monotonic() + 30)
+    proxy = Proxy(
+        ChildEndpoint(runtime_dir=tmp_path, socket_path=child.path), gate, lambda: "restoring", time.monotonic() + 30
+    )
     port = free_port()
     await proxy.listen("127.0.0.1", port)
     try:
@@ -111,8 +112,11 @@ def server_port(request: pytest.FixtureRequest, starter, llama_server: str, slow
         yield starter(llama_server, args)().port
         return
     port = free_port()
-    direct = subprocess.Popen([llama_server, *args, "--host", "127.0.0.1", "--port", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    direct = subprocess.Popen(
+        [llama_server, *args, "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         assert wait_until(lambda: health_status(port) == 200, 60), "plain llama-server never became ready"
         yield port
@@ -137,8 +141,10 @@ def test_a_client_gone_from_a_non_streamed_completion_frees_the_slot(server_port
     body = json.dumps({"prompt": "Tell me everything.", "n_predict": N_PREDICT, "temperature": 0}).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     try:
-        sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        sock.sendall(
+            b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         time.sleep(0.5)
         assert _slot_busy(port), "the generation never started"
         if how == "close":

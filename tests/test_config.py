@@ -31,7 +31,9 @@ def test_6_argument_forms(tmp_path, argv):
     assert config.total_slots_hint == 2
     assert config.save_dir == (tmp_path / "c").resolve() and config.save_dir.is_dir()
     # taken-over flags never reach the child; the ones it needs are re-emitted in the form it accepts
-    assert not any(a.startswith(("--port", "--host", "--slot-save-path", "--slot_save_path")) for a in config.child_args)
+    assert not any(
+        a.startswith(("--port", "--host", "--slot-save-path", "--slot_save_path")) for a in config.child_args
+    )
     assert any(a in ("-np", "--parallel") for a in config.child_args)
     assert "--no-cache-idle-slots" in config.child_args
     command = plan_launch(argv, env_for(tmp_path)).child_command(["--host", "/x.sock"])
@@ -43,8 +45,14 @@ def test_6_argument_forms(tmp_path, argv):
 
 
 def test_6_env_forms(tmp_path):
-    env = env_for(tmp_path, LLAMA_ARG_PORT="9100", LLAMA_ARG_HOST="0.0.0.0", LLAMA_API_KEY="k1,k2",
-                  SLOTKEEPER_DRAIN_TIMEOUT="2.5", SLOTKEEPER_CHILD_TCP="true")
+    env = env_for(
+        tmp_path,
+        LLAMA_ARG_PORT="9100",
+        LLAMA_ARG_HOST="0.0.0.0",
+        LLAMA_API_KEY="k1,k2",
+        SLOTKEEPER_DRAIN_TIMEOUT="2.5",
+        SLOTKEEPER_CHILD_TCP="true",
+    )
     config = build_run_config(["-m", "m.gguf"], env)
     assert (config.hosts, config.port, config.api_key) == (["0.0.0.0"], 9100, "k1")
     assert config.options.drain_timeout == 2.5 and config.options.child_tcp
@@ -107,9 +115,14 @@ def test_missing_llama_server(tmp_path):
 
 @pytest.mark.parametrize("argv", [["--port", "abc"], ["--drain-timeout", "x", "--"]])
 def test_6_cli_bad_value_exit_2_one_line(tmp_path, argv):
-    proc = subprocess.run([sys.executable, "-m", "slotkeeper.cli", *argv], capture_output=True, text=True,
-                          env={**env_for(tmp_path), "LLAMA_SERVER": "true", "PATH": "/usr/bin:/bin"},
-                          cwd=tmp_path, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, "-m", "slotkeeper.cli", *argv],
+        capture_output=True,
+        text=True,
+        env={**env_for(tmp_path), "LLAMA_SERVER": "true", "PATH": "/usr/bin:/bin"},
+        cwd=tmp_path,
+        timeout=30,
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("slotkeeper: error: invalid"), proc.stderr
@@ -126,9 +139,16 @@ def test_own_options_table_matches_the_model():
 def test_dotenv_in_the_working_directory_is_read(tmp_path):
     """A .env next to where slotkeeper runs supplies SLOTKEEPER_* settings (bad ones fail the same way)."""
     (tmp_path / ".env").write_text("SLOTKEEPER_DRAIN_TIMEOUT=soon\n")
-    proc = subprocess.run([sys.executable, "-m", "slotkeeper.cli", "-m", "m.gguf"], capture_output=True, text=True,
-                          env={**env_for(tmp_path), "LLAMA_SERVER": "true", "PATH": "/usr/bin:/bin"},
-                          cwd=tmp_path, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, "-m", "slotkeeper.cli", "-m", "m.gguf"],
+        capture_output=True,
+        text=True,
+        env={**env_for(tmp_path), "LLAMA_SERVER": "true", "PATH": "/usr/bin:/bin"},
+        cwd=tmp_path,
+        timeout=30,
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "slotkeeper: error: invalid --drain-timeout: input should be a valid number, " \
+    assert (
+        proc.stderr.strip() == "slotkeeper: error: invalid --drain-timeout: input should be a valid number, "
         "unable to parse string as a number (got 'soon')"
+    )

@@ -24,8 +24,10 @@ SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: answer briefly a
 @pytest.fixture
 def real(starter, llama_server, models):
     """start(*extra, ...) around the real llama-server with model A."""
+
     def start(*extra: str, **kw):
         return starter(llama_server, ["-m", str(models["A"]), *BASE])(*extra, **kw)
+
     return start
 
 
@@ -38,7 +40,9 @@ class Chat:
     last_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
-        topic = ["the sea", "mountains", "old maps", "rivers", "lighthouses", "deserts", "forests", "cities"][self.n % 8]
+        topic = ["the sea", "mountains", "old maps", "rivers", "lighthouses", "deserts", "forests", "cities"][
+            self.n % 8
+        ]
         self.messages = [
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": f"Conversation {self.n}. Tell me about {topic}. " * 6},
@@ -46,8 +50,12 @@ class Chat:
 
     def turn(self, port: int, max_tokens: int = 8) -> dict:
         """Send the chat's next turn; returns llama-server's timings, and grows the chat."""
-        reply = http_call(port, "POST", "/v1/chat/completions",
-                          {"messages": self.messages, "max_tokens": max_tokens, "temperature": 0})
+        reply = http_call(
+            port,
+            "POST",
+            "/v1/chat/completions",
+            {"messages": self.messages, "max_tokens": max_tokens, "temperature": 0},
+        )
         assert reply.status == 200, reply.body
         timings = reply.body["timings"]
         self.last_prompt_tokens = timings["prompt_n"] + timings["cache_n"]
@@ -58,9 +66,16 @@ class Chat:
     def title(self, port: int) -> None:
         """The front end's title request: a short prompt of its own, on the same model."""
         excerpt = self.messages[1]["content"][:60]
-        reply = http_call(port, "POST", "/v1/chat/completions", {
-            "messages": [{"role": "user", "content": f"Write a 3-word title for: {excerpt}"}],
-            "max_tokens": 6, "temperature": 0})
+        reply = http_call(
+            port,
+            "POST",
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": f"Write a 3-word title for: {excerpt}"}],
+                "max_tokens": 6,
+                "temperature": 0,
+            },
+        )
         assert reply.status == 200, reply.body
 
 
@@ -83,8 +98,11 @@ def converse_round(chats: list[Chat], port: int, titles: bool = True) -> list[di
     return out
 
 
-@pytest.mark.parametrize("slots, order", [([], "first-sent"), (["-np", "1"], "first-sent"), ([], "reversed")],
-                         ids=["default-slots", "np1", "default-slots-reversed"])
+@pytest.mark.parametrize(
+    "slots, order",
+    [([], "first-sent"), (["-np", "1"], "first-sent"), ([], "reversed")],
+    ids=["default-slots", "np1", "default-slots-reversed"],
+)
 def test_six_chats_with_title_requests_all_come_back_warm_after_a_swap(real, slots, order):
     """Six chats sharing a system prompt, a title request after each turn, a swap: all six continue warm."""
     sk = real(*slots)
@@ -102,6 +120,7 @@ def test_a_chat_whose_slot_llama_server_would_take_stays_warm(real):
     """Two slots hold chats A and B; a new chat C shares their system prompt, so llama-server's own choice
     (longest common prefix over 10%) puts C on A's or B's slot. With slotkeeper, A and B both stay warm.
     Without placement (and without the RAM prompt cache to fall back on), one of them goes cold."""
+
     def run(own: tuple[str, ...]) -> list[bool]:
         sk = real("-np", "2", "--cache-ram", "0", own=own)
         a, b, c = Chat(0), Chat(1), Chat(2)
@@ -130,8 +149,13 @@ def test_four_chats_at_once_on_four_slots_run_in_parallel_and_stay_warm(real):
             start.wait()
             first = last = 0.0
             timings: dict = {}
-            body = {"messages": chats[i].messages, "max_tokens": 48, "temperature": 0, "stream": True,
-                    "timings_per_token": True}
+            body = {
+                "messages": chats[i].messages,
+                "max_tokens": 48,
+                "temperature": 0,
+                "stream": True,
+                "timings_per_token": True,
+            }
             for at, line in stream_lines(port, "/v1/chat/completions", body, timeout=120):
                 if line.startswith(b"data: {"):
                     event = json.loads(line[6:])
@@ -180,8 +204,9 @@ def test_a_request_with_its_own_id_slot_keeps_it(real):
     a, b = Chat(0), Chat(1)
     converse_round([a], sk.port, titles=False)
     # b asks for slot 0 by itself, where a is
-    reply = http_call(sk.port, "POST", "/completion", {"prompt": "x" * 400, "n_predict": 2, "id_slot": 0,
-                                                        "temperature": 0})
+    reply = http_call(
+        sk.port, "POST", "/completion", {"prompt": "x" * 400, "n_predict": 2, "id_slot": 0, "temperature": 0}
+    )
     assert reply.status == 200 and reply.body["id_slot"] == 0
     results = converse_round([a], sk.port, titles=False)
     assert warm(a, results[0]), (results, sk.logs()[-3000:])
@@ -243,14 +268,18 @@ def test_every_completion_api_comes_back_warm_after_a_swap(real):
     chats = {"responses": Chat(10), "messages": Chat(11)}
     for prompt in prompts:
         assert sk.call("POST", "/completion", {"prompt": prompt, "n_predict": 4, "temperature": 0}).status == 200
-    first = {"responses": _responses_turn(sk.port, chats["responses"]),
-             "messages": _messages_turn(sk.port, chats["messages"])}
+    first = {
+        "responses": _responses_turn(sk.port, chats["responses"]),
+        "messages": _messages_turn(sk.port, chats["messages"]),
+    }
     swap_out(sk)
     sk2 = real("-np", "2", "--cache-ram", "0")
     for prompt in prompts:
         reply = sk2.call("POST", "/completion", {"prompt": prompt + " More.", "n_predict": 4, "temperature": 0})
         assert reply.body["timings"]["cache_n"] >= len(prompt) // 2, (reply.body["timings"], sk2.logs()[-3000:])
     again = _responses_turn(sk2.port, chats["responses"])
-    assert again["usage"]["input_tokens_details"]["cached_tokens"] >= first["responses"]["usage"]["input_tokens"] - 1, again
+    assert again["usage"]["input_tokens_details"]["cached_tokens"] >= first["responses"]["usage"]["input_tokens"] - 1, (
+        again
+    )
     again = _messages_turn(sk2.port, chats["messages"])
     assert again["usage"]["cache_read_input_tokens"] >= first["messages"]["usage"]["input_tokens"] - 1, again

@@ -20,13 +20,18 @@ def seconds(value: str, unit: str) -> float:
 def test_demo_chats_come_back_warm_after_a_swap(llama_server, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_", "SLOTKEEPER_"))}
     env.update(XDG_CACHE_HOME=str(tmp_path), LLAMA_SERVER=llama_server)
-    proc = subprocess.run([sys.executable, "-m", "slotkeeper.cli", "demo"], capture_output=True, text=True,
-                          env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "slotkeeper.cli", "demo"], capture_output=True, text=True, env=env, timeout=600
+    )
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
 
-    summary = re.search(r"^(\d+) of (\d+) chats came back warm; first token ([\d.]+) (s|ms) cold vs ([\d.]+) (s|ms) "
-                        r"warm \(median\)", out, re.M)
+    summary = re.search(
+        r"^(\d+) of (\d+) chats came back warm; first token ([\d.]+) (s|ms) cold vs ([\d.]+) (s|ms) "
+        r"warm \(median\)",
+        out,
+        re.M,
+    )
     assert summary, out
     warm, total = int(summary.group(1)), int(summary.group(2))
     assert total == 6 and warm == total, out
@@ -34,8 +39,12 @@ def test_demo_chats_come_back_warm_after_a_swap(llama_server, tmp_path):
     assert cold_s > 3 * warm_s, out  # 8-15x measured on 2 busy cores; without the restore it is about 1x
 
     # The table: one row per chat, each reusing most of its prompt warm and far less cold.
-    rows = re.findall(r"^\s+(\d+)\s+([\d,]+)\s+([\d.]+) (s|ms)\s+([\d,]+) \((\d+)%\)\s+([\d.]+) (s|ms)\s+([\d,]+) "
-                      r"\((\d+)%\)$", out, re.M)
+    rows = re.findall(
+        r"^\s+(\d+)\s+([\d,]+)\s+([\d.]+) (s|ms)\s+([\d,]+) \((\d+)%\)\s+([\d.]+) (s|ms)\s+([\d,]+) "
+        r"\((\d+)%\)$",
+        out,
+        re.M,
+    )
     assert len(rows) == total, out
     for row in rows:
         prompt, cold_reused, warm_reused = (int(row[i].replace(",", "")) for i in (1, 4, 8))

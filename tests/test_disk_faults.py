@@ -42,8 +42,11 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
 
 def store_files(save_dir: Path) -> dict[str, list[str]]:
     """Everything in the store's folders, by folder (the lock aside)."""
-    return {name: sorted(p.name for p in (save_dir / name).iterdir())
-            for name in (ENTRIES_DIR, SNAPSHOTS_DIR) if (save_dir / name).is_dir()}
+    return {
+        name: sorted(p.name for p in (save_dir / name).iterdir())
+        for name in (ENTRIES_DIR, SNAPSHOTS_DIR)
+        if (save_dir / name).is_dir()
+    }
 
 
 def entry_ids(save_dir: Path) -> list[str]:
@@ -52,8 +55,9 @@ def entry_ids(save_dir: Path) -> list[str]:
 
 def chat_entry(save_dir: Path) -> str:
     """The chat's own entry (not its shared opening, which is saved too)."""
-    chats = [i for i in entry_ids(save_dir)
-             if not json.loads((save_dir / ENTRIES_DIR / f"{i}.json").read_text())["opening"]]
+    chats = [
+        i for i in entry_ids(save_dir) if not json.loads((save_dir / ENTRIES_DIR / f"{i}.json").read_text())["opening"]
+    ]
     assert len(chats) == 1, chats
     return chats[0]
 
@@ -151,8 +155,10 @@ def test_a_rotten_entry_is_quarantined_and_the_answer_is_a_cold_runs(family_star
     assert sk2.logs().count(line) == 1, sk2.logs()
     assert "restored into slot" not in sk2.logs()
     warm = answer(sk2.port, chat, chat.messages)
-    assert sorted(p.name.split("-", 2)[-1] for p in (save_dir / QUARANTINE_DIR).iterdir()) == \
-        [f"{entry}.bin", f"{entry}.json"]
+    assert sorted(p.name.split("-", 2)[-1] for p in (save_dir / QUARANTINE_DIR).iterdir()) == [
+        f"{entry}.bin",
+        f"{entry}.json",
+    ]
     swap_out(sk2)
     cold_sk = family_start(LLAMA, "-np", "1", save_dir=tmp_path / "cold")
     cold = answer(cold_sk.port, chat, chat.messages)
@@ -177,8 +183,9 @@ def test_a_linked_entry_is_never_followed(family_start):
     (save_dir / ENTRIES_DIR / f"{fake}.bin").symlink_to(target)
 
     sk2 = family_start(LLAMA, "-np", "1")
-    assert f"1 entry in {save_dir / ENTRIES_DIR} is a link or not a file: never followed, left as it is" \
-        in sk2.logs(), sk2.logs()
+    assert (
+        f"1 entry in {save_dir / ENTRIES_DIR} is a link or not a file: never followed, left as it is" in sk2.logs()
+    ), sk2.logs()
     assert f"chat {entry[:4]} restored into slot 0" in sk2.logs(), sk2.logs()
     assert "quarantined" not in sk2.logs() and not (save_dir / QUARANTINE_DIR).exists()
     assert store_files(save_dir)[SNAPSHOTS_DIR] == []
@@ -187,8 +194,9 @@ def test_a_linked_entry_is_never_followed(family_start):
     swap_out(sk2)
     assert (save_dir / ENTRIES_DIR / f"{fake}.bin").is_symlink() and target.is_file()
     # `ls` says of it what the start did (one rule: entries.judge), and prune never removes it
-    listed = {row["id"]: row for row in json.loads(catalog("ls_main", str(save_dir), "--json"))
-              if row["kind"] == "entry"}
+    listed = {
+        row["id"]: row for row in json.loads(catalog("ls_main", str(save_dir), "--json")) if row["kind"] == "entry"
+    }
     assert listed[fake]["status"] == "link", listed[fake]
     catalog("prune_main", str(save_dir), "--older-than", "0s")
     assert (save_dir / ENTRIES_DIR / f"{fake}.bin").is_symlink() and target.is_file()

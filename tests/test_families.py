@@ -77,7 +77,8 @@ def test_a_regenerate_and_an_edit_after_a_swap_reuse_the_previous_boundary(famil
 
 
 def test_with_swa_full_a_request_diverging_inside_a_restored_window_answers_as_a_cold_run(
-        family_start, llama_server, family_models, tmp_path):
+    family_start, llama_server, family_models, tmp_path
+):
     """Sliding window with --swa-full: after a swap, a request that changes an earlier reply (inside the last
     window of the chat's saved state) gets the same reply and top log-probabilities as a cold llama-server.
     The control shows the scenario is sensitive: restoring by common prefix, as on a full-attention model,
@@ -103,8 +104,13 @@ def test_with_swa_full_a_request_diverging_inside_a_restored_window_answers_as_a
     diverging_requests: list[list[dict[str, Any]]] = []
     warm = after_a_swap()
     port = free_port()
-    plain = PlainServer(llama_server, ["-m", str(family_models["gemma3"]), *BASE, *family.args], port,
-                        tmp_path / "plain.log", clean_env(llama_server))
+    plain = PlainServer(
+        llama_server,
+        ["-m", str(family_models["gemma3"]), *BASE, *family.args],
+        port,
+        tmp_path / "plain.log",
+        clean_env(llama_server),
+    )
     try:
         plain.wait_ready()
         cold = answer(port, Chat(0, family.request), diverging_requests[0])
@@ -172,11 +178,23 @@ def test_more_chats_than_slots_on_the_hybrid_stay_warm_on_one_slot(family_start)
     assert saves and all("at its turn boundary" in line for line in saves), saves
 
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city now",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-CALL = {"role": "assistant", "content": "", "tool_calls": [
-    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city now",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+CALL = {
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    ],
+}
 
 
 def test_a_chat_with_tool_calls_comes_back_warm_and_its_tool_result_is_a_boundary(family_start):

@@ -37,12 +37,26 @@ from slotkeeper.proxy.server import BODY_BUFFER_HIGH, MAX_REQUEST_HEAD, SMALL_BO
 from slotkeeper.supervisor import ChildEndpoint
 
 # What llama-server b11434 routes as a completion (tools/server/server.cpp); the hook must see exactly these.
-COMPLETION_PATHS = frozenset({"/completion", "/completions", "/v1/completions", "/chat/completions",
-                              "/v1/chat/completions", "/v1/responses", "/v1/messages", "/infill"})
+COMPLETION_PATHS = frozenset(
+    {
+        "/completion",
+        "/completions",
+        "/v1/completions",
+        "/chat/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/infill",
+    }
+)
 HOOK_TAG = b"hooked:"
 STREAM_MARK = b"stream=1"  # in a target: the child answers in several chunks, a few ms apart
-FUZZ = settings(max_examples=40, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=40,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 class RecordingHook:
@@ -98,13 +112,26 @@ def echo(method: bytes, target: bytes, body: bytes) -> bytes:
 # ---- the connection's bytes -----------------------------------------------------------------------------------
 
 TARGETS = [  # (method, target): completions spelled several ways, other routes, and methods the hook ignores
-    (b"POST", b"/completion"), (b"POST", b"/v1/chat/completions"), (b"POST", b"/v1/chat%2Fcompletions"),
-    (b"POST", b"/%76%31/messages?x=1"), (b"POST", b"/v1/responses?" + STREAM_MARK), (b"POST", b"/infill"),
-    (b"POST", b"/completions?" + STREAM_MARK), (b"POST", b"/v1/completions?a=1&a=2"),
-    (b"POST", b"/chat/completions"), (b"POST", b"/tokenize"), (b"POST", b"/v1/embeddings?" + STREAM_MARK),
-    (b"POST", b"/v1/chat/completions/"), (b"POST", b"/Completion"), (b"POST", b"/slots/0?action=save"),
-    (b"PUT", b"/completion"), (b"GET", b"/completion"), (b"GET", b"/props?x=%2F"), (b"GET", b"/health"),
-    (b"GET", b"/he%61lth?" + STREAM_MARK), (b"OPTIONS", b"/v1/chat/completions"),
+    (b"POST", b"/completion"),
+    (b"POST", b"/v1/chat/completions"),
+    (b"POST", b"/v1/chat%2Fcompletions"),
+    (b"POST", b"/%76%31/messages?x=1"),
+    (b"POST", b"/v1/responses?" + STREAM_MARK),
+    (b"POST", b"/infill"),
+    (b"POST", b"/completions?" + STREAM_MARK),
+    (b"POST", b"/v1/completions?a=1&a=2"),
+    (b"POST", b"/chat/completions"),
+    (b"POST", b"/tokenize"),
+    (b"POST", b"/v1/embeddings?" + STREAM_MARK),
+    (b"POST", b"/v1/chat/completions/"),
+    (b"POST", b"/Completion"),
+    (b"POST", b"/slots/0?action=save"),
+    (b"PUT", b"/completion"),
+    (b"GET", b"/completion"),
+    (b"GET", b"/props?x=%2F"),
+    (b"GET", b"/health"),
+    (b"GET", b"/he%61lth?" + STREAM_MARK),
+    (b"OPTIONS", b"/v1/chat/completions"),
 ]
 EXTENSIONS = [b"", b"", b";a=b", b";x", b';q="v;w"', b";a=b;c"]
 
@@ -127,8 +154,16 @@ def requests(draw: st.DrawFn, expect: bool = True) -> Sent:
         parts = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)]) if body[a:b]]
         chunks = b"".join(b"%x%s\r\n%s\r\n" % (len(p), draw(st.sampled_from(EXTENSIONS)), p) for p in parts)
         trailer = draw(st.sampled_from([b"", b"", b"X-Trailer: 1\r\n", b"Expect: 100-continue\r\nHost: t\r\n"]))
-        data = b"\r\n".join(head) + b"\r\n\r\n" + chunks + b"0" + draw(st.sampled_from(EXTENSIONS)) + b"\r\n" \
-            + trailer + b"\r\n"
+        data = (
+            b"\r\n".join(head)
+            + b"\r\n\r\n"
+            + chunks
+            + b"0"
+            + draw(st.sampled_from(EXTENSIONS))
+            + b"\r\n"
+            + trailer
+            + b"\r\n"
+        )
     else:
         data = b"\r\n".join(head) + b"\r\n\r\n"
     return Sent(method, target, body, data)
@@ -174,8 +209,7 @@ class Harness:
         self.proxy.close()
         await self.child.stop()
 
-    async def _respond(self, request: RawRequest, reader: asyncio.StreamReader,
-                       writer: asyncio.StreamWriter) -> None:
+    async def _respond(self, request: RawRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_body(request, reader)  # raises if the proxy cut the request off: it is not recorded
         self.complete.append((request.method, request.target, request.body))
         answer = echo(request.method, request.target, request.body)
@@ -298,8 +332,9 @@ def test_draining_refuses_every_request_alike(tmp_path, data):
             h.proxy.accepting = False
             reader, writer = await h.send(writes, False)
             got = await answers(reader, len(sent))
-            assert [(r.status, r.json()["error"]["message"]) for r in got] == \
-                [(503, "slotkeeper is shutting down")] * len(sent)
+            assert [(r.status, r.json()["error"]["message"]) for r in got] == [
+                (503, "slotkeeper is shutting down")
+            ] * len(sent)
             assert not h.child.requests and not h.hook.placed
             writer.close()
 
@@ -309,15 +344,21 @@ def test_draining_refuses_every_request_alike(tmp_path, data):
 def test_nothing_after_an_answer_that_closes_the_connection_is_read(tmp_path):
     """An early answer to a request with Expect: 100-continue closes the connection (the client may or may not
     send the body it announced): a request after it in the same read must not reach the child unanswered."""
+
     async def case() -> None:
         async with Harness(tmp_path) as h:
             reader, writer = await h.send([b"GET /props HTTP/1.1\r\n\r\n"], False)
             assert [r.status for r in await answers(reader, 1)] == [200]  # a kept-alive connection to the child
             writer.close()
             h.child.requests.clear()
-            reader, writer = await h.send([b"POST /slotkeeper/nothing HTTP/1.1\r\nExpect: 100-continue\r\n"
-                                           b"Content-Length: 2\r\n\r\n{}POST /slots/0?action=erase HTTP/1.1\r\n"
-                                           b"Content-Length: 0\r\n\r\n"], False)
+            reader, writer = await h.send(
+                [
+                    b"POST /slotkeeper/nothing HTTP/1.1\r\nExpect: 100-continue\r\n"
+                    b"Content-Length: 2\r\n\r\n{}POST /slots/0?action=erase HTTP/1.1\r\n"
+                    b"Content-Length: 0\r\n\r\n"
+                ],
+                False,
+            )
             got = await answers(reader, 2)
             assert [r.status for r in got] == [404]
             assert await closed(reader)
@@ -330,6 +371,7 @@ def test_nothing_after_an_answer_that_closes_the_connection_is_read(tmp_path):
 
 def test_a_head_too_large_from_the_first_read_is_refused(tmp_path):
     """The request head is counted from the first byte of a connection."""
+
     async def case() -> None:
         async with Harness(tmp_path) as h:
             head = b"GET /props HTTP/1.1\r\nX-Big: " + b"a" * (MAX_REQUEST_HEAD + 128 * 1024) + b"\r\n\r\n"
@@ -356,24 +398,23 @@ AMBIGUOUS = {  # each is refused with a 400 (431) and the connection closes; llh
     "CL hex": b"POST /completion HTTP/1.1\r\nContent-Length: 0x2\r\n\r\n{}",
     "TE gzip, chunked": b"POST /tokenize HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
     "TE gzip then chunked": b"POST /tokenize HTTP/1.1\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked"
-                            b"\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+    b"\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
     "TE chunked twice": b"POST /tokenize HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked"
-                        b"\r\n\r\n0\r\n\r\n",
+    b"\r\n\r\n0\r\n\r\n",
     "TE identity": b"POST /tokenize HTTP/1.1\r\nTransfer-Encoding: identity\r\n\r\n{}",
     "chunk size hex prefix": b"POST /tokenize HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0x2\r\n{}\r\n0\r\n\r\n",
     "chunk size sign": b"POST /completion HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n-2\r\n{}\r\n0\r\n\r\n",
     "chunk size space": b"POST /tokenize HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2 \r\n{}\r\n0\r\n\r\n",
     "chunk size overflow": b"POST /tokenize HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n1000000000000000000"
-                           b"\r\n{}\r\n0\r\n\r\n",
+    b"\r\n{}\r\n0\r\n\r\n",
     "chunk without CRLF": b"POST /tokenize HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}X0\r\n\r\n",
     "chunk bare LF": b"POST /completion HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\n{}\n0\n\n",
     "chunk extension after a space": b"POST /tokenize HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2; a=b\r\n{}"
-                                     b"\r\n0\r\n\r\n",
+    b"\r\n0\r\n\r\n",
     "chunk extension ctl": b"POST /tokenize HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2;\x01\r\n{}\r\n0\r\n\r\n",
-    "bad trailer": b"POST /tokenize HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nBad Trailer"
-                   b"\r\n\r\n",
+    "bad trailer": b"POST /tokenize HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nBad Trailer\r\n\r\n",
     "CL trailer": b"POST /tokenize HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n"
-                  b"Content-Length: 9\r\n\r\n",
+    b"Content-Length: 9\r\n\r\n",
     "obs-fold": b"GET /props HTTP/1.1\r\nX-A: 1\r\n  folded\r\n\r\n",
     "bare LF": b"GET /props HTTP/1.1\nHost: x\n\n",
     "bare CR": b"GET /props HTTP/1.1\rHost: x\r\n\r\n",
@@ -392,8 +433,10 @@ AMBIGUOUS = {  # each is refused with a 400 (431) and the connection closes; llh
     "%00": b"GET /health%00 HTTP/1.1\r\n\r\n",
     "target without /": b"GET %2Fhealth HTTP/1.1\r\n\r\n",
     "Upgrade with a body": b"POST /completion HTTP/1.1\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n"
-                           b"Content-Length: 2\r\n\r\n{}",
-    "huge head": b"GET /props HTTP/1.1\r\nX-Big: " + b"a" * (2 * MAX_REQUEST_HEAD + 1024) + b"\r\n\r\n",  # (see proxy.py)
+    b"Content-Length: 2\r\n\r\n{}",
+    "huge head": b"GET /props HTTP/1.1\r\nX-Big: "
+    + b"a" * (2 * MAX_REQUEST_HEAD + 1024)
+    + b"\r\n\r\n",  # (see proxy.py)
 }
 
 
@@ -402,8 +445,19 @@ def test_each_ambiguous_input_is_refused(tmp_path, name):
     """Each entry gets a 400 (431) and the connection closes, and nothing of it reaches the child whole. Who
     refuses it: llhttp's strict defaults (no lenient flag is set; httptools can only turn them on), or for those
     llhttp alone accepts, slotkeeper's own checks."""
-    slotkeepers = {"TE gzip, chunked", "TE gzip then chunked", "HTTP/2.0", "fragment", "fragment before ?",
-                   "%u escape", "lone surrogate", "stray %", "%00", "Upgrade with a body", "huge head"}
+    slotkeepers = {
+        "TE gzip, chunked",
+        "TE gzip then chunked",
+        "HTTP/2.0",
+        "fragment",
+        "fragment before ?",
+        "%u escape",
+        "lone surrogate",
+        "stray %",
+        "%00",
+        "Upgrade with a body",
+        "huge head",
+    }
     parser = httptools.HttpRequestParser(object())
     try:
         parser.feed_data(AMBIGUOUS[name])
@@ -431,6 +485,7 @@ def test_each_ambiguous_input_is_refused(tmp_path, name):
 def test_a_refused_client_still_sending_gets_its_400(tmp_path):
     """Closing with unread input would reset the connection, which can destroy the 400 before the client reads
     it: the proxy shuts its side and drops what still comes (for LINGER_S) instead."""
+
     async def case() -> None:
         async with Harness(tmp_path) as h:
             reader, writer = await h.send([b"NOT HTTP\r\n\r\n" + b"x" * (4 << 20)], False)
@@ -474,7 +529,7 @@ def test_ambiguous_bytes_get_a_400_after_the_answers_before_them(tmp_path, data)
 def test_a_request_cut_short_by_a_half_close_never_reaches_the_child_whole(tmp_path, data):
     before = data.draw(st.lists(requests(), max_size=3), "before")
     last = data.draw(requests(), "cut short")
-    stream = b"".join(s.data for s in before) + last.data[:data.draw(st.integers(1, len(last.data) - 1), "kept")]
+    stream = b"".join(s.data for s in before) + last.data[: data.draw(st.integers(1, len(last.data) - 1), "kept")]
     writes = cut(stream, data.draw)
 
     async def case() -> None:
@@ -482,8 +537,9 @@ def test_a_request_cut_short_by_a_half_close_never_reaches_the_child_whole(tmp_p
             reader, writer = await h.send(writes, True)
             got = await answers(reader, len(before) + 1)
             assert [(r.status, r.body) for r in got[:-1]] == [(200, s.answer()) for s in before]
-            assert got[-1].status == 400 and got[-1].json()["error"]["message"] == \
-                "bad request: the request ended early"
+            assert (
+                got[-1].status == 400 and got[-1].json()["error"]["message"] == "bad request: the request ended early"
+            )
             assert await closed(reader)
             await asyncio.sleep(0.02)  # the child sees its connection cut
             assert h.complete == [(s.method, s.target, s.forwarded_body) for s in before]

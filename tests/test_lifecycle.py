@@ -44,8 +44,10 @@ def child_pid(sk) -> int:
 def save_requested(sk) -> bool:
     """The current child has received a slot save request."""
     pid = child_pid(sk)
-    return any(e["event"] == "request" and e["pid"] == pid and e["path"].startswith("/slots/")
-               and "save" in e.get("query", "") for e in read_events(sk.extra["events"]))
+    return any(
+        e["event"] == "request" and e["pid"] == pid and e["path"].startswith("/slots/") and "save" in e.get("query", "")
+        for e in read_events(sk.extra["events"])
+    )
 
 
 def seed_cache(stub_slotkeeper) -> str:
@@ -203,8 +205,11 @@ def test_7_zero_token_save_never_replaces_a_good_file(stub_slotkeeper):
 def test_8_sse_chunks_arrive_incrementally(stub_slotkeeper):
     """8. An SSE token stream arrives token by token through the proxy, not buffered to the end."""
     sk = stub_slotkeeper(stub={"STUB_TOKEN_SECONDS": "0.15"})
-    arrivals = [t for t, line in stream_lines(sk.port, "/completion", {"prompt": "hi", "n_predict": 6, "stream": True})
-                if line.startswith(b"data:")]
+    arrivals = [
+        t
+        for t, line in stream_lines(sk.port, "/completion", {"prompt": "hi", "n_predict": 6, "stream": True})
+        if line.startswith(b"data:")
+    ]
     assert len(arrivals) >= 6
     assert arrivals[-1] - arrivals[0] > 0.5, "events arrived together: the stream was buffered"
 
@@ -266,11 +271,14 @@ def test_crash_while_saving_keeps_the_old_file(stub_slotkeeper):
 def test_3c_second_signal_while_draining_stops_at_once(stub_slotkeeper):
     """3. A second signal while a long request drains: no waiting for --drain-timeout, prompt non-zero exit."""
     sk = stub_slotkeeper(own=("--drain-timeout", "20", "--save-timeout", "30"), stub={"STUB_TOKEN_SECONDS": "0.5"})
-    streaming = threading.Thread(target=lambda: list(stream_lines(
-        sk.port, "/completion", {"prompt": "hi", "n_predict": 60, "stream": True})), daemon=True)
+    streaming = threading.Thread(
+        target=lambda: list(stream_lines(sk.port, "/completion", {"prompt": "hi", "n_predict": 60, "stream": True})),
+        daemon=True,
+    )
     streaming.start()
-    assert wait_until(lambda: any(e["event"] == "request" and e["path"] == "/completion"
-                                  for e in read_events(sk.extra["events"])), 10)
+    assert wait_until(
+        lambda: any(e["event"] == "request" and e["path"] == "/completion" for e in read_events(sk.extra["events"])), 10
+    )
     sk.killpg(signal.SIGTERM)
     assert wait_until(lambda: "state: ready -> draining" in sk.logs(), 5), sk.logs()
     started = time.monotonic()

@@ -24,10 +24,22 @@ def write_store(root: Path, n: int) -> list[str]:
     ids = []
     for i in range(n):
         tokens = [1] * 640 + [i + 2] * (64 * (1 + i % 3))
-        entry = Entry(id=secrets.token_hex(8), tokens=len(tokens), nbytes=100 + i, keys=block_keys(tokens),
-                      saved_at=time.time(), last_used=time.time() - i, fingerprint=dict(FINGERPRINT),
-                      seq_version=2, layout="packed-1", server=dict(SERVER), units=block_keys(tokens)[:3],
-                      exact=exact_key(tokens), boundary=bool(i % 2), checksum="xxh3_128:" + "0" * 32)
+        entry = Entry(
+            id=secrets.token_hex(8),
+            tokens=len(tokens),
+            nbytes=100 + i,
+            keys=block_keys(tokens),
+            saved_at=time.time(),
+            last_used=time.time() - i,
+            fingerprint=dict(FINGERPRINT),
+            seq_version=2,
+            layout="packed-1",
+            server=dict(SERVER),
+            units=block_keys(tokens)[:3],
+            exact=exact_key(tokens),
+            boundary=bool(i % 2),
+            checksum="xxh3_128:" + "0" * 32,
+        )
         bin_path, manifest_path = pair_paths(root / "entries", entry.id)
         bin_path.write_bytes(b"\0" * entry.nbytes)
         write_json_atomic(manifest_path, entry.manifest(), fsync=False)

@@ -30,8 +30,7 @@ from slotkeeper.modelinfo import (  # noqa: E402
 MiB = 1024 * 1024
 
 
-def write_gguf(path: Path, arch: str, kv: dict[str, Any], *, vocab: int = 0,
-               endianess: Any = None) -> Path:
+def write_gguf(path: Path, arch: str, kv: dict[str, Any], *, vocab: int = 0, endianess: Any = None) -> Path:
     """A small GGUF file: ``general.architecture`` plus ``kv`` (keys without the ``<arch>.`` prefix are given
     one), an optional token list and scores of ``vocab`` entries, and one tiny tensor."""
     kwargs = {} if endianess is None else {"endianess": endianess}
@@ -59,10 +58,17 @@ def write_gguf(path: Path, arch: str, kv: dict[str, Any], *, vocab: int = 0,
     return path
 
 
-def attention(layers: int, *, embd: int = 256, heads: int = 4, kv_heads: Any = 2, ctx: int = 8192,
-              **extra: Any) -> dict[str, Any]:
-    return {"block_count": layers, "context_length": ctx, "embedding_length": embd,
-            "attention.head_count": heads, "attention.head_count_kv": kv_heads, **extra}
+def attention(
+    layers: int, *, embd: int = 256, heads: int = 4, kv_heads: Any = 2, ctx: int = 8192, **extra: Any
+) -> dict[str, Any]:
+    return {
+        "block_count": layers,
+        "context_length": ctx,
+        "embedding_length": embd,
+        "attention.head_count": heads,
+        "attention.head_count_kv": kv_heads,
+        **extra,
+    }
 
 
 # -- classification --------------------------------------------------------------------------------------------
@@ -79,9 +85,13 @@ def test_full_attention_llama(tmp_path: Path) -> None:
 
 
 def test_sliding_window_gemma3(tmp_path: Path) -> None:
-    kv = attention(6, embd=640, heads=4, kv_heads=1, **{"attention.key_length": 256,
-                                                       "attention.value_length": 256,
-                                                       "attention.sliding_window": 512})
+    kv = attention(
+        6,
+        embd=640,
+        heads=4,
+        kv_heads=1,
+        **{"attention.key_length": 256, "attention.value_length": 256, "attention.sliding_window": 512},
+    )
     memory = read_model_memory(write_gguf(tmp_path / "m.gguf", "gemma3", kv))
     assert memory.kind is MemoryKind.SLIDING_WINDOW
     assert memory.sliding_window == 512
@@ -101,18 +111,34 @@ def test_gemma2_defaults_to_a_4096_window_every_other_layer(tmp_path: Path) -> N
 
 
 def test_per_layer_pattern_array_and_head_sizes(tmp_path: Path) -> None:
-    kv = attention(4, heads=8, kv_heads=[2, 2, 4, 2], **{
-        "attention.sliding_window": 128, "attention.sliding_window_pattern": [True, False, True, True],
-        "attention.key_length": 64, "attention.value_length": 64})
+    kv = attention(
+        4,
+        heads=8,
+        kv_heads=[2, 2, 4, 2],
+        **{
+            "attention.sliding_window": 128,
+            "attention.sliding_window_pattern": [True, False, True, True],
+            "attention.key_length": 64,
+            "attention.value_length": 64,
+        },
+    )
     memory = read_model_memory(write_gguf(tmp_path / "m.gguf", "gpt-oss", kv))
     assert memory.describe() == "sliding-window attention (128-token window, 3 of 4 layers)"
-    assert [(layer.k, layer.swa) for layer in memory.kv_layers] == [(128, True), (128, False), (256, True),
-                                                                    (128, True)]
+    assert [(layer.k, layer.swa) for layer in memory.kv_layers] == [(128, True), (128, False), (256, True), (128, True)]
 
 
 def test_hybrid_qwen35(tmp_path: Path) -> None:
-    kv = attention(8, **{"ssm.conv_kernel": 4, "ssm.inner_size": 512, "ssm.state_size": 128,
-                         "ssm.time_step_rank": 16, "ssm.group_count": 8, "full_attention_interval": 4})
+    kv = attention(
+        8,
+        **{
+            "ssm.conv_kernel": 4,
+            "ssm.inner_size": 512,
+            "ssm.state_size": 128,
+            "ssm.time_step_rank": 16,
+            "ssm.group_count": 8,
+            "full_attention_interval": 4,
+        },
+    )
     memory = read_model_memory(write_gguf(tmp_path / "m.gguf", "qwen35", kv))
     assert (memory.kind, memory.hybrid, memory.sliding_window) == (MemoryKind.RECURRENT, True, None)
     assert memory.describe() == "hybrid: attention + recurrent state"
@@ -128,8 +154,15 @@ def test_hybrid_from_zero_kv_heads_lfm2_with_window(tmp_path: Path) -> None:
 
 
 def test_pure_recurrent_mamba_has_no_kv_cache(tmp_path: Path) -> None:
-    kv = {"block_count": 4, "context_length": 0, "embedding_length": 256, "ssm.conv_kernel": 4,
-          "ssm.inner_size": 512, "ssm.state_size": 16, "ssm.time_step_rank": 16}
+    kv = {
+        "block_count": 4,
+        "context_length": 0,
+        "embedding_length": 256,
+        "ssm.conv_kernel": 4,
+        "ssm.inner_size": 512,
+        "ssm.state_size": 16,
+        "ssm.time_step_rank": 16,
+    }
     memory = read_model_memory(write_gguf(tmp_path / "m.gguf", "mamba", kv))
     assert (memory.kind, memory.hybrid, memory.kv_layers) == (MemoryKind.RECURRENT, False, ())
     assert memory.describe() == "recurrent state only (no KV cache)"
@@ -143,19 +176,26 @@ def test_encoder_has_no_memory(tmp_path: Path) -> None:
 
 
 def test_unknown_architecture_falls_back_on_keys(tmp_path: Path) -> None:
-    recurrent = read_model_memory(write_gguf(tmp_path / "r.gguf", "newssm", attention(
-        4, kv_heads=[0, 0, 0, 4], **{"ssm.state_size": 16})))
+    recurrent = read_model_memory(
+        write_gguf(tmp_path / "r.gguf", "newssm", attention(4, kv_heads=[0, 0, 0, 4], **{"ssm.state_size": 16}))
+    )
     assert (recurrent.kind, recurrent.hybrid, recurrent.kv_exact) == (MemoryKind.RECURRENT, True, False)
 
-    windowed = read_model_memory(write_gguf(tmp_path / "w.gguf", "newswa", attention(
-        4, **{"attention.sliding_window": 1024})))
+    windowed = read_model_memory(
+        write_gguf(tmp_path / "w.gguf", "newswa", attention(4, **{"attention.sliding_window": 1024}))
+    )
     assert (windowed.kind, windowed.sliding_window) == (MemoryKind.SLIDING_WINDOW, 1024)
     assert windowed.describe() == "sliding-window attention (1024-token window, layer pattern unknown)"
     # Without the pattern every layer counts as full: an upper bound.
     assert kv_cache_bytes(windowed, 8192, 1, swa_full=False) == kv_cache_bytes(windowed, 8192, 1, swa_full=True)
 
-    patterned = read_model_memory(write_gguf(tmp_path / "p.gguf", "newswa", attention(
-        4, **{"attention.sliding_window": 1024, "attention.sliding_window_pattern": 2})))
+    patterned = read_model_memory(
+        write_gguf(
+            tmp_path / "p.gguf",
+            "newswa",
+            attention(4, **{"attention.sliding_window": 1024, "attention.sliding_window_pattern": 2}),
+        )
+    )
     assert patterned.swa_layers == 2
 
 
@@ -167,20 +207,27 @@ def test_mtp_layers_hold_no_kv_in_the_main_context(tmp_path: Path) -> None:
 # -- the KV cache size -----------------------------------------------------------------------------------------
 
 GEMMA3_270M = ModelMemory(
-    architecture="gemma3", kind=MemoryKind.SLIDING_WINDOW, sliding_window=512, n_layers=18, hybrid=False,
+    architecture="gemma3",
+    kind=MemoryKind.SLIDING_WINDOW,
+    sliding_window=512,
+    n_layers=18,
+    hybrid=False,
     kv_layers=tuple(KvLayer(il, 256, 256, swa=il % 6 != 5) for il in range(18)),
     n_ctx_train=32768,
 )
 
 
-@pytest.mark.parametrize(("n_ctx", "n_seq", "unified", "swa_full", "mib"), [
-    # What llama-server b11434 logs for Gemma 3 270M (llama_kv_cache: size = ..., summed over both caches).
-    (8192, 4, False, False, 84.0),     # 2048 cells x 4 streams full, 1024 cells x 4 streams SWA
-    (8192, 4, False, True, 144.0),
-    (32768, 4, True, False, 133.5),    # -np auto: one unified stream; SWA 512 x 4 + 512 = 2560 cells
-    (32768, 4, True, True, 576.0),
-    (0, 1, False, False, 111.0),       # -c 0: the training context, 32768 cells
-])
+@pytest.mark.parametrize(
+    ("n_ctx", "n_seq", "unified", "swa_full", "mib"),
+    [
+        # What llama-server b11434 logs for Gemma 3 270M (llama_kv_cache: size = ..., summed over both caches).
+        (8192, 4, False, False, 84.0),  # 2048 cells x 4 streams full, 1024 cells x 4 streams SWA
+        (8192, 4, False, True, 144.0),
+        (32768, 4, True, False, 133.5),  # -np auto: one unified stream; SWA 512 x 4 + 512 = 2560 cells
+        (32768, 4, True, True, 576.0),
+        (0, 1, False, False, 111.0),  # -c 0: the training context, 32768 cells
+    ],
+)
 def test_kv_bytes_follow_llama_server(n_ctx: int, n_seq: int, unified: bool, swa_full: bool, mib: float) -> None:
     assert kv_cache_bytes(GEMMA3_270M, n_ctx, n_seq, swa_full=swa_full, unified=unified) == mib * MiB
 
@@ -196,8 +243,9 @@ def test_kv_bytes_padding_and_cache_types() -> None:
 
 
 def test_v_is_padded_to_the_widest_layer_without_flash_attention() -> None:
-    memory = ModelMemory("gemma4", MemoryKind.FULL, None, 2, False, kv_layers=(KvLayer(0, 256, 256, False),
-                                                                              KvLayer(1, 512, 512, False)))
+    memory = ModelMemory(
+        "gemma4", MemoryKind.FULL, None, 2, False, kv_layers=(KvLayer(0, 256, 256, False), KvLayer(1, 512, 512, False))
+    )
     assert kv_cache_bytes(memory, 256, 1, swa_full=False) == (512 + 1024) * 256 * 2
     assert kv_cache_bytes(memory, 256, 1, swa_full=False, flash_attn=False) == (768 + 1024) * 256 * 2
 
@@ -230,16 +278,21 @@ def test_truncated_anywhere_in_the_header_is_a_clear_error(tmp_path: Path) -> No
         assert size > end - 400, size
 
 
-@pytest.mark.parametrize(("content", "reason"), [
-    (b"", "empty file"),
-    (b"GG", "truncated"),
-    (b"PK\x03\x04 a zip file, not a model", "not a GGUF file"),
-    (b"GGUF" + struct.pack("<I", 1) + bytes(16), "unsupported GGUF version 1"),
-    (b"GGUF" + struct.pack("<I", 7) + bytes(16), "unsupported GGUF version 7"),
-    (b"GGUF" + struct.pack("<IQQ", 3, 0, 10**12), "truncated"),
-    (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"k" + struct.pack("<I", 99) + bytes(8),
-     "invalid GGUF value type 99"),
-])
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (b"", "empty file"),
+        (b"GG", "truncated"),
+        (b"PK\x03\x04 a zip file, not a model", "not a GGUF file"),
+        (b"GGUF" + struct.pack("<I", 1) + bytes(16), "unsupported GGUF version 1"),
+        (b"GGUF" + struct.pack("<I", 7) + bytes(16), "unsupported GGUF version 7"),
+        (b"GGUF" + struct.pack("<IQQ", 3, 0, 10**12), "truncated"),
+        (
+            b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"k" + struct.pack("<I", 99) + bytes(8),
+            "invalid GGUF value type 99",
+        ),
+    ],
+)
 def test_not_a_gguf_model(tmp_path: Path, content: bytes, reason: str) -> None:
     path = tmp_path / "bad.gguf"
     path.write_bytes(content)
@@ -265,13 +318,15 @@ def test_missing_required_keys(tmp_path: Path) -> None:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(flips=st.lists(st.tuples(st.integers(min_value=0), st.integers(min_value=1, max_value=255)),
-                      min_size=1, max_size=4))
+@given(
+    flips=st.lists(st.tuples(st.integers(min_value=0), st.integers(min_value=1, max_value=255)), min_size=1, max_size=4)
+)
 def test_garbage_never_escapes_as_another_exception(tmp_path: Path, flips: list[tuple[int, int]]) -> None:
     source = tmp_path / "fuzz-source.gguf"
     if not source.exists():
-        write_gguf(source, "gemma3", attention(6, kv_heads=[1, 1, 2, 1, 1, 2],
-                                               **{"attention.sliding_window": 512}), vocab=20)
+        write_gguf(
+            source, "gemma3", attention(6, kv_heads=[1, 1, 2, 1, 1, 2], **{"attention.sliding_window": 512}), vocab=20
+        )
     data = bytearray(source.read_bytes()[:-300])
     for offset, xor in flips:
         data[offset % len(data)] ^= xor

@@ -32,8 +32,8 @@ from slotkeeper.testing.harness import free_port, http_call
 
 # About 2,000 tokens on the test models' tokenizers, shared by the chats of these tests.
 OPENING = "You are the support assistant of a small bookshop. " + " ".join(
-    f"Policy {i}: a customer asking about shelf {i} gets the catalogue of section {i % 9}, politely."
-    for i in range(38))
+    f"Policy {i}: a customer asking about shelf {i} gets the catalogue of section {i % 9}, politely." for i in range(38)
+)
 OTHER_OPENING = "You are a terse translator. " + " ".join(f"Term {i} stays as it is." for i in range(60))
 MIN_SAVE_TOKENS = 400
 OPENING_FAMILIES = ["llama", "qwen35-thinking-off", "qwen35-thinking-on", "gemma3-swa-full", "gemma3-270m-swa-full"]
@@ -56,8 +56,13 @@ def openings_of(port: int) -> dict:
 def cold_answer(llama_server: str, model: Path, family: Family, chat: Chat, tmp_path: Path) -> tuple:
     """The chat's answer from a plain llama-server with the same arguments, started cold."""
     port = free_port()
-    plain = PlainServer(llama_server, ["-m", str(model), *BASE, *family.args, "-np", "2"], port,
-                        tmp_path / "plain.log", clean_env(llama_server))
+    plain = PlainServer(
+        llama_server,
+        ["-m", str(model), *BASE, *family.args, "-np", "2"],
+        port,
+        tmp_path / "plain.log",
+        clean_env(llama_server),
+    )
     try:
         plain.wait_ready()
         return answer(port, chat, chat.messages)
@@ -67,7 +72,8 @@ def cold_answer(llama_server: str, model: Path, family: Family, chat: Chat, tmp_
 
 @pytest.mark.parametrize("name", OPENING_FAMILIES)
 def test_after_a_swap_a_new_chat_reuses_its_whole_saved_opening_and_answers_as_a_cold_run(
-        name, family_start, llama_server, family_models, request, tmp_path):
+    name, family_start, llama_server, family_models, request, tmp_path
+):
     """A chat with a 2k-token opening saves the opening once. After a swap, with the slots restored with other
     chats, a new chat sharing the opening reuses all of it (llama-server's cache_n), and answers exactly as a
     cold llama-server does."""
@@ -95,7 +101,8 @@ def test_after_a_swap_a_new_chat_reuses_its_whole_saved_opening_and_answers_as_a
 
 
 def test_a_new_chat_after_a_swap_answers_from_its_restored_opening_as_a_cold_run(
-        family_start, llama_server, family_models, request, tmp_path):
+    family_start, llama_server, family_models, request, tmp_path
+):
     """The answer of the request that itself starts from the restored opening (not a repeat of it) is a cold
     run's, on the sliding-window model where a wrong restore would show."""
     family = FAMILIES["gemma3-swa-full"]
@@ -127,8 +134,9 @@ def test_ten_new_chats_sharing_an_opening_leave_every_warm_chat_warm(name, famil
     starts = [t["cache_n"] for t in first_turns[1:]]
     assert all(n >= n_opening for n in starts), (starts, n_opening, sk.logs()[-4000:])
     back = [chat.turn(sk.port) for chat in [*warm, *new]]
-    cold = [(c.n, t["cache_n"], c.previous_prompt_tokens) for c, t in zip([*warm, *new], back)
-            if not c.reused_enough(t)]
+    cold = [
+        (c.n, t["cache_n"], c.previous_prompt_tokens) for c, t in zip([*warm, *new], back) if not c.reused_enough(t)
+    ]
     assert not cold, (cold, sk.logs()[-5000:])
     status = openings_of(sk.port)  # saved once per distinct opening: the warm chats' and the new chats'
     assert status["entries"] == status["saved"] == 2, status
@@ -160,12 +168,13 @@ def test_a_failed_opening_save_costs_only_the_entry(stub_slotkeeper):
     """llama-server refuses the opening's save (the stub's saves fail): the new chat is answered on its slot,
     one line says so, and no file is left behind."""
     sk = stub_slotkeeper(stub={"STUB_SAVE_FAIL": "1"})
-    body = {"messages": [{"role": "system", "content": OPENING}, {"role": "user", "content": "Hello there."}],
-            "max_tokens": 4}
+    body = {
+        "messages": [{"role": "system", "content": OPENING}, {"role": "user", "content": "Hello there."}],
+        "max_tokens": 4,
+    }
     reply = http_call(sk.port, "POST", "/v1/chat/completions", body)
     assert reply.status == 200, reply.body
     assert "opening not saved from slot" in sk.logs(), sk.logs()[-3000:]
     status = http_call(sk.port, "GET", "/slotkeeper/status").body
     assert status["openings"]["saved"] == 0 and status["placements"] == {"new": 1}, status  # placed all the same
     assert not [p for p in (sk.extra["save_dir"] / "entries").iterdir()]
-

@@ -85,10 +85,12 @@ def test_own_paths_require_the_key_as_llama_server_paths_do(keyed: int) -> None:
     assert ask(port, "/health", [])[0] == 200  # public, as in llama-server
 
 
-def test_own_paths_judge_every_header_form_as_llama_server_does(starter, llama_server: str,
-                                                                models: dict[str, Path]) -> None:
+def test_own_paths_judge_every_header_form_as_llama_server_does(
+    starter, llama_server: str, models: dict[str, Path]
+) -> None:
     port = starter(llama_server, ["-m", str(models["A"]), "-c", "2048", "-np", "1", "-t", "2", "--no-warmup"])(
-        "--api-key", KEY).port
+        "--api-key", KEY
+    ).port
     for headers in HEADER_CASES:
         theirs = ask(port, "/props", headers)[0]
         assert theirs in (200, 401), (headers, theirs)
@@ -106,8 +108,13 @@ async def guarded(tmp_path: Path) -> AsyncIterator[Proxied]:
     await child.start()
     gate = Gate()
     gate.open()
-    proxy = Proxy(ChildEndpoint(runtime_dir=tmp_path, socket_path=child.path), gate, lambda: "ready",
-                  time.monotonic() + 30, ["k1", "k2"])
+    proxy = Proxy(
+        ChildEndpoint(runtime_dir=tmp_path, socket_path=child.path),
+        gate,
+        lambda: "ready",
+        time.monotonic() + 30,
+        ["k1", "k2"],
+    )
 
     async def status() -> Reply:
         return Reply.json({"state": "ready"})
@@ -133,8 +140,9 @@ async def test_any_of_the_keys_opens_own_paths_and_nothing_reaches_the_child(gua
     assert proxied.status == 200 and len(guarded.child.requests) == 1
 
 
-def test_every_key_llama_server_accepts_opens_own_paths(starter, llama_server: str, models: dict[str, Path],
-                                                        tmp_path: Path) -> None:
+def test_every_key_llama_server_accepts_opens_own_paths(
+    starter, llama_server: str, models: dict[str, Path], tmp_path: Path
+) -> None:
     """Several keys (`--api-key a,b` and an --api-key-file beside it): llama-server accepts each, and so do
     slotkeeper's own paths, not only the first."""
     keys = tmp_path / "keys"

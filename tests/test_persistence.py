@@ -112,8 +112,9 @@ def test_1_sigkill_at_random_moments_of_a_stop_never_loses_the_cache(stub_slotke
         new = set(after) - set(committed)
         assert len(new) <= 1, f"trial {trial}: {new}"
         for gone in set(committed) - set(after):  # only ever superseded by a committed entry that extends it
-            assert new and after[next(iter(new))][: len(committed[gone])] == committed[gone], \
+            assert new and after[next(iter(new))][: len(committed[gone])] == committed[gone], (
                 f"trial {trial}: entry {gone} lost"
+            )
         outcomes["new committed" if new else "kept old"] += 1
         committed = after
     assert outcomes["kept old"] and outcomes["new committed"], f"kills did not cover both moments: {outcomes}"
@@ -144,12 +145,14 @@ def test_3a_random_bytes_are_quarantined(stub_slotkeeper):
     cache = entry_bin(save_dir, entry)
     cache.write_bytes(os.urandom(cache.stat().st_size))
     sk2 = stub_slotkeeper("-np", "1")
-    assert f"entry {entry[:4]} quarantined (its file changed on disk: the content checksum does not match)" \
-        in sk2.logs(), sk2.logs()
+    assert (
+        f"entry {entry[:4]} quarantined (its file changed on disk: the content checksum does not match)" in sk2.logs()
+    ), sk2.logs()
     events = [e for e in read_events(sk2.extra["events"]) if e["pid"] == child_pid(sk2)]
     restored_ok = [i for i, e in enumerate(events) if e["event"] == "restore" and e["ok"]]
-    assert all(any(e["event"] == "erase" for e in events[i:]) for i in restored_ok), \
+    assert all(any(e["event"] == "erase" for e in events[i:]) for i in restored_ok), (
         "a state that failed its checksum was left in its slot"
+    )
     assert complete(sk2)["timings"]["cache_n"] == 0
     assert entry not in entry_ids(save_dir) and not cache.exists() and not manifest_path(save_dir, entry).exists()
     assert sorted(p.suffix for p in quarantine_dir(save_dir).iterdir()) == [".bin", ".json"]
@@ -270,8 +273,9 @@ def tiny_disk(tmp_path):
     """A 1 MiB tmpfs as the save directory: a real 'No space left on device'."""
     mount_point = tmp_path / "tiny"
     mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
     if result.returncode != 0:
         if os.environ.get("SLOTKEEPER_REQUIRE_LLAMA_SERVER"):
             pytest.fail(f"cannot mount a tmpfs for the disk-full test: {result.stderr.strip()}")
@@ -301,8 +305,10 @@ def test_6_disk_full_keeps_the_old_file(stub_slotkeeper, tiny_disk):
     turn = turn + complete(sk2, turn)["content"] + " and a much longer follow-up " * 18
     complete(sk2, turn)
     stop(sk2)
-    assert "slot 0 not saved (at stop): llama-server answered 500: Unable to save slot; its previous entries are kept" \
-        in sk2.logs(), sk2.logs()
+    assert (
+        "slot 0 not saved (at stop): llama-server answered 500: Unable to save slot; its previous entries are kept"
+        in sk2.logs()
+    ), sk2.logs()
     assert "No space left on device" in sk2.logs()  # llama-server's own line: the disk did fill
     assert only_files_of(tiny_disk, entry) and bins_snapshot(tiny_disk) == good
     assert_entry_sound(tiny_disk, entry)
@@ -313,8 +319,9 @@ def test_6_disk_full_keeps_the_old_file(stub_slotkeeper, tiny_disk):
     assert restored(sk3.logs()) == [(entry[:4], 0)], sk3.logs()
     complete(sk3, turn)
     stop(sk3)
-    assert re.search(r"slot 0 not saved \(at stop\): only .* free in .*, ~.* needed; its previous entries are kept",
-                     sk3.logs()), sk3.logs()
+    assert re.search(
+        r"slot 0 not saved \(at stop\): only .* free in .*, ~.* needed; its previous entries are kept", sk3.logs()
+    ), sk3.logs()
     assert not any(e["event"] == "save" and e["pid"] == child_pid(sk3) for e in read_events(sk3.extra["events"]))
     assert only_files_of(tiny_disk, entry) and bins_snapshot(tiny_disk) == good
     assert not transients(tiny_disk)
@@ -324,8 +331,12 @@ def test_7_save_over_budget_is_abandoned_within_budget(stub_slotkeeper):
     """7. A save longer than --save-timeout is abandoned: old entry intact, exit within budget + stop timeout."""
     save_dir, entry = saved_cache(stub_slotkeeper)
     good = bins_snapshot(save_dir)
-    sk2 = stub_slotkeeper("-np", "1", own=("--save-timeout", "1", "--stop-timeout", "1", "--autosave-idle", "0"),
-                          stub={"STUB_SAVE_SECONDS": "30"})
+    sk2 = stub_slotkeeper(
+        "-np",
+        "1",
+        own=("--save-timeout", "1", "--stop-timeout", "1", "--autosave-idle", "0"),
+        stub={"STUB_SAVE_SECONDS": "30"},
+    )
     complete(sk2, PROMPT + " changed")
     started = time.monotonic()
     sk2.killpg(signal.SIGTERM)
@@ -379,16 +390,20 @@ def test_startup_warns_when_the_cache_would_not_fit_the_budget(stub_slotkeeper):
 def test_max_cache_bytes_evicts_the_least_recently_used(stub_slotkeeper):
     """--max-cache-bytes keeps the store under the cap: the least recently used entry goes first (not the
     oldest saved), its manifest with it; an entry a slot holds stays."""
-    conversations = {name: f"The conversation called {name}, with enough words to be worth a file. " * 6
-                     for name in "ABC"}
+    conversations = {
+        name: f"The conversation called {name}, with enough words to be worth a file. " * 6 for name in "ABC"
+    }
     sk = stub_slotkeeper("-np", "1", own=("--autosave-idle", "0"))
     complete(sk, conversations["A"])
     complete(sk, conversations["B"])  # A is written back before its slot is reused
     stop(sk)
     save_dir = sk.extra["save_dir"]
     tokens = assert_store_sound(save_dir)
-    by_name = {name: next(i for i, t in tokens.items() if bytes(t[: len(p)]) == p.encode())
-               for name, p in conversations.items() if name != "C"}
+    by_name = {
+        name: next(i for i, t in tokens.items() if bytes(t[: len(p)]) == p.encode())
+        for name, p in conversations.items()
+        if name != "C"
+    }
     a, b = by_name["A"], by_name["B"]
     assert read_manifest(save_dir, a)["saved_at"] < read_manifest(save_dir, b)["saved_at"]
     # A was used (restored, read) after B was saved: B is the least recently used, A the oldest saved.

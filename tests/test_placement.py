@@ -216,8 +216,21 @@ def test_a_grown_chat_supersedes_its_older_save_despite_a_re_templated_answer():
 
 
 def opening_entry(tokens: list[int], entry_id: str = "open") -> Entry:
-    return Entry(entry_id, len(tokens), 1000, block_keys(tokens), 0, 0, {"model": "m"}, 4, "packed-1",
-                 exact=exact_key(tokens), boundary=True, opening=True, uses=1)
+    return Entry(
+        entry_id,
+        len(tokens),
+        1000,
+        block_keys(tokens),
+        0,
+        0,
+        {"model": "m"},
+        4,
+        "packed-1",
+        exact=exact_key(tokens),
+        boundary=True,
+        opening=True,
+        uses=1,
+    )
 
 
 def test_a_new_chat_reuses_its_opening_live_after_the_chat_there_is_written_back(placement):
@@ -304,8 +317,9 @@ def test_a_slot_whose_chat_shares_only_the_opening_is_not_taken_for_continuing(p
     short_chat = system + [1] * 64  # the opening, a short first message and a reply: one block more
     held(placement, 0, block_keys(short_chat), last_used=9.0)
     request = system + [3] * 40
-    plan = placement._decide(block_keys(request), len(request), None, False, request,
-                             Opening(system, opening.exact, []))
+    plan = placement._decide(
+        block_keys(request), len(request), None, False, request, Opening(system, opening.exact, [])
+    )
     assert (plan.slot.id, plan.outcome) != (0, "resident"), plan
     assert plan.slot.id != 0 or plan.write_back, plan  # that chat is written back before its slot is reused
 
@@ -318,8 +332,9 @@ def test_a_short_chat_is_not_superseded_by_another_that_shares_its_opening():
     opening = list(range(8026))
     first = Entry("one1", 8091, 1, block_keys(opening + [1] * 65), 0, 0, {}, 4, "packed-1", units=["s", "o", "u1"])
     second = Entry("two2", 8093, 1, block_keys(opening + [2] * 67), 0, 0, {}, 4, "packed-1", units=["s", "o", "u2"])
-    grown = Entry("one2", 8200, 1, block_keys(opening + [1] * 174), 0, 0, {}, 4, "packed-1",
-                  units=["s", "o", "u1", "a1", "u3"])
+    grown = Entry(
+        "one2", 8200, 1, block_keys(opening + [1] * 174), 0, 0, {}, 4, "packed-1", units=["s", "o", "u1", "a1", "u3"]
+    )
     assert not extends(second, first)
     assert extends(grown, first)
 
@@ -335,12 +350,14 @@ def test_a_slot_whose_chat_differs_only_in_its_last_block_is_another_chat_by_its
     placement.slots[0].fast = FastKey(units=("s", "o", "u1"))
     request = system + [1] * 54 + [6] * 70
     new_session = FastKey(units=("s", "o", "u2"))
-    plan = placement._decide(block_keys(request), len(request), None, False, request,
-                             Opening(system, opening.exact, ["s", "o"]), new_session)
+    plan = placement._decide(
+        block_keys(request), len(request), None, False, request, Opening(system, opening.exact, ["s", "o"]), new_session
+    )
     assert (plan.slot.id, plan.outcome) != (0, "resident") and (plan.slot.id != 0 or plan.write_back), plan
     placement._release(plan.slot)
     same_chat = FastKey(units=("s", "o", "u1", "a1", "u3"))  # its messages continue the slot's: the slack holds
     grown = system + [1] * 54 + [5] * 70 + [3] * 10
-    plan = placement._decide(block_keys(grown), len(grown), None, False, grown,
-                             Opening(system, opening.exact, ["s", "o"]), same_chat)
+    plan = placement._decide(
+        block_keys(grown), len(grown), None, False, grown, Opening(system, opening.exact, ["s", "o"]), same_chat
+    )
     assert (plan.slot.id, plan.outcome) == (0, "resident"), plan

@@ -44,7 +44,8 @@ def test_the_tree_answers_as_a_scan_of_every_entry(stored, asked, data):
         assert set(found.ends) == {i for i in holders if len(entries[i]) == depth}
         assert sorted(tree.within(keys)) == sorted(i for i, k in entries.items() if common_keys(k, keys) == len(k))
         assert sorted(tree.near(keys)) == sorted(
-            i for i, k in entries.items() if (n := common_keys(k, keys)) and n >= len(k) - 1)
+            i for i, k in entries.items() if (n := common_keys(k, keys)) and n >= len(k) - 1
+        )
     assert_minimal(tree, len(entries))
     for i in list(entries):
         del entries[i]

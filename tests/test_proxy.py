@@ -63,17 +63,29 @@ async def proxied(tmp_path: Path) -> AsyncIterator[Proxied]:
 # ---- the proxy against the scripted child ----------------------------------------------------------------------
 
 HOP_BY_HOP_REQUEST = [
-    ("Connection", "keep-alive, X-Named-Hop"), ("Keep-Alive", "timeout=5"), ("TE", "trailers"),
-    ("Trailer", "X-Checksum"), ("Upgrade", "h2c"), ("Proxy-Authorization", "Basic Zm9vOmJhcg=="),
-    ("Proxy-Connection", "keep-alive"), ("Proxy-Whatever", "1"), ("X-Named-Hop", "dropped"),
+    ("Connection", "keep-alive, X-Named-Hop"),
+    ("Keep-Alive", "timeout=5"),
+    ("TE", "trailers"),
+    ("Trailer", "X-Checksum"),
+    ("Upgrade", "h2c"),
+    ("Proxy-Authorization", "Basic Zm9vOmJhcg=="),
+    ("Proxy-Connection", "keep-alive"),
+    ("Proxy-Whatever", "1"),
+    ("X-Named-Hop", "dropped"),
 ]
 
 
 async def test_request_line_headers_and_body_reach_the_child_unchanged(proxied):
     """Path (%2F, %20, UTF-8, `;`, `..`), query (repeated keys, + and %XX) and header bytes arrive as sent."""
     target = "/v1/a%2Fb/c%20d/%E2%9C%93;p=1/../x?q=1&q=2&s=a+b%26c%3D&empty=&flag"
-    end_to_end = [("X-Api-Key", "k1"), ("x-lower-case", "Value  With  Spaces"), ("X-Multi", "one"),
-                  ("X-Multi", "two"), ("Authorization", "Bearer abc"), ("Content-Type", "application/json")]
+    end_to_end = [
+        ("X-Api-Key", "k1"),
+        ("x-lower-case", "Value  With  Spaces"),
+        ("X-Multi", "one"),
+        ("X-Multi", "two"),
+        ("Authorization", "Bearer abc"),
+        ("Content-Type", "application/json"),
+    ]
     body = json.dumps({"content": "héllo"}).encode()
     for method in ("POST", "PUT", "PATCH", "DELETE", "OPTIONS"):
         reply = await raw_call(proxied.port, request_bytes(method, target, end_to_end + HOP_BY_HOP_REQUEST, body))
@@ -82,8 +94,9 @@ async def test_request_line_headers_and_body_reach_the_child_unchanged(proxied):
         assert seen.method == method.encode()
         assert seen.target == target.encode()
         assert seen.body == body
-        assert seen.headers == [(b"Host", b"slotkeeper.test")] + [(k.encode(), v.encode()) for k, v in end_to_end] \
-            + [(b"Content-Length", str(len(body)).encode())]
+        assert seen.headers == [(b"Host", b"slotkeeper.test")] + [(k.encode(), v.encode()) for k, v in end_to_end] + [
+            (b"Content-Length", str(len(body)).encode())
+        ]
 
 
 async def test_long_request_lines_and_headers_are_left_to_llama_server(proxied):
@@ -107,12 +120,25 @@ async def test_response_status_reason_headers_and_body_come_back_unchanged(proxi
     body = bytes(range(256)) * 4
 
     async def respond(request, reader, writer):
-        writer.write(raw_response("418 Short And Stout", [
-            ("Set-Cookie", "a=1; Path=/"), ("Set-Cookie", "b=2; HttpOnly"), ("x-lower", "v"), ("X-Empty", ""),
-            ("Connection", "X-Private"), ("X-Private", "secret"), ("Keep-Alive", "timeout=5, max=100"),
-            ("Proxy-Authenticate", "Basic"), ("Trailer", "X-T"), ("Upgrade", "h2c"),
-            ("Content-Type", "application/octet-stream"),
-        ], body))
+        writer.write(
+            raw_response(
+                "418 Short And Stout",
+                [
+                    ("Set-Cookie", "a=1; Path=/"),
+                    ("Set-Cookie", "b=2; HttpOnly"),
+                    ("x-lower", "v"),
+                    ("X-Empty", ""),
+                    ("Connection", "X-Private"),
+                    ("X-Private", "secret"),
+                    ("Keep-Alive", "timeout=5, max=100"),
+                    ("Proxy-Authenticate", "Basic"),
+                    ("Trailer", "X-T"),
+                    ("Upgrade", "h2c"),
+                    ("Content-Type", "application/octet-stream"),
+                ],
+                body,
+            )
+        )
 
     proxied.child.respond = respond
     reply = await raw_call(proxied.port, request_bytes("GET", "/x"))
@@ -133,12 +159,17 @@ async def test_compressed_bodies_pass_byte_exact(proxied):
 
     async def respond(request, reader, writer):
         await read_body(request, reader)
-        writer.write(raw_response(headers=[("Content-Encoding", "gzip"), ("Content-Type", "application/json")],
-                                  body=response_body))
+        writer.write(
+            raw_response(
+                headers=[("Content-Encoding", "gzip"), ("Content-Type", "application/json")], body=response_body
+            )
+        )
 
     proxied.child.respond = respond
-    reply = await raw_call(proxied.port, request_bytes(
-        "POST", "/completion", [("Content-Encoding", "gzip"), ("Accept-Encoding", "gzip")], request_body))
+    reply = await raw_call(
+        proxied.port,
+        request_bytes("POST", "/completion", [("Content-Encoding", "gzip"), ("Accept-Encoding", "gzip")], request_body),
+    )
     seen = proxied.child.requests[-1]
     assert seen.body == request_body
     assert seen.header(b"content-encoding") == [b"gzip"]
@@ -199,14 +230,17 @@ async def test_request_body_streams_to_the_child_before_it_is_complete(proxied):
 
 async def test_response_streams_chunk_by_chunk(proxied):
     """Each piece the child writes reaches the client before the child writes the next (SSE, length, until close)."""
-    pieces = [b"data: {\"n\": %d}\n\n" % i for i in range(5)]
+    pieces = [b'data: {"n": %d}\n\n' % i for i in range(5)]
     sent_at: list[float] = []
 
     async def respond(request, reader, writer):
         framing = request.target.split(b"=")[1]
         if framing == b"chunked":
-            writer.write(raw_response(headers=[("Content-Type", "text/event-stream"),
-                                               ("Transfer-Encoding", "chunked")], length=False))
+            writer.write(
+                raw_response(
+                    headers=[("Content-Type", "text/event-stream"), ("Transfer-Encoding", "chunked")], length=False
+                )
+            )
         elif framing == b"length":
             writer.write(raw_response(headers=[("Content-Length", str(sum(map(len, pieces))))], length=False))
         else:
@@ -237,18 +271,22 @@ async def test_response_streams_chunk_by_chunk(proxied):
         writer.close()
         assert len(arrivals) >= len(pieces), f"{framing}: pieces were merged: the stream was buffered"
         # every piece arrived well before the child wrote the next one (0.15 s later)
-        assert all(a - s < 0.1 for a, s in zip(arrivals[-len(pieces):], sent_at)), framing
+        assert all(a - s < 0.1 for a, s in zip(arrivals[-len(pieces) :], sent_at)), framing
         assert all(piece in received for piece in pieces), framing
 
 
 async def test_framing_is_kept_even_when_the_whole_answer_arrives_at_once(proxied):
     """A short chunked answer (an SSE stream that is already over) stays chunked; a sized one keeps its length."""
-    events = b"data: {\"a\":1}\n\ndata: [DONE]\n\n"
+    events = b'data: {"a":1}\n\ndata: [DONE]\n\n'
 
     async def respond(request, reader, writer):
         if request.target == b"/chunked":
-            writer.write(raw_response(headers=[("Content-Type", "text/event-stream"), ("Transfer-Encoding", "chunked")],
-                                      length=False) + b"%x\r\n%s\r\n0\r\n\r\n" % (len(events), events))
+            writer.write(
+                raw_response(
+                    headers=[("Content-Type", "text/event-stream"), ("Transfer-Encoding", "chunked")], length=False
+                )
+                + b"%x\r\n%s\r\n0\r\n\r\n" % (len(events), events)
+            )
         else:
             writer.write(raw_response(headers=[("Content-Type", "text/event-stream")], body=events))
 
@@ -264,8 +302,11 @@ async def test_framing_is_kept_even_when_the_whole_answer_arrives_at_once(proxie
 async def test_client_disconnect_mid_stream_closes_the_child_connection_at_once(proxied):
     async def respond(request, reader, writer):
         await read_body(request, reader)
-        writer.write(raw_response(headers=[("Content-Type", "text/event-stream"), ("Transfer-Encoding", "chunked")],
-                                  length=False))
+        writer.write(
+            raw_response(
+                headers=[("Content-Type", "text/event-stream"), ("Transfer-Encoding", "chunked")], length=False
+            )
+        )
         for _ in range(200):  # 20 s of tokens, unless the proxy hangs up (drain raises, _serve records it)
             writer.write(b"%x\r\n%s\r\n" % (len(b"data: x\n\n"), b"data: x\n\n"))
             await writer.drain()
@@ -315,6 +356,7 @@ async def test_child_closing_before_its_headers_is_a_502(proxied):
 async def test_child_breaking_off_after_its_headers_truncates_the_response(proxied):
     """After the headers, a broken child closes the client's connection: never a complete-looking response."""
     for framing in ("chunked", "length"):
+
         async def respond(request, reader, writer, framing=framing):
             if framing == "chunked":
                 writer.write(raw_response(headers=[("Transfer-Encoding", "chunked")], length=False) + b"5\r\nhello\r\n")
@@ -388,8 +430,9 @@ async def test_a_full_accept_queue_at_the_child_is_waited_out(tmp_path):
     port = free_port()
     await proxy.listen("127.0.0.1", port)
     try:
-        replies = await asyncio.gather(*(raw_call(port, request_bytes("POST", "/tokenize", body=b"{}"))
-                                         for _ in range(20)))
+        replies = await asyncio.gather(
+            *(raw_call(port, request_bytes("POST", "/tokenize", body=b"{}")) for _ in range(20))
+        )
         assert [r.status for r in replies] == [200] * 20
     finally:
         serving.cancel()
@@ -399,6 +442,7 @@ async def test_a_full_accept_queue_at_the_child_is_waited_out(tmp_path):
 
 async def test_idle_connection_closed_by_the_child_is_not_an_error(proxied):
     """llama-server closes idle kept-alive connections; the next request still gets its answer."""
+
     async def ok_then_close_idle(request, reader, writer):
         await answer_ok(request, reader, writer)
         await writer.drain()
@@ -415,12 +459,13 @@ async def test_idle_connection_closed_by_the_child_is_not_an_error(proxied):
 async def test_head_204_304_and_interim_responses(proxied):
     async def respond(request, reader, writer):
         if request.method == b"HEAD":
-            writer.write(raw_response(headers=[("Content-Type", "text/html"), ("Content-Length", "1234")],
-                                      length=False))
+            writer.write(
+                raw_response(headers=[("Content-Type", "text/html"), ("Content-Length", "1234")], length=False)
+            )
         elif request.target == b"/204":
             writer.write(b"HTTP/1.1 204 No Content\r\nX-A: 1\r\n\r\n")
         elif request.target == b"/304":
-            writer.write(b"HTTP/1.1 304 Not Modified\r\nETag: \"e\"\r\n\r\n")
+            writer.write(b'HTTP/1.1 304 Not Modified\r\nETag: "e"\r\n\r\n')
         else:
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n")
             writer.write(raw_response(body=b"final"))
@@ -439,22 +484,29 @@ async def test_head_204_304_and_interim_responses(proxied):
 
 async def test_pipelined_requests_are_answered_in_order(proxied):
     """Requests sent back to back on one connection are answered one after the other, in order, bodies intact."""
+
     async def echo(request, reader, writer):
         await read_body(request, reader)
         writer.write(raw_response(body=request.target + b" " + request.body))
 
     proxied.child.respond = echo
     reader, writer = await asyncio.open_connection("127.0.0.1", proxied.port)
-    writer.write(request_bytes("POST", "/one", body=b"first") + request_bytes("GET", "/two")
-                 + request_bytes("POST", "/three", body=b"x" * 100_000))
+    writer.write(
+        request_bytes("POST", "/one", body=b"first")
+        + request_bytes("GET", "/two")
+        + request_bytes("POST", "/three", body=b"x" * 100_000)
+    )
     bodies = [(await asyncio.wait_for(read_response(reader), 5)).body for _ in range(3)]
     writer.close()
     assert bodies == [b"/one first", b"/two ", b"/three " + b"x" * 100_000]
 
 
 async def test_malformed_requests_get_a_400_and_the_connection_closes(proxied):
-    for garbage in (b"NOT HTTP AT ALL\r\n\r\n", b"GET / HTTP/1.1\r\nBad Header Line\r\n\r\n",
-                    b"POST / HTTP/1.1\r\nContent-Length: x\r\n\r\n"):
+    for garbage in (
+        b"NOT HTTP AT ALL\r\n\r\n",
+        b"GET / HTTP/1.1\r\nBad Header Line\r\n\r\n",
+        b"POST / HTTP/1.1\r\nContent-Length: x\r\n\r\n",
+    ):
         reader, writer = await asyncio.open_connection("127.0.0.1", proxied.port)
         writer.write(garbage)
         reply = await asyncio.wait_for(read_response(reader), 5)
@@ -479,8 +531,10 @@ async def test_http10_client_gets_a_streamed_answer_until_close(proxied):
     events = b"data: 1\n\ndata: 2\n\n"
 
     async def respond(request, reader, writer):
-        writer.write(raw_response(headers=[("Transfer-Encoding", "chunked")], length=False)
-                     + b"%x\r\n%s\r\n0\r\n\r\n" % (len(events), events))
+        writer.write(
+            raw_response(headers=[("Transfer-Encoding", "chunked")], length=False)
+            + b"%x\r\n%s\r\n0\r\n\r\n" % (len(events), events)
+        )
 
     proxied.child.respond = respond
     reader, writer = await asyncio.open_connection("127.0.0.1", proxied.port)
@@ -537,8 +591,10 @@ async def test_a_slow_client_slows_the_child_instead_of_filling_memory(proxied):
 async def test_expect_100_continue_is_answered_by_the_proxy(proxied):
     reader, writer = await asyncio.open_connection("127.0.0.1", proxied.port)
     body = b'{"content":"x"}'
-    writer.write(request_bytes("POST", "/tokenize", [("Expect", "100-continue")])[:-2]
-                 + f"Content-Length: {len(body)}\r\n\r\n".encode())
+    writer.write(
+        request_bytes("POST", "/tokenize", [("Expect", "100-continue")])[:-2]
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+    )
     interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
     assert interim.startswith(b"HTTP/1.1 100 Continue")
     writer.write(body)
@@ -549,14 +605,17 @@ async def test_expect_100_continue_is_answered_by_the_proxy(proxied):
     assert not proxied.child.requests[-1].header(b"expect")
 
 
-@pytest.mark.parametrize("target, body", [
-    ("/slots/0?action=save", {"filename": "my-snapshot.bin"}),
-    ("/slots/0?action=restore", {"filename": "0.bin.bak"}),
-    ("/slots/0?action=save", {"filename": "0.bin"}),  # the store's files are out of llama-server's reach
-    ("/slots/0?action=save", {"filename": "a0.bin"}),
-    ("/slots/0?action=erase", {}),
-    ("/slots/0?action=save", "not an object"),
-])
+@pytest.mark.parametrize(
+    "target, body",
+    [
+        ("/slots/0?action=save", {"filename": "my-snapshot.bin"}),
+        ("/slots/0?action=restore", {"filename": "0.bin.bak"}),
+        ("/slots/0?action=save", {"filename": "0.bin"}),  # the store's files are out of llama-server's reach
+        ("/slots/0?action=save", {"filename": "a0.bin"}),
+        ("/slots/0?action=erase", {}),
+        ("/slots/0?action=save", "not an object"),
+    ],
+)
 async def test_other_slot_actions_pass_through_unchanged(proxied, target, body):
     raw = json.dumps(body).encode()
     reply = await raw_call(proxied.port, request_bytes("POST", target, [("Content-Type", "application/json")], raw))
@@ -566,6 +625,7 @@ async def test_other_slot_actions_pass_through_unchanged(proxied, target, body):
 
 async def test_slotkeeper_namespace(proxied):
     """/slotkeeper/... is slotkeeper's: its routes or a 404 in llama-server's shape; everything else is forwarded."""
+
     async def status():
         return Reply.json({"state": "ready"})
 
@@ -584,8 +644,9 @@ async def test_requests_wait_for_the_gate(tmp_path):
     child = FakeChild(tmp_path / "c.sock")
     await child.start()
     gate = Gate()
-    proxy = Proxy(ChildEndpoint(runtime_dir=tmp_path, socket_path=child.path), gate, lambda: "restoring",
-                  time.monotonic() + 30)
+    proxy = Proxy(
+        ChildEndpoint(runtime_dir=tmp_path, socket_path=child.path), gate, lambda: "restoring", time.monotonic() + 30
+    )
     port = free_port()
     await proxy.listen("127.0.0.1", port)
     try:
@@ -610,7 +671,9 @@ def test_daemon_passes_a_compressed_request_body_byte_exact(stub_slotkeeper):
     """The public server must not decompress request bodies (the stub, like any server, decodes gzip itself)."""
     sk = stub_slotkeeper()
     body = gzip.compress(json.dumps({"content": "hello"}).encode(), mtime=0)
-    reply = raw_http(sk.port, "POST", "/tokenize", body, {"Content-Encoding": "gzip", "Content-Type": "application/json"})
+    reply = raw_http(
+        sk.port, "POST", "/tokenize", body, {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+    )
     assert reply[0] == 200, reply
     assert json.loads(reply[1]) == {"tokens": list(b"hello")}
 
@@ -627,9 +690,11 @@ def raw_http(port: int, method: str, path: str, body: bytes, headers: dict[str, 
 
 def test_daemon_streams_sse_with_a_slow_generation(stub_slotkeeper):
     sk = stub_slotkeeper(stub={"STUB_TOKEN_SECONDS": "0.1"})
-    arrivals = [t for t, line in stream_lines(sk.port, "/v1/completions",
-                                              {"prompt": "hi", "max_tokens": 8, "stream": True})
-                if line.startswith(b"data: {")]
+    arrivals = [
+        t
+        for t, line in stream_lines(sk.port, "/v1/completions", {"prompt": "hi", "max_tokens": 8, "stream": True})
+        if line.startswith(b"data: {")
+    ]
     assert len(arrivals) >= 8
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     assert sum(g > 0.05 for g in gaps) >= 6, f"events arrived in bursts: {gaps}"
@@ -639,8 +704,19 @@ def test_daemon_streams_sse_with_a_slow_generation(stub_slotkeeper):
 
 REAL_ARGS = ["-c", "32768", "-np", "1", "-t", "2", "--no-warmup", "--metrics", "--no-cache-idle-slots"]
 # What differs between two identical servers: clocks, random ids, per-run timings and counters.
-VOLATILE_KEYS = frozenset({"created", "id", "timings", "media_marker", "t_start_process_prompt", "t_token_generation",
-                           "t_prompt_processing", "n_decoded", "id_task"})
+VOLATILE_KEYS = frozenset(
+    {
+        "created",
+        "id",
+        "timings",
+        "media_marker",
+        "t_start_process_prompt",
+        "t_token_generation",
+        "t_prompt_processing",
+        "n_decoded",
+        "id_task",
+    }
+)
 VOLATILE_HEADERS = frozenset({"date", "connection", "keep-alive", "content-length", "process-start-time-unix"})
 
 
@@ -667,15 +743,22 @@ class Answer:
         return [(k, v) for k, v in self.headers if k.lower() not in VOLATILE_HEADERS]
 
     def events(self) -> list[Any]:
-        return [json.loads(line[6:]) if line[6:] != b"[DONE]" else "[DONE]"
-                for line in self.body.split(b"\n") if line.startswith(b"data: ")]
+        return [
+            json.loads(line[6:]) if line[6:] != b"[DONE]" else "[DONE]"
+            for line in self.body.split(b"\n")
+            if line.startswith(b"data: ")
+        ]
 
 
 def ask(port: int, method: str, path: str, body: Any = None) -> Answer:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
-        conn.request(method, path, body=None if body is None else json.dumps(body).encode(),
-                     headers={"Content-Type": "application/json"} if body is not None else {})
+        conn.request(
+            method,
+            path,
+            body=None if body is None else json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"} if body is not None else {},
+        )
         resp = conn.getresponse()
         return Answer(resp.status, resp.reason, resp.getheaders(), resp.read())
     finally:
@@ -689,9 +772,19 @@ def pair(starter, llama_server, models, tmp_path):
     (tmp_path / "direct-slots").mkdir()
     args = ["-m", str(models["A"]), *REAL_ARGS]
     direct = subprocess.Popen(
-        [llama_server, *args, "--host", "127.0.0.1", "--port", str(direct_port),
-         "--slot-save-path", str(tmp_path / "direct-slots")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            llama_server,
+            *args,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(direct_port),
+            "--slot-save-path",
+            str(tmp_path / "direct-slots"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         sk = starter(llama_server, args)()
         assert wait_until(lambda: health_status(direct_port) == 200, 60), "plain llama-server never became ready"
@@ -704,19 +797,28 @@ def pair(starter, llama_server, models, tmp_path):
 def test_real_server_answers_identically_through_slotkeeper(pair):
     """Every endpoint a client uses, through slotkeeper vs straight to llama-server: status, reason, headers, body."""
     direct, proxied = pair
-    exact = [("GET", "/", None), ("GET", "/health", None), ("GET", "/v1/health", None), ("GET", "/v1/models", None),
-             ("GET", "/models", None), ("GET", "/no/such/path", None),
-             ("POST", "/tokenize", {"content": "Hello, world!", "with_pieces": True}),
-             ("POST", "/detokenize", {"tokens": [300, 301, 302]}),
-             ("POST", "/completion", {"prompt": "x", "n_predict": "not a number"})]
+    exact = [
+        ("GET", "/", None),
+        ("GET", "/health", None),
+        ("GET", "/v1/health", None),
+        ("GET", "/v1/models", None),
+        ("GET", "/models", None),
+        ("GET", "/no/such/path", None),
+        ("POST", "/tokenize", {"content": "Hello, world!", "with_pieces": True}),
+        ("POST", "/detokenize", {"tokens": [300, 301, 302]}),
+        ("POST", "/completion", {"prompt": "x", "n_predict": "not a number"}),
+    ]
     for method, path, body in exact:
         a, b = ask(direct, method, path, body), ask(proxied, method, path, body)
         assert (b.status, b.reason, b.content_type, b.body) == (a.status, a.reason, a.content_type, a.body), path
         assert b.stable_headers() == a.stable_headers(), path
 
     web_ui_direct, web_ui_proxied = ask(direct, "GET", "/"), ask(proxied, "GET", "/")
-    assert (web_ui_proxied.status, web_ui_proxied.body, web_ui_proxied.content_type) == \
-        (web_ui_direct.status, web_ui_direct.body, web_ui_direct.content_type)
+    assert (web_ui_proxied.status, web_ui_proxied.body, web_ui_proxied.content_type) == (
+        web_ui_direct.status,
+        web_ui_direct.body,
+        web_ui_direct.content_type,
+    )
 
     for path in ("/props", "/slots"):
         a, b = ask(direct, "GET", path), ask(proxied, "GET", path)
@@ -724,8 +826,11 @@ def test_real_server_answers_identically_through_slotkeeper(pair):
         assert normalized(json.loads(b.body)) == normalized(json.loads(a.body)), path
 
     a, b = ask(direct, "GET", "/metrics"), ask(proxied, "GET", "/metrics")
-    assert (b.status, b.content_type, b.stable_headers()) == (a.status, a.content_type, a.stable_headers()) \
+    assert (
+        (b.status, b.content_type, b.stable_headers())
+        == (a.status, a.content_type, a.stable_headers())
         == (200, a.content_type, a.stable_headers())
+    )
 
     def names(text: bytes) -> list[bytes]:
         return [line for line in text.split(b"\n") if line.startswith(b"#")]
@@ -735,8 +840,10 @@ def test_real_server_answers_identically_through_slotkeeper(pair):
     completions = [
         ("/completion", {"prompt": "Once upon a time", "n_predict": 16, "temperature": 0}),
         ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 16,
-                                  "temperature": 0}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 16, "temperature": 0},
+        ),
     ]
     for path, body in completions:
         for stream in (False, True):
@@ -778,10 +885,13 @@ def test_real_server_client_disconnect_frees_the_slot_at_once(starter, llama_ser
     full_run_s = n_predict / probe["timings"]["predicted_per_second"]
     assert full_run_s > 5, f"the model generates too fast for this test: {full_run_s:.1f} s"
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    body = json.dumps({"prompt": "Tell me everything.", "n_predict": n_predict, "stream": True,
-                       "temperature": 0}).encode()
-    sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    body = json.dumps(
+        {"prompt": "Tell me everything.", "n_predict": n_predict, "stream": True, "temperature": 0}
+    ).encode()
+    sock.sendall(
+        b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     received = b""
     while received.count(b"data: ") < 10:
         received += sock.recv(65536)

@@ -19,14 +19,20 @@ BASE = ["-c", "8192", "-t", "2", "--no-warmup"]
 @pytest.fixture
 def real(starter, llama_server, models):
     """start(model="A", *extra, ...) around the real llama-server."""
+
     def start(*extra: str, model: str = "A", **kw):
         return starter(llama_server, ["-m", str(models[model]), *BASE])(*extra, **kw)
+
     return start
 
 
 def complete(sk, prompt: str = PROMPT, n_predict: int = 12, headers: dict[str, str] | None = None, **kw):
-    reply = sk.call("POST", "/completion", {"prompt": prompt, "n_predict": n_predict, "temperature": 0,
-                                             "cache_prompt": True, **kw}, headers=headers)
+    reply = sk.call(
+        "POST",
+        "/completion",
+        {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "cache_prompt": True, **kw},
+        headers=headers,
+    )
     assert reply.status == 200, reply.body
     return reply.body
 

@@ -58,8 +58,9 @@ async def make_tier(tmp_path: Path) -> Any:
     made: list[RemoteTier] = []
 
     def make(server: S3Server, namespace: str = "ns1", journal: Path | None = None, **kw: Any) -> RemoteTier:
-        tier = RemoteTier(RemoteConfig.from_url(URL, server.env()), namespace,
-                          journal or tmp_path / f"journal-{namespace}", **kw)
+        tier = RemoteTier(
+            RemoteConfig.from_url(URL, server.env()), namespace, journal or tmp_path / f"journal-{namespace}", **kw
+        )
         made.append(tier)
         return tier
 
@@ -68,8 +69,9 @@ async def make_tier(tmp_path: Path) -> Any:
         await tier.close(time.monotonic())
 
 
-def write_entry(directory: Path, entry_id: str, nbytes: int, blocks: list[str],
-                block_tokens: int = 16) -> tuple[Path, dict[str, Any]]:
+def write_entry(
+    directory: Path, entry_id: str, nbytes: int, blocks: list[str], block_tokens: int = 16
+) -> tuple[Path, dict[str, Any]]:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{entry_id}.bin"
     with open(path, "wb") as f:
@@ -154,8 +156,9 @@ async def test_bin_without_manifest_is_not_an_entry(s3: S3Server, make_tier: Tie
 # ---- choosing among entries -----------------------------------------------------------------------------------
 
 
-async def test_longest_prefix_wins_and_index_refreshes(s3: S3Server, make_tier: TierFactory, tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_longest_prefix_wins_and_index_refreshes(
+    s3: S3Server, make_tier: TierFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     host_a, host_b = make_tier(s3), make_tier(s3, journal=tmp_path / "journal-b")
     entries = {
         "short": (["h1", "h2"], 16),
@@ -191,8 +194,9 @@ async def test_longest_prefix_wins_and_index_refreshes(s3: S3Server, make_tier: 
 # ---- nothing remote is trusted ------------------------------------------------------------------------------
 
 
-async def test_tampered_and_truncated_objects_are_rejected(s3: S3Server, make_tier: TierFactory, tmp_path: Path,
-                                                           logs: pytest.LogCaptureFixture) -> None:
+async def test_tampered_and_truncated_objects_are_rejected(
+    s3: S3Server, make_tier: TierFactory, tmp_path: Path, logs: pytest.LogCaptureFixture
+) -> None:
     uploader = make_tier(s3)
     for entry_id in ("tampered", "truncated"):
         await upload(uploader, *write_entry(tmp_path / "local", entry_id, 3 * MB, [entry_id]))
@@ -216,9 +220,10 @@ async def test_tampered_and_truncated_objects_are_rejected(s3: S3Server, make_ti
     assert tier.stats.rejected == 2
     assert list(dest.iterdir()) == []  # neither the partial nor a final file
     rejected = [line for line in warnings(logs) if "rejected" in line]
-    assert rejected == ["remote: entry tampered rejected: the downloaded bytes do not match its manifest's sha256; "
-                        "nothing was kept",
-                        "remote: entry truncated rejected: its object has 2097152 bytes, its manifest says 3145728"]
+    assert rejected == [
+        "remote: entry tampered rejected: the downloaded bytes do not match its manifest's sha256; nothing was kept",
+        "remote: entry truncated rejected: its object has 2097152 bytes, its manifest says 3145728",
+    ]
 
 
 async def test_malformed_remote_manifest_is_rejected(s3: S3Server, make_tier: TierFactory, tmp_path: Path) -> None:
@@ -233,9 +238,9 @@ async def test_malformed_remote_manifest_is_rejected(s3: S3Server, make_tier: Ti
 # ---- write-behind survives a dead link --------------------------------------------------------------------------
 
 
-async def test_server_stopped_mid_upload_then_resumed_by_a_new_tier(s3: S3Server, make_tier: TierFactory,
-                                                                    tmp_path: Path,
-                                                                    logs: pytest.LogCaptureFixture) -> None:
+async def test_server_stopped_mid_upload_then_resumed_by_a_new_tier(
+    s3: S3Server, make_tier: TierFactory, tmp_path: Path, logs: pytest.LogCaptureFixture
+) -> None:
     s3.stop()
     s3.bwlimit = "16M"  # 64 MB take ~4 s: the server is stopped well before the end
     s3.start()
@@ -266,8 +271,9 @@ async def test_server_stopped_mid_upload_then_resumed_by_a_new_tier(s3: S3Server
     assert fetched is not None and sha256(fetched[0]) == before[0]
 
 
-async def test_evicted_or_changed_files_are_dropped(s3: S3Server, make_tier: TierFactory, tmp_path: Path,
-                                                    logs: pytest.LogCaptureFixture) -> None:
+async def test_evicted_or_changed_files_are_dropped(
+    s3: S3Server, make_tier: TierFactory, tmp_path: Path, logs: pytest.LogCaptureFixture
+) -> None:
     journal = tmp_path / "journal"
     tier = make_tier(s3, journal=journal)
     gone, gone_manifest = write_entry(tmp_path / "local", "gone", 1000, ["b1"])
@@ -286,14 +292,16 @@ async def test_evicted_or_changed_files_are_dropped(s3: S3Server, make_tier: Tie
     assert not s3.object_path("team/cache/ns1/changed.bin").exists()
 
     # A journal record whose file was evicted while slotkeeper was down is not resumed.
-    (journal / "old.json").write_text(json.dumps(
-        {"entry_id": "old", "bin_path": str(tmp_path / "nope.bin"), "manifest": {"bytes": 1}}))
+    (journal / "old.json").write_text(
+        json.dumps({"entry_id": "old", "bin_path": str(tmp_path / "nope.bin"), "manifest": {"bytes": 1}})
+    )
     assert make_tier(s3, journal=journal).resume() == 0
     assert list(journal.iterdir()) == []
 
 
-async def test_file_changed_during_upload_is_not_committed(s3: S3Server, make_tier: TierFactory, tmp_path: Path,
-                                                            logs: pytest.LogCaptureFixture) -> None:
+async def test_file_changed_during_upload_is_not_committed(
+    s3: S3Server, make_tier: TierFactory, tmp_path: Path, logs: pytest.LogCaptureFixture
+) -> None:
     """A file rewritten while it is read for upload (same size) never gets a remote manifest."""
     s3.stop()
     s3.bwlimit = "8M"  # 24 MB take ~3 s
@@ -307,7 +315,8 @@ async def test_file_changed_during_upload_is_not_committed(s3: S3Server, make_ti
     await until(lambda: tier.stats.uploads_pending == 0, 15, "the upload to end")
     assert (tier.stats.uploads_done, tier.stats.uploads_failed) == (0, 0)
     assert [r.getMessage() for r in logs.records if "dropped" in r.getMessage()] == [
-        "remote: upload of entry moving dropped: moving.bin changed while it was uploaded"]
+        "remote: upload of entry moving dropped: moving.bin changed while it was uploaded"
+    ]
     assert not s3.object_path("team/cache/ns1/moving.json").exists()
     assert not s3.object_path("team/cache/ns1/moving.bin").exists()  # completed, then removed
     assert list(tier.journal_dir.iterdir()) == []
@@ -322,8 +331,9 @@ async def test_unreachable_at_start(make_tier: TierFactory, tmp_path: Path, logs
     started = time.monotonic()
     assert await tier.probe(1.0) is False
     assert time.monotonic() - started < 1.5
-    assert warnings(logs) == [f"remote store {URL} unreachable (connection refused); "
-                              "continuing with the local store only"]
+    assert warnings(logs) == [
+        f"remote store {URL} unreachable (connection refused); continuing with the local store only"
+    ]
 
     logs.clear()
     with socket.socket() as silent:  # accepts connections (kernel backlog) and never answers
@@ -334,8 +344,9 @@ async def test_unreachable_at_start(make_tier: TierFactory, tmp_path: Path, logs
         assert await tier.probe(1.0) is False
         elapsed = time.monotonic() - started
     assert 0.9 < elapsed < 1.5
-    assert warnings(logs) == [f"remote store {URL} unreachable (no answer within 1 s); "
-                              "continuing with the local store only"]
+    assert warnings(logs) == [
+        f"remote store {URL} unreachable (no answer within 1 s); continuing with the local store only"
+    ]
 
 
 class StallingServer:
@@ -357,8 +368,10 @@ class StallingServer:
                 return
             self.conns.append(conn)
             conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 3145728\r\nETag: \"x\"\r\n"
-                         b"Last-Modified: Tue, 01 Dec 2026 08:00:00 GMT\r\n\r\n" + b"\0" * 1000)
+            conn.sendall(
+                b'HTTP/1.1 200 OK\r\nContent-Length: 3145728\r\nETag: "x"\r\n'
+                b"Last-Modified: Tue, 01 Dec 2026 08:00:00 GMT\r\n\r\n" + b"\0" * 1000
+            )
 
     def close(self) -> None:
         self.sock.close()
@@ -366,8 +379,9 @@ class StallingServer:
             conn.close()
 
 
-async def test_stalled_download_gives_up_after_the_request_timeout(make_tier: TierFactory, tmp_path: Path,
-                                                                   logs: pytest.LogCaptureFixture) -> None:
+async def test_stalled_download_gives_up_after_the_request_timeout(
+    make_tier: TierFactory, tmp_path: Path, logs: pytest.LogCaptureFixture
+) -> None:
     stalling = StallingServer()
     try:
         tier = make_tier(S3Server(tmp_path / "stall", port=stalling.port), request_timeout_s=1.0)
@@ -397,9 +411,9 @@ async def test_concurrent_fetches_download_once(s3: S3Server, make_tier: TierFac
     assert tier.stats.download_bytes == 24 * MB  # one download, not four
 
 
-async def test_close_returns_by_its_deadline_with_uploads_pending(s3: S3Server, make_tier: TierFactory,
-                                                                  tmp_path: Path,
-                                                                  logs: pytest.LogCaptureFixture) -> None:
+async def test_close_returns_by_its_deadline_with_uploads_pending(
+    s3: S3Server, make_tier: TierFactory, tmp_path: Path, logs: pytest.LogCaptureFixture
+) -> None:
     s3.stop()
     s3.bwlimit = "1M"
     s3.start()
@@ -417,19 +431,31 @@ async def test_close_returns_by_its_deadline_with_uploads_pending(s3: S3Server, 
     assert tier.stats.uploads_pending == 2 and tier.stats.uploads_done == 0
     assert sorted(p.name for p in journal.iterdir()) == ["slow1.json", "slow2.json"]
     assert [r.getMessage() for r in logs.records if "pending" in r.getMessage()] == [
-        "remote: 2 upload(s) pending (25.2 MB); they resume at the next start"]
+        "remote: 2 upload(s) pending (25.2 MB); they resume at the next start"
+    ]
 
 
 # ---- configuration ----------------------------------------------------------------------------------------------
 
 
 def test_from_url_environment() -> None:
-    env = {"AWS_ACCESS_KEY_ID": "AKIDENV", "AWS_SECRET_ACCESS_KEY": "secret-env", "AWS_SESSION_TOKEN": "tok",
-           "AWS_ENDPOINT_URL": "http://general:9000", "AWS_ENDPOINT_URL_S3": "http://minio:9000/",
-           "AWS_DEFAULT_REGION": "eu-west-1", "AWS_REGION": "eu-central-1", "HOME": "/nonexistent"}
+    env = {
+        "AWS_ACCESS_KEY_ID": "AKIDENV",
+        "AWS_SECRET_ACCESS_KEY": "secret-env",
+        "AWS_SESSION_TOKEN": "tok",
+        "AWS_ENDPOINT_URL": "http://general:9000",
+        "AWS_ENDPOINT_URL_S3": "http://minio:9000/",
+        "AWS_DEFAULT_REGION": "eu-west-1",
+        "AWS_REGION": "eu-central-1",
+        "HOME": "/nonexistent",
+    }
     config = RemoteConfig.from_url("s3://my-bucket/some/prefix/", env)
     assert (config.bucket, config.prefix, config.endpoint, config.region) == (
-        "my-bucket", "some/prefix", "http://minio:9000", "eu-central-1")
+        "my-bucket",
+        "some/prefix",
+        "http://minio:9000",
+        "eu-central-1",
+    )
     assert (config.access_key_id, config.secret_access_key, config.session_token) == ("AKIDENV", "secret-env", "tok")
     assert "secret-env" not in repr(config) and "tok" not in repr(config)
     assert config.url == "s3://my-bucket/some/prefix"
@@ -440,56 +466,88 @@ def test_from_url_environment() -> None:
 
 def test_from_url_profile_files(tmp_path: Path) -> None:
     credentials, config_file = tmp_path / "credentials", tmp_path / "config"
-    credentials.write_text("[default]\naws_access_key_id = AKIDDEFAULT\naws_secret_access_key = s%default\n\n"
-                           "[dev]\naws_access_key_id = AKIDDEV\naws_secret_access_key = secret-dev\n")
-    config_file.write_text("[default]\nregion = us-east-2\n\n"
-                           "[profile dev]\nregion = ap-south-1\nendpoint_url = http://general:1\n"
-                           "s3 =\n  endpoint_url = http://127.0.0.1:9000\n")
+    credentials.write_text(
+        "[default]\naws_access_key_id = AKIDDEFAULT\naws_secret_access_key = s%default\n\n"
+        "[dev]\naws_access_key_id = AKIDDEV\naws_secret_access_key = secret-dev\n"
+    )
+    config_file.write_text(
+        "[default]\nregion = us-east-2\n\n"
+        "[profile dev]\nregion = ap-south-1\nendpoint_url = http://general:1\n"
+        "s3 =\n  endpoint_url = http://127.0.0.1:9000\n"
+    )
     files = {"AWS_SHARED_CREDENTIALS_FILE": str(credentials), "AWS_CONFIG_FILE": str(config_file)}
 
     dev = RemoteConfig.from_url("s3://bucket/p", {**files, "AWS_PROFILE": "dev"})
     assert (dev.access_key_id, dev.secret_access_key, dev.region, dev.endpoint, dev.profile) == (
-        "AKIDDEV", "secret-dev", "ap-south-1", "http://127.0.0.1:9000", "dev")
+        "AKIDDEV",
+        "secret-dev",
+        "ap-south-1",
+        "http://127.0.0.1:9000",
+        "dev",
+    )
 
     default = RemoteConfig.from_url("s3://bucket/p", files)
     assert (default.access_key_id, default.secret_access_key, default.region, default.endpoint) == (
-        "AKIDDEFAULT", "s%default", "us-east-2", None)
+        "AKIDDEFAULT",
+        "s%default",
+        "us-east-2",
+        None,
+    )
 
     # ~/.aws is found through HOME; environment keys and region win over the profile's
     (tmp_path / ".aws").mkdir()
     credentials.rename(tmp_path / ".aws" / "credentials")
     config_file.rename(tmp_path / ".aws" / "config")
-    mixed = RemoteConfig.from_url("s3://bucket", {"HOME": str(tmp_path), "AWS_PROFILE": "dev",
-                                                  "AWS_ACCESS_KEY_ID": "AKIDENV", "AWS_SECRET_ACCESS_KEY": "env",
-                                                  "AWS_REGION": "eu-north-1"})
+    mixed = RemoteConfig.from_url(
+        "s3://bucket",
+        {
+            "HOME": str(tmp_path),
+            "AWS_PROFILE": "dev",
+            "AWS_ACCESS_KEY_ID": "AKIDENV",
+            "AWS_SECRET_ACCESS_KEY": "env",
+            "AWS_REGION": "eu-north-1",
+        },
+    )
     assert (mixed.access_key_id, mixed.secret_access_key, mixed.region, mixed.endpoint) == (
-        "AKIDENV", "env", "eu-north-1", "http://127.0.0.1:9000")
+        "AKIDENV",
+        "env",
+        "eu-north-1",
+        "http://127.0.0.1:9000",
+    )
 
 
 async def test_profile_credentials_reach_a_real_server(s3: S3Server, tmp_path: Path) -> None:
     """Credentials and endpoint from a profile alone (no AWS_ACCESS_KEY_ID) sign requests the server accepts."""
     (tmp_path / "credentials").write_text(
-        f"[ci]\naws_access_key_id = {ACCESS_KEY_ID}\naws_secret_access_key = {SECRET_ACCESS_KEY}\n")
+        f"[ci]\naws_access_key_id = {ACCESS_KEY_ID}\naws_secret_access_key = {SECRET_ACCESS_KEY}\n"
+    )
     (tmp_path / "config").write_text(f"[profile ci]\nendpoint_url = {s3.endpoint}\n")
-    env = {"AWS_PROFILE": "ci", "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "credentials"),
-           "AWS_CONFIG_FILE": str(tmp_path / "config"), "HOME": str(tmp_path)}
+    env = {
+        "AWS_PROFILE": "ci",
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "credentials"),
+        "AWS_CONFIG_FILE": str(tmp_path / "config"),
+        "HOME": str(tmp_path),
+    }
     tier = RemoteTier(RemoteConfig.from_url(URL, env), "ns1", tmp_path / "journal")
     assert await tier.probe(2.0) is True
     wrong = RemoteConfig.from_url(URL, {**env, "AWS_ACCESS_KEY_ID": ACCESS_KEY_ID, "AWS_SECRET_ACCESS_KEY": "wrong"})
     assert await RemoteTier(wrong, "ns1", tmp_path / "journal").probe(2.0) is False
 
 
-@pytest.mark.parametrize("url, env, message", [
-    ("http://bucket/prefix", {}, "--remote-store must look like s3://bucket/prefix"),
-    ("bucket/prefix", {}, "--remote-store must look like s3://bucket/prefix"),
-    ("s3://", {}, "--remote-store must look like s3://bucket/prefix"),
-    ("s3://bucket?x=1", {}, "--remote-store must look like s3://bucket/prefix"),
-    ("s3://Bad_Bucket/p", {}, "is not an S3 bucket name"),
-    ("s3://bucket/a//b", {}, "prefix"),
-    ("s3://bucket", {"AWS_PROFILE": "missing"}, "AWS_PROFILE=missing: no such profile"),
-    ("s3://bucket", {"AWS_ACCESS_KEY_ID": "AKID"}, "have no secret access key"),
-    ("s3://bucket", {"AWS_ENDPOINT_URL": "localhost:9000"}, "endpoint must look like http(s)://host[:port]"),
-])
+@pytest.mark.parametrize(
+    "url, env, message",
+    [
+        ("http://bucket/prefix", {}, "--remote-store must look like s3://bucket/prefix"),
+        ("bucket/prefix", {}, "--remote-store must look like s3://bucket/prefix"),
+        ("s3://", {}, "--remote-store must look like s3://bucket/prefix"),
+        ("s3://bucket?x=1", {}, "--remote-store must look like s3://bucket/prefix"),
+        ("s3://Bad_Bucket/p", {}, "is not an S3 bucket name"),
+        ("s3://bucket/a//b", {}, "prefix"),
+        ("s3://bucket", {"AWS_PROFILE": "missing"}, "AWS_PROFILE=missing: no such profile"),
+        ("s3://bucket", {"AWS_ACCESS_KEY_ID": "AKID"}, "have no secret access key"),
+        ("s3://bucket", {"AWS_ENDPOINT_URL": "localhost:9000"}, "endpoint must look like http(s)://host[:port]"),
+    ],
+)
 def test_from_url_rejects_bad_input(tmp_path: Path, url: str, env: dict[str, str], message: str) -> None:
     env = {"HOME": str(tmp_path), **env}
     with pytest.raises(ValueError) as caught:

@@ -35,16 +35,24 @@ def s3(tmp_path: Path) -> Iterator[S3Server]:
 @pytest.fixture
 def host(starter, llama_server, models, tmp_path):
     """host(name, s3_env, *extra, own=...) -> a slotkeeper with its own save directory and --remote-store."""
+
     def start(name: str, s3_env: dict[str, str], *extra: str, own: tuple[str, ...] = (), **kw):
         return starter(llama_server, ["-m", str(models["A"]), *BASE])(
-            *extra, own=("--remote-store", URL, *own), env=s3_env, save_dir=tmp_path / f"host-{name}", **kw)
+            *extra, own=("--remote-store", URL, *own), env=s3_env, save_dir=tmp_path / f"host-{name}", **kw
+        )
+
     return start
 
 
 def chat_body(n: int) -> dict:
-    return {"messages": [{"role": "system", "content": SYSTEM},
-                         {"role": "user", "content": f"Conversation {n}. Tell me about the sea. " * 8}],
-            "max_tokens": 12, "temperature": 0}
+    return {
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Conversation {n}. Tell me about the sea. " * 8},
+        ],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
 
 
 def turn(sk, body: dict) -> dict:
@@ -104,8 +112,13 @@ def test_a_new_chat_on_another_host_starts_from_the_opening_saved_on_the_first(s
     stop(a)
     ensure_uploaded(s3, host, "a", 2)
     b = host("b", s3.env())
-    other = {**chat_body(0), "messages": [chat_body(0)["messages"][0],
-                                          {"role": "user", "content": "Something else: the mountains, please."}]}
+    other = {
+        **chat_body(0),
+        "messages": [
+            chat_body(0)["messages"][0],
+            {"role": "user", "content": "Something else: the mountains, please."},
+        ],
+    }
     reply = turn(b, other)
     assert reply["timings"]["cache_n"] >= opening, (reply["timings"], b.logs()[-3000:])
     status = b.call("GET", "/slotkeeper/status").body
@@ -142,7 +155,8 @@ def test_tampered_and_foreign_objects_are_never_restored(s3, host, starter, llam
     stop(b)
     # foreign: model B's entry, placed under model A's namespace with A's fingerprint claimed in its manifest
     other = starter(llama_server, ["-m", str(models["B"]), *BASE])(
-        own=("--remote-store", URL), env=s3.env(), save_dir=tmp_path / "host-other")
+        own=("--remote-store", URL), env=s3.env(), save_dir=tmp_path / "host-other"
+    )
     turn(other, chat_body(2))
     stop(other)
     assert wait_until(lambda: uploaded(s3, 4), 30), other.logs()

@@ -55,10 +55,19 @@ def test_old_layout_is_taken_over_and_restored(stub_slotkeeper, tmp_path):
     tokens = tokenize(PROMPT)
     data = encode_slot_file(tokens, MODEL)
     (old / "0.bin").write_bytes(data)
-    (old / "0.json").write_text(json.dumps({
-        "version": 1, "slot": 0, "tokens": len(tokens), "bytes": len(data), "saved_at": time.time() - 60,
-        "save_ms": 3.0, "fingerprint": fingerprint,
-    }))
+    (old / "0.json").write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "slot": 0,
+                "tokens": len(tokens),
+                "bytes": len(data),
+                "saved_at": time.time() - 60,
+                "save_ms": 3.0,
+                "fingerprint": fingerprint,
+            }
+        )
+    )
     mine = encode_slot_file(tokenize("a client's own save " * 3), MODEL)
     (old / "mine.bin").write_bytes(mine)
 
@@ -86,10 +95,13 @@ def test_second_slotkeeper_on_the_same_directory_is_refused(stub_slotkeeper):
     second = stub_slotkeeper("-np", "1", wait=False)
     assert second.wait(15) == 2
     lines = second.logs().strip().splitlines()
-    assert lines == [f"slotkeeper: error: slot save directory {save_dir.resolve()} is in use by another slotkeeper "
-                     f"(pid {first.pid}); give each running model its own --slot-save-path"], second.logs()
-    assert len([e for e in read_events(first.extra["events"]) if e["event"] == "start"]) == 1, \
+    assert lines == [
+        f"slotkeeper: error: slot save directory {save_dir.resolve()} is in use by another slotkeeper "
+        f"(pid {first.pid}); give each running model its own --slot-save-path"
+    ], second.logs()
+    assert len([e for e in read_events(first.extra["events"]) if e["event"] == "start"]) == 1, (
         "the refused slotkeeper started a llama-server"
+    )
     assert first.health() == 200
     assert complete(first)["timings"]["cache_n"] > 0
     stop(first)
@@ -114,8 +126,10 @@ def test_entry_of_another_state_format_is_kept_not_used(stub_slotkeeper):
 
     sk2 = stub_slotkeeper("-np", "1")  # writes v4
     lines = [line for line in sk2.logs().splitlines() if "another state format" in line]
-    assert lines == ["slotkeeper: warning: 1 entry saved by a llama-server with another state format (v3; this one "
-                     "writes v4): kept, not used"], sk2.logs()
+    assert lines == [
+        "slotkeeper: warning: 1 entry saved by a llama-server with another state format (v3; this one "
+        "writes v4): kept, not used"
+    ], sk2.logs()
     assert not restored(sk2.logs()) and "quarantined" not in sk2.logs()
     assert complete(sk2)["timings"]["cache_n"] == 0
     stop(sk2)
@@ -158,15 +172,38 @@ def test_no_client_slot_action_can_change_an_entry(stub_slotkeeper):
     before = entries_snapshot(save_dir)
     path = entry_bin(save_dir, entry)
     names = [
-        f"{entry}.bin", f"{entry}.json", entry, f"../entries/{entry}.bin", f"entries/{entry}.bin",
-        f"..\\entries\\{entry}.bin", f"./../entries/{entry}.bin", str(path), str(path.with_suffix(".json")),
-        f"/{entry}.bin", f"..%2Fentries%2F{entry}.bin", f"entries%2F{entry}.bin", f"%2e%2e%2fentries%2f{entry}.bin",
-        f"..\u2215entries\u2215{entry}.bin", f"..\uff0fentries\uff0f{entry}.bin", f"slotkeeper-{entry}.bin",
-        "slotkeeper-" + "0" * 32 + ".bin", f"slotkeeper-{entry}{entry}.bin", "../.lock", "..", ".",
-        f"../quarantine/{entry}.bin", f"../snapshots/../entries/{entry}.bin",
+        f"{entry}.bin",
+        f"{entry}.json",
+        entry,
+        f"../entries/{entry}.bin",
+        f"entries/{entry}.bin",
+        f"..\\entries\\{entry}.bin",
+        f"./../entries/{entry}.bin",
+        str(path),
+        str(path.with_suffix(".json")),
+        f"/{entry}.bin",
+        f"..%2Fentries%2F{entry}.bin",
+        f"entries%2F{entry}.bin",
+        f"%2e%2e%2fentries%2f{entry}.bin",
+        f"..\u2215entries\u2215{entry}.bin",
+        f"..\uff0fentries\uff0f{entry}.bin",
+        f"slotkeeper-{entry}.bin",
+        "slotkeeper-" + "0" * 32 + ".bin",
+        f"slotkeeper-{entry}{entry}.bin",
+        "../.lock",
+        "..",
+        ".",
+        f"../quarantine/{entry}.bin",
+        f"../snapshots/../entries/{entry}.bin",
     ]
-    targets = ["/slots/0?action={}", "/slots/-1?action={}", "/slots/0?action={}&action=erase",
-               "/slots/%30?action={}", "/slots/0?%61ction={}", "/slots/0?action=%73%61%76%65"]
+    targets = [
+        "/slots/0?action={}",
+        "/slots/-1?action={}",
+        "/slots/0?action={}&action=erase",
+        "/slots/%30?action={}",
+        "/slots/0?%61ction={}",
+        "/slots/0?action=%73%61%76%65",
+    ]
     statuses: dict[str, int] = {}
     for action in ("save", "restore"):
         for name in names:
@@ -185,4 +222,3 @@ def test_no_client_slot_action_can_change_an_entry(stub_slotkeeper):
     assert bins_snapshot(save_dir)[f"{entry}.bin"] == before[f"{entry}.bin"]
     assert_entry_sound(save_dir, entry)
     assert not quarantine_dir(save_dir).exists()
-

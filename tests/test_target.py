@@ -30,38 +30,44 @@ from slotkeeper.testing.harness import free_port, health_status, http_call, wait
 # ---- target.py on its own --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("raw, path", [
-    (b"/completion", "/completion"),
-    (b"/v1/chat%2Fcompletions", "/v1/chat/completions"),  # llama-server routes this as a chat completion
-    (b"/v1/chat%2fcompletions?x=1", "/v1/chat/completions"),
-    (b"/%76%31/messages", "/v1/messages"),
-    (b"/v1/../completion", "/v1/../completion"),  # no dot-segment removal: no route matches
-    (b"//completion", "//completion"),
-    (b"/Completion", "/Completion"),
-    (b"/completion+", "/completion+"),  # '+' is a space only in the query
-    (b"/completion%2B", "/completion+"),
-    (b"/a%25%32%46b", "/a%2Fb"),  # decoded once
-    (b"/caf%C3%A9", "/caf\xc3\xa9"),  # bytes, one character each
-    (b"http://host:8080/completion", "http://host:8080/completion"),  # absolute-form: a path no route matches
-    (b"*", "*"),
-])
+@pytest.mark.parametrize(
+    "raw, path",
+    [
+        (b"/completion", "/completion"),
+        (b"/v1/chat%2Fcompletions", "/v1/chat/completions"),  # llama-server routes this as a chat completion
+        (b"/v1/chat%2fcompletions?x=1", "/v1/chat/completions"),
+        (b"/%76%31/messages", "/v1/messages"),
+        (b"/v1/../completion", "/v1/../completion"),  # no dot-segment removal: no route matches
+        (b"//completion", "//completion"),
+        (b"/Completion", "/Completion"),
+        (b"/completion+", "/completion+"),  # '+' is a space only in the query
+        (b"/completion%2B", "/completion+"),
+        (b"/a%25%32%46b", "/a%2Fb"),  # decoded once
+        (b"/caf%C3%A9", "/caf\xc3\xa9"),  # bytes, one character each
+        (b"http://host:8080/completion", "http://host:8080/completion"),  # absolute-form: a path no route matches
+        (b"*", "*"),
+    ],
+)
 def test_paths_read_as_llama_server_reads_them(raw, path):
     target = read_target(raw)
     assert isinstance(target, Target)
     assert target.path == path
 
 
-@pytest.mark.parametrize("raw, reason", [
-    (b"/slots/0?action=save#x", REFUSED_FRAGMENT),  # slotkeeper read "save#x", llama-server reads "save"
-    (b"/completion#", REFUSED_FRAGMENT),
-    (b"/x#?action=erase", REFUSED_FRAGMENT),
-    (b"/v1/chat%u002Fcompletions", REFUSED_ESCAPE),  # llama-server decodes %uXXXX: /v1/chat/completions
-    (b"/completion%uD800", REFUSED_ESCAPE),  # a lone surrogate decodes to nothing: /completion
-    (b"/completion%", REFUSED_ESCAPE),
-    (b"/completion%2", REFUSED_ESCAPE),
-    (b"/completion%zz", REFUSED_ESCAPE),
-    (b"/completion%00", REFUSED_NUL),
-])
+@pytest.mark.parametrize(
+    "raw, reason",
+    [
+        (b"/slots/0?action=save#x", REFUSED_FRAGMENT),  # slotkeeper read "save#x", llama-server reads "save"
+        (b"/completion#", REFUSED_FRAGMENT),
+        (b"/x#?action=erase", REFUSED_FRAGMENT),
+        (b"/v1/chat%u002Fcompletions", REFUSED_ESCAPE),  # llama-server decodes %uXXXX: /v1/chat/completions
+        (b"/completion%uD800", REFUSED_ESCAPE),  # a lone surrogate decodes to nothing: /completion
+        (b"/completion%", REFUSED_ESCAPE),
+        (b"/completion%2", REFUSED_ESCAPE),
+        (b"/completion%zz", REFUSED_ESCAPE),
+        (b"/completion%00", REFUSED_NUL),
+    ],
+)
 def test_what_slotkeeper_refuses(raw, reason):
     assert read_target(raw) == reason
 
@@ -97,9 +103,25 @@ def test_slot_requests():
 
 
 def test_c_stoi():
-    assert [c_stoi(s) for s in ("0", "+1", "-1", " \t\n\v\f\r5", "12abc", "0x1f", "", "x1", "- 1", "2147483647",
-                                "-2147483648", "2147483648", "9" * 30, "1\x002")] == \
-        [0, 1, -1, 5, 12, 0, None, None, None, 2147483647, -2147483648, None, None, 1]
+    assert [
+        c_stoi(s)
+        for s in (
+            "0",
+            "+1",
+            "-1",
+            " \t\n\v\f\r5",
+            "12abc",
+            "0x1f",
+            "",
+            "x1",
+            "- 1",
+            "2147483647",
+            "-2147483648",
+            "2147483648",
+            "9" * 30,
+            "1\x002",
+        )
+    ] == [0, 1, -1, 5, 12, 0, None, None, None, 2147483647, -2147483648, None, None, 1]
 
 
 # ---- the differential test against the real llama-server ---------------------------------------------------------
@@ -122,8 +144,11 @@ def servers(starter, llama_server, models, tmp_path) -> Iterator[tuple[int, int]
     slots.mkdir()
     direct_port = free_port()
     args = ["-m", str(models["A"]), *SERVER_ARGS]
-    direct = subprocess.Popen([llama_server, *args, "--host", "127.0.0.1", "--port", str(direct_port),
-                               "--slot-save-path", str(slots)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    direct = subprocess.Popen(
+        [llama_server, *args, "--host", "127.0.0.1", "--port", str(direct_port), "--slot-save-path", str(slots)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         sk = starter(llama_server, args)()
         assert wait_until(lambda: health_status(direct_port) == 200, 60), "plain llama-server never became ready"
@@ -202,8 +227,9 @@ def expected_slot_answer(request: SlotRequest) -> Observed:
 
 def is_slot_answer(answer: Observed) -> bool:
     """Whether POST /slots/:id_slot answered (its errors, or a slot action's keys)."""
-    return answer[1] in ("Invalid slot ID", "Invalid action") or (answer[0] == 200 and answer[1] in
-                                                                  SLOT_ANSWER_KEYS.values())
+    return answer[1] in ("Invalid slot ID", "Invalid action") or (
+        answer[0] == 200 and answer[1] in SLOT_ANSWER_KEYS.values()
+    )
 
 
 def canonical(target: Target) -> bytes:
@@ -215,24 +241,72 @@ def canonical(target: Target) -> bytes:
 
 # Targets: a route, each character possibly escaped (either case, twice, %uXXXX) or its case changed, pieces
 # spliced in, absolute-form, a query of repeated and look-alike parameters, a fragment.
-ROUTES = ["/slots/{id}"] * 6 + ["/completion", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/infill",
-                               "/tokenize", "/health", "/slotkeeper/status"]
-SLOT_IDS = ["0", "1"] * 4 + ["-1", "+1", "%2B1", "%201", "%0A1", "1x", "", "2", "2147483647", "2147483648",
-                             "-2147483649", "9" * 20, "0x1", "%31", "%2531", "%25", "%2F", "1%00", "%u0031", "1/",
-                             "1/x", "1%2F"]
-SPLICES = ["/", "//", "/./", "/../", "%2F", "%2f", "%00", "%", "%u002F", "%uD800", "+", "%2B", "%20", ".", "%2E",
-           "x"]
+ROUTES = ["/slots/{id}"] * 6 + [
+    "/completion",
+    "/v1/chat/completions",
+    "/v1/messages",
+    "/v1/responses",
+    "/infill",
+    "/tokenize",
+    "/health",
+    "/slotkeeper/status",
+]
+SLOT_IDS = ["0", "1"] * 4 + [
+    "-1",
+    "+1",
+    "%2B1",
+    "%201",
+    "%0A1",
+    "1x",
+    "",
+    "2",
+    "2147483647",
+    "2147483648",
+    "-2147483649",
+    "9" * 20,
+    "0x1",
+    "%31",
+    "%2531",
+    "%25",
+    "%2F",
+    "1%00",
+    "%u0031",
+    "1/",
+    "1/x",
+    "1%2F",
+]
+SPLICES = ["/", "//", "/./", "/../", "%2F", "%2f", "%00", "%", "%u002F", "%uD800", "+", "%2B", "%20", ".", "%2E", "x"]
 NAMES = ["action"] * 8 + ["act%69on", "%61ction", "Action", "action+", "action%", "id_slot", "x", ""]
-VALUES = ["save", "restore", "erase"] * 4 + ["bogus", "sav%65", "%73ave", "Save", "erase+", "+erase", "erase%",
-                                             "erase%2", "er%2Base", "era+se", "", "5", "%31", "-1"]
+VALUES = ["save", "restore", "erase"] * 4 + [
+    "bogus",
+    "sav%65",
+    "%73ave",
+    "Save",
+    "erase+",
+    "+erase",
+    "erase%",
+    "erase%2",
+    "er%2Base",
+    "era+se",
+    "",
+    "5",
+    "%31",
+    "-1",
+]
 FORMS = ["{n}={v}"] * 6 + ["{n}", "={v}", "", "{n}={v}={v}", "{n}=={v}"]
 ESCAPES = ["upper"] * 4 + ["lower"] * 3 + ["twice"] * 2 + ["u", "case"]
 
 
 def _escape(ch: str, how: str) -> str:
     code = ord(ch)
-    return {"keep": ch, "upper": f"%{code:02X}", "lower": f"%{code:02x}", "twice": f"%25{code:02X}",
-            "u": f"%u{code:04X}", "case": ch.swapcase()}[how]
+    return {
+        "keep": ch,
+        "upper": f"%{code:02X}",
+        "lower": f"%{code:02x}",
+        "twice": f"%25{code:02X}",
+        "u": f"%u{code:04X}",
+        "case": ch.swapcase(),
+    }[how]
 
 
 @st.composite
@@ -241,14 +315,16 @@ def targets(draw: st.DrawFn) -> bytes:
     for _ in range(draw(st.sampled_from([0, 0, 0, 1, 1, 2, 3]))):  # a few characters escaped or recased
         at = draw(st.integers(0, len(path) - 1))
         if path[at] != "%":
-            path = path[:at] + _escape(path[at], draw(st.sampled_from(ESCAPES))) + path[at + 1:]
+            path = path[:at] + _escape(path[at], draw(st.sampled_from(ESCAPES))) + path[at + 1 :]
     for _ in range(draw(st.sampled_from([0, 0, 0, 0, 1, 2]))):
         at = draw(st.integers(0, len(path)))
         path = path[:at] + draw(st.sampled_from(SPLICES)) + path[at:]
     if draw(st.integers(0, 14)) == 0:
         path = draw(st.sampled_from(["http://h", "HTTP://h:1", "h://x"])) + path
-    pieces = [draw(st.sampled_from(FORMS)).format(n=draw(st.sampled_from(NAMES)), v=draw(st.sampled_from(VALUES)))
-              for _ in range(draw(st.sampled_from([0, 1, 1, 1, 2, 2, 3, 4])))]
+    pieces = [
+        draw(st.sampled_from(FORMS)).format(n=draw(st.sampled_from(NAMES)), v=draw(st.sampled_from(VALUES)))
+        for _ in range(draw(st.sampled_from([0, 1, 1, 1, 2, 2, 3, 4])))
+    ]
     target = path + ("?" + "&".join(pieces) if pieces or draw(st.booleans()) else "")
     if draw(st.integers(0, 14)) == 0:
         target += draw(st.sampled_from(["#", "#x", "#?action=save", "#&action=bogus"]))
@@ -256,9 +332,11 @@ def targets(draw: st.DrawFn) -> bytes:
 
 
 Framing = tuple[str, tuple[int, ...], bool]  # Content-Length or chunked (cut where, with extensions), pipelined
-framings = st.tuples(st.sampled_from(["length", "chunked", "chunked-ext"]),
-                     st.lists(st.integers(1, len(PROBE_BODY) - 1), max_size=3, unique=True).map(sorted).map(tuple),
-                     st.booleans())
+framings = st.tuples(
+    st.sampled_from(["length", "chunked", "chunked-ext"]),
+    st.lists(st.integers(1, len(PROBE_BODY) - 1), max_size=3, unique=True).map(sorted).map(tuple),
+    st.booleans(),
+)
 
 
 def framed(target: bytes, framing: Framing) -> tuple[bytes, int]:
@@ -271,8 +349,12 @@ def framed(target: bytes, framing: Framing) -> tuple[bytes, int]:
     else:
         parts = [PROBE_BODY[a:b] for a, b in zip([0, *cuts], [*cuts, len(PROBE_BODY)])]
         ext = b";x=y" if how == "chunked-ext" else b""
-        request = head + b"Transfer-Encoding: chunked\r\n\r\n" + b"".join(
-            b"%x%s\r\n%s\r\n" % (len(p), ext, p) for p in parts) + b"0\r\n\r\n"
+        request = (
+            head
+            + b"Transfer-Encoding: chunked\r\n\r\n"
+            + b"".join(b"%x%s\r\n%s\r\n" % (len(p), ext, p) for p in parts)
+            + b"0\r\n\r\n"
+        )
     return (INNOCENT + request, 2) if pipelined else (request, 1)
 
 
@@ -288,25 +370,45 @@ def llhttp_refuses(raw: bytes) -> bool:
 
 def example_each(raws: list[bytes]) -> Any:
     """@example for each target (Content-Length, pipelined behind an innocent request)."""
+
     def decorate(test: Any) -> Any:
         for raw in raws:
             test = example(raw=raw, framing=("length", (), True))(test)
         return test
+
     return decorate
 
 
 ISSUE_CASES = [  # the issue's and this module's own: always run
-    b"/slots/1?action=save#x", b"/slots/0?action=erase#", b"/v1/chat%2Fcompletions", b"/v1/chat%u002Fcompletions",
-    b"/completion%uD800", b"/slots%2F1?action=erase", b"/slots/%2531?action=erase&id_slot=0",
-    b"/slots/1?action=bogus&action=erase", b"/slots/1?action=erase&action=bogus", b"/slots/+7x/?act%69on=erase",
-    b"/slots/-1?action=save", b"/slots/0/?action=restore", b"http://h/slots/0?action=erase", b"%2Fslots/0?action=erase",
-    b"/slots/1%00?action=erase", b"/slotkeeper%2Fstatus", b"/he%61lth", b"/slots/%201?action=erase",
-    b"/slots/%0A1/?action=erase&action=er%61se", b"/slots/0?action=save=save&action=save&action=save=save",
+    b"/slots/1?action=save#x",
+    b"/slots/0?action=erase#",
+    b"/v1/chat%2Fcompletions",
+    b"/v1/chat%u002Fcompletions",
+    b"/completion%uD800",
+    b"/slots%2F1?action=erase",
+    b"/slots/%2531?action=erase&id_slot=0",
+    b"/slots/1?action=bogus&action=erase",
+    b"/slots/1?action=erase&action=bogus",
+    b"/slots/+7x/?act%69on=erase",
+    b"/slots/-1?action=save",
+    b"/slots/0/?action=restore",
+    b"http://h/slots/0?action=erase",
+    b"%2Fslots/0?action=erase",
+    b"/slots/1%00?action=erase",
+    b"/slotkeeper%2Fstatus",
+    b"/he%61lth",
+    b"/slots/%201?action=erase",
+    b"/slots/%0A1/?action=erase&action=er%61se",
+    b"/slots/0?action=save=save&action=save&action=save=save",
 ]
 
 
-@settings(max_examples=400, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=400,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(raw=targets(), framing=framings)
 @example_each(ISSUE_CASES)
 def test_slotkeeper_reads_targets_as_llama_server_does(servers, raw, framing):

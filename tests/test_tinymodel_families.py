@@ -85,9 +85,24 @@ def start_server(binary: str, model: Path, family: str, spec: TinyModelSpec, wor
     log_path = workdir / "llama-server.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [binary, "-m", str(model), *SERVER_ARGS, "--host", "127.0.0.1", "--port", str(port),
-             "--slot-save-path", str(workdir / "slots"), *extra],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir,
+            [
+                binary,
+                "-m",
+                str(model),
+                *SERVER_ARGS,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--slot-save-path",
+                str(workdir / "slots"),
+                *extra,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=workdir,
         )
     server = Server(family, spec, port, proc, log_path)
     deadline = time.monotonic() + 30
@@ -122,8 +137,9 @@ def family_models(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module", params=FAMILIES)
 def server(request, llama_server, family_models, tmp_path_factory) -> Iterator[Server]:
     family = request.param
-    srv = start_server(llama_server, family_models[family], family, PRESETS[family],
-                       tmp_path_factory.mktemp(f"server-{family}"))
+    srv = start_server(
+        llama_server, family_models[family], family, PRESETS[family], tmp_path_factory.mktemp(f"server-{family}")
+    )
     yield srv
     stop_server(srv)
 
@@ -199,8 +215,9 @@ def test_slot_save_restore_round_trip(server):
 
 def test_gemma3_with_swa_full(llama_server, family_models, tmp_path):
     """--swa-full: the restored slot is used; but only the window of SWA cells is in the file."""
-    srv = start_server(llama_server, family_models["gemma3"], "gemma3", PRESETS["gemma3"], tmp_path,
-                       "--swa-full", "-lv", "4")
+    srv = start_server(
+        llama_server, family_models["gemma3"], "gemma3", PRESETS["gemma3"], tmp_path, "--swa-full", "-lv", "4"
+    )
     try:
         logs = srv.logs()
         assert re.search(r"print_info: n_swa\s+= 128\n", logs), logs[-3000:]
@@ -232,16 +249,21 @@ def test_chat_template_renders_with_single_special_tokens(server):
     prompt = server.post("/apply-template", {"messages": MESSAGES})["prompt"]
     assert prompt == EXPECTED_PROMPT[family]
     if family == "qwen35":
-        no_think = server.post("/apply-template", {"messages": MESSAGES,
-                                                   "chat_template_kwargs": {"enable_thinking": False}})["prompt"]
+        no_think = server.post(
+            "/apply-template", {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}
+        )["prompt"]
         assert no_think == EXPECTED_PROMPT[family] + "\n</think>\n\n"
-    pieces = [t["piece"] for t in server.post("/tokenize", {"content": prompt, "parse_special": True,
-                                                            "with_pieces": True})["tokens"]]
+    pieces = [
+        t["piece"]
+        for t in server.post("/tokenize", {"content": prompt, "parse_special": True, "with_pieces": True})["tokens"]
+    ]
     for marker in SPECIAL_MARKERS[family]:
         assert pieces.count(marker) == prompt.count(marker) > 0, (marker, pieces)
     # Without parse_special, CONTROL tokens are plain text (USER_DEFINED ones like <think> stay single).
-    plain = [t["piece"] for t in server.post("/tokenize", {"content": prompt, "parse_special": False,
-                                                           "with_pieces": True})["tokens"]]
+    plain = [
+        t["piece"]
+        for t in server.post("/tokenize", {"content": prompt, "parse_special": False, "with_pieces": True})["tokens"]
+    ]
     assert SPECIAL_MARKERS[family][0] not in plain
 
 

@@ -93,9 +93,9 @@ class Boundaries:
     async def reach(self, slot_id: int, tokens: list[int]) -> Reached | None:
         """Make the (idle, reserved) slot hold exactly `tokens`: prefill without generating anything."""
         started = time.monotonic()
-        reply = await self.client.call_json("POST", "/completion", {
-            "prompt": tokens, "n_predict": 0, "cache_prompt": True, "id_slot": slot_id
-        })
+        reply = await self.client.call_json(
+            "POST", "/completion", {"prompt": tokens, "n_predict": 0, "cache_prompt": True, "id_slot": slot_id}
+        )
         if not reply.ok or not isinstance(reply.body, dict):
             return None
         timings = reply.body.get("timings") or {}

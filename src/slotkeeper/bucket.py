@@ -85,17 +85,25 @@ class Bucket:
         try:
             await asyncio.wait_for(obstore.list_with_delimiter_async(self._probe_store, f"{namespace}/"), timeout_s)
         except Exception as exc:  # noqa: BLE001 - any failure means: local store only
-            log.warning("remote store %s unreachable (%s); continuing with the local store only",
-                        self.config.url, reason(exc, timeout_s))
+            log.warning(
+                "remote store %s unreachable (%s); continuing with the local store only",
+                self.config.url,
+                reason(exc, timeout_s),
+            )
             return False
         log.info("remote store %s reachable (%.0f ms)", self.config.url, (time.monotonic() - started) * 1000)
         return True
 
     # ---- manifests --------------------------------------------------------------------------------------------
 
-    async def list_manifests(self, prefix: str, known: Mapping[str, Listed] | None = None, *,
-                             skip: Collection[str] = (), on_invalid: Callable[[str], None] | None = None,
-                             ) -> dict[str, Listed]:
+    async def list_manifests(
+        self,
+        prefix: str,
+        known: Mapping[str, Listed] | None = None,
+        *,
+        skip: Collection[str] = (),
+        on_invalid: Callable[[str], None] | None = None,
+    ) -> dict[str, Listed]:
         """`namespace/entry_id` -> (e_tag, manifest) of the valid manifests under `prefix` (recursive).
 
         A manifest whose e_tag is that of its `known` listing is not downloaded again; keys in `skip` are left
@@ -134,17 +142,27 @@ class Bucket:
         jobs = [one(m) for m in metas if m["path"].endswith(MANIFEST_SUFFIX)]
         found = dict(pair for pair in await asyncio.gather(*jobs) if pair is not None)
         if unreadable:
-            log.warning("remote: %d manifest(s) under %s could not be read (%s); skipped", len(unreadable),
-                        self.config.url, unreadable[0])
+            log.warning(
+                "remote: %d manifest(s) under %s could not be read (%s); skipped",
+                len(unreadable),
+                self.config.url,
+                unreadable[0],
+            )
         return found
 
-    async def list_all(self, namespace: str | None = None, *, skip: Collection[str] = (),
-                       on_invalid: Callable[[str], None] | None = None) -> dict[str, list[dict[str, Any]]]:
+    async def list_all(
+        self,
+        namespace: str | None = None,
+        *,
+        skip: Collection[str] = (),
+        on_invalid: Callable[[str], None] | None = None,
+    ) -> dict[str, list[dict[str, Any]]]:
         """namespace -> manifests (each with its "entry_id") under the whole prefix, or under one namespace."""
         try:
             found = await asyncio.wait_for(
                 self.list_manifests(f"{namespace}/" if namespace else "", skip=skip, on_invalid=on_invalid),
-                INDEX_TIMEOUT_S)
+                INDEX_TIMEOUT_S,
+            )
         except Exception as exc:  # noqa: BLE001
             raise RemoteError(f"listing {self.config.url} failed ({reason(exc, INDEX_TIMEOUT_S)})") from None
         out: dict[str, list[dict[str, Any]]] = {}
@@ -155,20 +173,23 @@ class Bucket:
 
     async def put_manifest(self, namespace: str, entry_id: str, manifest: dict[str, Any]) -> None:
         """The commit of an upload: the .bin is there already."""
-        await obstore.put_async(self._store, self.key(namespace, entry_id, MANIFEST_SUFFIX),
-                                json.dumps(manifest, indent=1).encode())
+        await obstore.put_async(
+            self._store, self.key(namespace, entry_id, MANIFEST_SUFFIX), json.dumps(manifest, indent=1).encode()
+        )
 
     # ---- objects ----------------------------------------------------------------------------------------------
 
     async def get(self, namespace: str, entry_id: str, suffix: str) -> GetResult:
         """Start a download: the answer's head within request_timeout_s, its body streamed by the caller."""
         return await asyncio.wait_for(
-            obstore.get_async(self._bulk, self.key(namespace, entry_id, suffix)), self.request_timeout_s)
+            obstore.get_async(self._bulk, self.key(namespace, entry_id, suffix)), self.request_timeout_s
+        )
 
     def writer(self, namespace: str, entry_id: str, suffix: str, part_bytes: int, parts: int) -> AsyncWritableFile:
         """A multipart upload that makes an object only when closed (cancelling a `put_async` does not stop it)."""
-        return obstore.open_writer_async(self._store, self.key(namespace, entry_id, suffix), buffer_size=part_bytes,
-                                         max_concurrency=parts)
+        return obstore.open_writer_async(
+            self._store, self.key(namespace, entry_id, suffix), buffer_size=part_bytes, max_concurrency=parts
+        )
 
     async def delete_object(self, namespace: str, entry_id: str, suffix: str) -> None:
         await obstore.delete_async(self._store, self.key(namespace, entry_id, suffix))
@@ -179,8 +200,9 @@ class Bucket:
             for suffix in (MANIFEST_SUFFIX, BIN_SUFFIX):
                 await self.delete_object(namespace, entry_id, suffix)
         except Exception as exc:  # noqa: BLE001
-            raise RemoteError(f"deleting {namespace}/{entry_id} from {self.config.url} failed "
-                              f"({reason(exc, self.request_timeout_s)})") from None
+            raise RemoteError(
+                f"deleting {namespace}/{entry_id} from {self.config.url} failed ({reason(exc, self.request_timeout_s)})"
+            ) from None
         log.info("remote: entry %s of namespace %s deleted", entry_id, namespace)
 
 
@@ -189,8 +211,13 @@ def _valid_manifest(raw: bytes) -> dict[str, Any] | None:
         data = json.loads(raw)
     except ValueError:
         return None
-    if (not isinstance(data, dict) or not isinstance(data.get("bytes"), int) or data["bytes"] < 0
-            or not isinstance(data.get("sha256"), str) or not _SHA256_RE.fullmatch(data["sha256"])):
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("bytes"), int)
+        or data["bytes"] < 0
+        or not isinstance(data.get("sha256"), str)
+        or not _SHA256_RE.fullmatch(data["sha256"])
+    ):
         return None
     return data
 
@@ -206,11 +233,17 @@ def reason(exc: BaseException, timeout_s: float) -> str:
     if isinstance(exc, FileNotFoundError):
         return "not found"
     text = str(exc)
-    for needle, words in (("NoSuchBucket", "no such bucket"), ("Connection refused", "connection refused"),
-                          ("InvalidAccessKeyId", "credentials refused"),
-                          ("SignatureDoesNotMatch", "credentials refused"),
-                          ("dns error", "host not found"), ("timed out", "timed out"), ("TimedOut", "timed out"),
-                          ("Connection reset", "connection reset"), ("403 Forbidden", "access denied")):
+    for needle, words in (
+        ("NoSuchBucket", "no such bucket"),
+        ("Connection refused", "connection refused"),
+        ("InvalidAccessKeyId", "credentials refused"),
+        ("SignatureDoesNotMatch", "credentials refused"),
+        ("dns error", "host not found"),
+        ("timed out", "timed out"),
+        ("TimedOut", "timed out"),
+        ("Connection reset", "connection reset"),
+        ("403 Forbidden", "access denied"),
+    ):
         if needle in text:
             return words
     first = text.splitlines()[0] if text else type(exc).__name__

@@ -72,6 +72,7 @@ def to_chat_form(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
 
 # --- json_value() and friends, as in server-common.h --------------------------------------
 
+
 def _has(obj: Any, key: str) -> bool:
     """``obj.contains(key)``: false for anything that is not an object."""
     return isinstance(obj, dict) and key in obj
@@ -102,17 +103,18 @@ def _int(obj: Any, key: str, default: int) -> int:
     value = obj.get(key) if isinstance(obj, dict) else None
     if isinstance(value, bool):
         return int(value)
-    if isinstance(value, int) and -2**63 <= value < 2**64:
+    if isinstance(value, int) and -(2**63) <= value < 2**64:
         return (value + 2**31) % 2**32 - 2**31  # int64/uint64 -> int wraps
     if isinstance(value, (int, float)):  # a larger integer is parsed as a double
         number = float(value) if isinstance(value, float) or abs(value) < 2**1024 else math.inf
-        if math.isfinite(number) and -2**31 <= math.trunc(number) < 2**31:
+        if math.isfinite(number) and -(2**31) <= math.trunc(number) < 2**31:
             return math.trunc(number)
-        return -2**31  # out of range is undefined in C++; x86-64 cvttsd2si gives INT_MIN
+        return -(2**31)  # out of range is undefined in C++; x86-64 cvttsd2si gives INT_MIN
     return default
 
 
 # --- OpenAI Responses -> chat completions -----------------------------------------------
+
 
 def responses_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     """Port of ``server_chat_convert_responses_to_chatcmpl``: a Responses body in chat form.
@@ -225,10 +227,18 @@ def _responses_item(item: Any, messages: list[dict[str, Any]]) -> None:
             item["content"] = content
             messages.append(item)
 
-    elif (_is_str(item, "arguments") and _is_str(item, "call_id") and _is_str(item, "name")
-          and _is_str(item, "type") and item["type"] == "function_call"):
-        call = {"function": {"arguments": item["arguments"], "name": item["name"]},
-                "id": item["call_id"], "type": "function"}
+    elif (
+        _is_str(item, "arguments")
+        and _is_str(item, "call_id")
+        and _is_str(item, "name")
+        and _is_str(item, "type")
+        and item["type"] == "function_call"
+    ):
+        call = {
+            "function": {"arguments": item["arguments"], "name": item["name"]},
+            "id": item["call_id"],
+            "type": "function",
+        }
         if merge_prev:
             prev = messages[-1]
             if not _is_list(prev, "tool_calls"):
@@ -237,8 +247,12 @@ def _responses_item(item: Any, messages: list[dict[str, Any]]) -> None:
         else:
             messages.append({"role": "assistant", "tool_calls": [call]})
 
-    elif (_is_str(item, "call_id") and (_is_str(item, "output") or _is_list(item, "output"))
-          and _is_str(item, "type") and item["type"] == "function_call_output"):
+    elif (
+        _is_str(item, "call_id")
+        and (_is_str(item, "output") or _is_list(item, "output"))
+        and _is_str(item, "type")
+        and item["type"] == "function_call_output"
+    ):
         output = item["output"]
         if isinstance(output, list):
             for part in output:
@@ -308,11 +322,17 @@ def anthropic_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     out["messages"] = messages
 
     if _is_list(body, "tools"):
-        out["tools"] = [{"type": "function", "function": {
-            "name": _str(tool, "name"),
-            "description": _str(tool, "description"),
-            "parameters": copy.deepcopy(tool["input_schema"]) if _has(tool, "input_schema") else {},
-        }} for tool in body["tools"]]
+        out["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": _str(tool, "name"),
+                    "description": _str(tool, "description"),
+                    "parameters": copy.deepcopy(tool["input_schema"]) if _has(tool, "input_schema") else {},
+                },
+            }
+            for tool in body["tools"]
+        ]
 
     if _has(body, "tool_choice") and isinstance(body["tool_choice"], dict):
         kind = _str(body["tool_choice"], "type")
@@ -372,15 +392,22 @@ def _anthropic_message(msg: Any, messages: list[Any]) -> None:
             if url is not None:
                 converted.append({"type": "image_url", "image_url": {"url": url}})
         elif kind == "tool_use":
-            tool_calls.append({
-                "id": _str(block, "id"),
-                "type": "function",
-                "function": {"name": _str(block, "name"), "arguments": _dump(_json(block, "input", {}))},
-            })
+            tool_calls.append(
+                {
+                    "id": _str(block, "id"),
+                    "type": "function",
+                    "function": {"name": _str(block, "name"), "arguments": _dump(_json(block, "input", {}))},
+                }
+            )
             has_tool_calls = True
         elif kind == "tool_result":
-            tool_results.append({"role": "tool", "tool_call_id": _str(block, "tool_use_id"),
-                                 "content": _tool_result_content(_json(block, "content", None))})
+            tool_results.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": _str(block, "tool_use_id"),
+                    "content": _tool_result_content(_json(block, "content", None)),
+                }
+            )
 
     if converted or has_tool_calls or reasoning:
         new_msg: dict[str, Any] = {"role": role}
@@ -438,11 +465,12 @@ def _normalize_billing_header(text: str) -> str:
         return text
     start = at + 4
     if start + 5 < len(raw) and raw[start + 5] == ord(";"):
-        return (raw[:start] + b"fffff" + raw[start + 5:]).decode("utf-8", "surrogatepass")
+        return (raw[:start] + b"fffff" + raw[start + 5 :]).decode("utf-8", "surrogatepass")
     return text  # the C++ logs an error and leaves it
 
 
 # --- nlohmann::json dump() ----------------------------------------------------------------
+
 
 def _dump(value: Any) -> str:
     """``json.dump()`` as nlohmann writes it: compact, keys in order, non-ASCII as UTF-8,
@@ -454,7 +482,7 @@ def _dump(value: Any) -> str:
     if value is False:
         return "false"
     if isinstance(value, int):
-        if -2**63 <= value < 2**64:
+        if -(2**63) <= value < 2**64:
             return str(value)
         try:  # nlohmann parses an integer beyond 64 bits as a double
             return _dump_float(float(value))

@@ -28,10 +28,23 @@ class ConfigError(Exception):
 
 # slotkeeper's own options (the fields of config.Options): name -> whether it is a boolean flag.
 OWN_OPTIONS: dict[str, bool] = {
-    "llama_server": False, "startup_timeout": False, "drain_timeout": False, "save_timeout": False,
-    "stop_timeout": False, "child_tcp": True, "llama_idle_slot_caching": True, "restore_unverified": True,
-    "fsync": True, "autosave_idle": False, "max_cache_bytes": False, "log_level": False, "log_format": False,
-    "placement": True, "min_save_tokens": False, "remote_store": False, "model_memory": False,
+    "llama_server": False,
+    "startup_timeout": False,
+    "drain_timeout": False,
+    "save_timeout": False,
+    "stop_timeout": False,
+    "child_tcp": True,
+    "llama_idle_slot_caching": True,
+    "restore_unverified": True,
+    "fsync": True,
+    "autosave_idle": False,
+    "max_cache_bytes": False,
+    "log_level": False,
+    "log_format": False,
+    "placement": True,
+    "min_save_tokens": False,
+    "remote_store": False,
+    "model_memory": False,
 }
 ENV_PREFIX = "SLOTKEEPER_"
 ENV_LLAMA_SERVER = "LLAMA_SERVER"
@@ -57,15 +70,24 @@ SLOTS_ENDPOINT_FLAGS = {"--slots": True, "--no-slots": False}
 IDLE_SLOT_CACHE_FLAGS = {"--cache-idle-slots": True, "--no-cache-idle-slots": False}
 
 _VALUE_FLAGS = (
-    HOST_FLAGS | PORT_FLAGS | SAVE_PATH_FLAGS | PARALLEL_FLAGS | API_KEY_FLAGS | API_KEY_FILE_FLAGS
-    | MODEL_FLAGS | HF_REPO_FLAGS
+    HOST_FLAGS
+    | PORT_FLAGS
+    | SAVE_PATH_FLAGS
+    | PARALLEL_FLAGS
+    | API_KEY_FLAGS
+    | API_KEY_FILE_FLAGS
+    | MODEL_FLAGS
+    | HF_REPO_FLAGS
 )
 _REMOVED_FLAGS = HOST_FLAGS | PORT_FLAGS | SAVE_PATH_FLAGS
 # The LlamaArgs field each value flag sets (--api-key, which may repeat and split, aside).
 _FIELD_OF_FLAG = {
-    **dict.fromkeys(HOST_FLAGS, "host"), **dict.fromkeys(PORT_FLAGS, "port"),
-    **dict.fromkeys(SAVE_PATH_FLAGS, "slot_save_path"), **dict.fromkeys(PARALLEL_FLAGS, "parallel"),
-    **dict.fromkeys(API_KEY_FILE_FLAGS, "api_key_file"), **dict.fromkeys(MODEL_FLAGS, "model"),
+    **dict.fromkeys(HOST_FLAGS, "host"),
+    **dict.fromkeys(PORT_FLAGS, "port"),
+    **dict.fromkeys(SAVE_PATH_FLAGS, "slot_save_path"),
+    **dict.fromkeys(PARALLEL_FLAGS, "parallel"),
+    **dict.fromkeys(API_KEY_FILE_FLAGS, "api_key_file"),
+    **dict.fromkeys(MODEL_FLAGS, "model"),
     **dict.fromkeys(HF_REPO_FLAGS, "hf_repo"),
 }
 

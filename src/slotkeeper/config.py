@@ -29,39 +29,44 @@ class Options(BaseModel):
         False, description="keep llama-server's --cache-idle-slots default (idle slots leave the KV cache)"
     )
     restore_unverified: bool = Field(
-        False, description="also take over slot files of the old layout (<n>.bin) that have no slotkeeper manifest "
-        "(llama-server still checks shape)"
+        False,
+        description="also take over slot files of the old layout (<n>.bin) that have no slotkeeper manifest "
+        "(llama-server still checks shape)",
     )
     fsync: bool = Field(True, description="fsync each saved cache file and its directory before renaming it in place")
     autosave_idle: float = Field(
-        5.0, ge=0,
-        description="save changed slots after this many idle seconds, so a crash or SIGKILL loses little (0: off)"
+        5.0,
+        ge=0,
+        description="save changed slots after this many idle seconds, so a crash or SIGKILL loses little (0: off)",
     )
     max_cache_bytes: ByteSize | None = Field(
-        None, gt=0, description="cap on the conversation store (e.g. 20GB; default: half the disk space it could use); "
-        "least recently used entries go first"
+        None,
+        gt=0,
+        description="cap on the conversation store (e.g. 20GB; default: half the disk space it could use); "
+        "least recently used entries go first",
     )
     placement: bool = Field(
-        True, description="place completion requests on the slot that holds their chat (restoring it first if "
-        "need be); off: llama-server chooses, and only the slots' last contents are kept"
+        True,
+        description="place completion requests on the slot that holds their chat (restoring it first if "
+        "need be); off: llama-server chooses, and only the slots' last contents are kept",
     )
     remote_store: str | None = Field(
-        None, description="shared tier: s3://bucket/prefix (credentials and endpoint from the AWS_* variables "
-        "and profiles); entries are uploaded in the background and fetched when a chat is missing here"
+        None,
+        description="shared tier: s3://bucket/prefix (credentials and endpoint from the AWS_* variables "
+        "and profiles); entries are uploaded in the background and fetched when a chat is missing here",
     )
     min_save_tokens: int = Field(
-        256, ge=1,
-        description="prompts shorter than this are not saved (title and tag requests are cheaper to recompute)"
+        256,
+        ge=1,
+        description="prompts shorter than this are not saved (title and tag requests are cheaper to recompute)",
     )
     model_memory: Literal["auto", "full", "sliding-window", "recurrent"] = Field(
-        "auto", description="the model's memory, which decides what llama-server reuses of a restored chat: auto "
-        "(from the GGUF header), full (attention), sliding-window, or recurrent (hybrid models too)"
+        "auto",
+        description="the model's memory, which decides what llama-server reuses of a restored chat: auto "
+        "(from the GGUF header), full (attention), sliding-window, or recurrent (hybrid models too)",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="debug, info, warning or error")
     log_format: Literal["plain", "json"] = Field("plain", description="plain lines, or one JSON object per line")
-
-
-
 
 
 class RunConfig(BaseModel):
@@ -106,18 +111,20 @@ def validate(plan: LaunchPlan) -> RunConfig:
         raise ConfigError(describe_validation_error(exc)) from None
     llama = plan.llama
     try:
-        return RunConfig.model_validate({  # llama-server's raw strings (the port, -np) are validated here
-            "options": options,
-            "hosts": [h.strip() for h in llama.host.split(",") if h.strip()],
-            "port": llama.port,
-            "save_dir": plan.save_dir,
-            "api_keys": plan.api_keys,
-            "total_slots_hint": llama.parallel,
-            "slots_endpoint": llama.slots_endpoint,
-            "child_args": plan.child_args,
-            "model": llama.model or llama.hf_repo,
-            "llama_binary": plan.binary[0] if plan.binary else None,
-        })
+        return RunConfig.model_validate(
+            {  # llama-server's raw strings (the port, -np) are validated here
+                "options": options,
+                "hosts": [h.strip() for h in llama.host.split(",") if h.strip()],
+                "port": llama.port,
+                "save_dir": plan.save_dir,
+                "api_keys": plan.api_keys,
+                "total_slots_hint": llama.parallel,
+                "slots_endpoint": llama.slots_endpoint,
+                "child_args": plan.child_args,
+                "model": llama.model or llama.hf_repo,
+                "llama_binary": plan.binary[0] if plan.binary else None,
+            }
+        )
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc, LLAMA_FLAG_NAMES)) from None
 

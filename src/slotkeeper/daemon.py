@@ -39,9 +39,12 @@ AUTOSAVE_RETRY_MAX_S = 300.0  # a failing idle autosave is tried again after --a
 
 
 FORCED_POLICIES = {  # --model-memory, and whether --swa-full is set
-    ("full", False): CachePolicy.PREFIX, ("full", True): CachePolicy.PREFIX,
-    ("recurrent", False): CachePolicy.EXTEND_ONLY, ("recurrent", True): CachePolicy.EXTEND_ONLY,
-    ("sliding-window", False): CachePolicy.NONE, ("sliding-window", True): CachePolicy.EXTEND_ONLY,
+    ("full", False): CachePolicy.PREFIX,
+    ("full", True): CachePolicy.PREFIX,
+    ("recurrent", False): CachePolicy.EXTEND_ONLY,
+    ("recurrent", True): CachePolicy.EXTEND_ONLY,
+    ("sliding-window", False): CachePolicy.NONE,
+    ("sliding-window", True): CachePolicy.EXTEND_ONLY,
 }
 
 
@@ -112,8 +115,12 @@ class Daemon:
         on. The last resort behind the background work's own handling (with --log-level debug: the traceback)."""
         exc = context.get("exception")
         what = context.get("message") or "unexpected error"
-        log.warning("%s%s", what, f": {describe_error(exc)}" if exc is not None else "",
-                    exc_info=exc if exc is not None and self.options.log_level == "debug" else None)
+        log.warning(
+            "%s%s",
+            what,
+            f": {describe_error(exc)}" if exc is not None else "",
+            exc_info=exc if exc is not None and self.options.log_level == "debug" else None,
+        )
 
     async def metrics_endpoint(self) -> Reply:
         """GET /slotkeeper/metrics: Prometheus text exposition."""
@@ -123,47 +130,55 @@ class Daemon:
     async def status(self) -> Reply:
         """GET /slotkeeper/status: which slot holds which chat, what the store holds, what a stop must write."""
         store, placement = self.store, self.placement
-        return Reply.json({
-            "state": self.state.value,
-            "child_pid": self.child.pid,
-            "uptime_s": round(time.monotonic() - self.started_at, 3),
-            "save_dir": str(self.config.save_dir),
-            "total_slots": self.total_slots,
-            "placement": self.options.placement,
-            "model_memory": self.describe_memory(),
-            "fingerprint": None if store is None else store.fingerprint,
-            "slots": [] if placement is None else placement.describe(),
-            "store": None if store is None else {
-                "entries": len(store.entries), "bytes": store.total_bytes, "cap_bytes": store.cap_bytes,
-                "kept_unused": len(store.skipped),
-            },
-            "placements": dict(self.metrics.placements),
-            "on_demand_restores": self.metrics.on_demand_restores,
-            "prefill_tokens_saved": self.metrics.prefill_tokens_saved,
-            "prompt_tokenizations": self.metrics.prompt_tokenizations,
-            "slots_parked": self.metrics.slots_parked,
-            "unpinned_elsewhere": self.metrics.unpinned_elsewhere,
-            "chats_found_empty": self.metrics.chats_found_empty,
-            "extend_only": {
-                "hits": self.metrics.extend_hits, "misses": dict(self.metrics.extend_misses),
-                "boundaries_reached": self.metrics.boundaries_reached,
-                "boundaries_settled": self.metrics.boundaries_settled,
-                "settle_prefill_tokens": self.metrics.settle_prefill_tokens,
-                "settle_ms": round(self.metrics.settle_seconds * 1000, 1),
-                "boundary_prefill_tokens": self.metrics.boundary_prefill_tokens,
-                "boundary_ms": round(self.metrics.boundary_seconds * 1000, 1),
-                "boundary_unknown": self.metrics.boundary_unknown,
-            },
-            "openings": {
-                "entries": 0 if store is None else len(store.openings()),
-                "saved": self.metrics.openings_saved, "hits": self.metrics.opening_hits,
-                "tokens_saved": self.metrics.opening_tokens_saved,
-                "prefill_tokens": self.metrics.opening_prefill_tokens,
-                "prefill_ms": round(self.metrics.opening_seconds * 1000, 1),
-            },
-            "save_estimate": self.save_estimate(),
-            "remote": None if self.remote is None else {"url": self.remote.config.url, **vars(self.remote.stats)},
-        })
+        return Reply.json(
+            {
+                "state": self.state.value,
+                "child_pid": self.child.pid,
+                "uptime_s": round(time.monotonic() - self.started_at, 3),
+                "save_dir": str(self.config.save_dir),
+                "total_slots": self.total_slots,
+                "placement": self.options.placement,
+                "model_memory": self.describe_memory(),
+                "fingerprint": None if store is None else store.fingerprint,
+                "slots": [] if placement is None else placement.describe(),
+                "store": None
+                if store is None
+                else {
+                    "entries": len(store.entries),
+                    "bytes": store.total_bytes,
+                    "cap_bytes": store.cap_bytes,
+                    "kept_unused": len(store.skipped),
+                },
+                "placements": dict(self.metrics.placements),
+                "on_demand_restores": self.metrics.on_demand_restores,
+                "prefill_tokens_saved": self.metrics.prefill_tokens_saved,
+                "prompt_tokenizations": self.metrics.prompt_tokenizations,
+                "slots_parked": self.metrics.slots_parked,
+                "unpinned_elsewhere": self.metrics.unpinned_elsewhere,
+                "chats_found_empty": self.metrics.chats_found_empty,
+                "extend_only": {
+                    "hits": self.metrics.extend_hits,
+                    "misses": dict(self.metrics.extend_misses),
+                    "boundaries_reached": self.metrics.boundaries_reached,
+                    "boundaries_settled": self.metrics.boundaries_settled,
+                    "settle_prefill_tokens": self.metrics.settle_prefill_tokens,
+                    "settle_ms": round(self.metrics.settle_seconds * 1000, 1),
+                    "boundary_prefill_tokens": self.metrics.boundary_prefill_tokens,
+                    "boundary_ms": round(self.metrics.boundary_seconds * 1000, 1),
+                    "boundary_unknown": self.metrics.boundary_unknown,
+                },
+                "openings": {
+                    "entries": 0 if store is None else len(store.openings()),
+                    "saved": self.metrics.openings_saved,
+                    "hits": self.metrics.opening_hits,
+                    "tokens_saved": self.metrics.opening_tokens_saved,
+                    "prefill_tokens": self.metrics.opening_prefill_tokens,
+                    "prefill_ms": round(self.metrics.opening_seconds * 1000, 1),
+                },
+                "save_estimate": self.save_estimate(),
+                "remote": None if self.remote is None else {"url": self.remote.config.url, **vars(self.remote.stats)},
+            }
+        )
 
     # ---- the script ----------------------------------------------------------------------------------------
 
@@ -203,7 +218,9 @@ class Daemon:
             now = time.monotonic()
             log.info(
                 "ready %s after starting llama-server (pid %d; it answered healthy at %s, restore took %s)",
-                fmt_ms(now - self.started_at), self.child.pid, fmt_ms((self.healthy_at or now) - self.started_at),
+                fmt_ms(now - self.started_at),
+                self.child.pid,
+                fmt_ms((self.healthy_at or now) - self.started_at),
                 fmt_ms(now - (self.healthy_at or now)),
             )
             self.warn_if_save_exceeds_budget()
@@ -280,13 +297,17 @@ class Daemon:
             busy = client.busy_with()
             after = f" once its slot {busy} under way ends (up to {self.options.stop_timeout:g} s)" if busy else ""
             log.info("stop requested during %s: stopping llama-server without saving%s", self.state.value, after)
-            outcome, _ = await self._race(client.until_idle(time.monotonic() + self.options.stop_timeout),
-                                          self.force_requested, child_exited)
+            outcome, _ = await self._race(
+                client.until_idle(time.monotonic() + self.options.stop_timeout), self.force_requested, child_exited
+            )
             if outcome == "interrupted":
                 return await self.stop_forced()
             return EXIT_OK
-        log.error("startup timed out after %.0f s (--startup-timeout) in state %s", self.options.startup_timeout,
-                  self.state.value)
+        log.error(
+            "startup timed out after %.0f s (--startup-timeout) in state %s",
+            self.options.startup_timeout,
+            self.state.value,
+        )
         return EXIT_STARTUP_FAILED
 
     async def wait_healthy(self, client: LlamaClient) -> None:
@@ -308,9 +329,7 @@ class Daemon:
         else:
             hint = self.config.total_slots_hint or 0
             self.total_slots = hint if hint > 0 else 1
-            log.warning(
-                "GET /props answered %d (%s); assuming %d slot(s)", props.status, props.error, self.total_slots
-            )
+            log.warning("GET /props answered %d (%s); assuming %d slot(s)", props.status, props.error, self.total_slots)
         n_ctx = body.get("default_generation_settings", {}).get("n_ctx")
         model = body.get("model_path") or self.config.model
         assert self._identity is not None
@@ -325,8 +344,13 @@ class Daemon:
         fingerprint = build_fingerprint(identity, self.config.child_args, self.total_slots, n_ctx)
         cap = int(self.options.max_cache_bytes) if self.options.max_cache_bytes else None
         store = ConversationStore(
-            self.config.save_dir, client, fingerprint, server_identity(self.config.llama_binary),
-            fsync=self.options.fsync, cap_bytes=cap, restore_unverified=self.options.restore_unverified,
+            self.config.save_dir,
+            client,
+            fingerprint,
+            server_identity(self.config.llama_binary),
+            fsync=self.options.fsync,
+            cap_bytes=cap,
+            restore_unverified=self.options.restore_unverified,
             metrics=self.metrics,
         )
         await asyncio.to_thread(store.open)
@@ -339,14 +363,27 @@ class Daemon:
         self.store = store
         self.metrics.store_entries = lambda: len(store.entries)
         self.metrics.store_bytes = lambda: store.total_bytes
-        self.placement = Placement(store, client, self.total_slots, min_tokens=self.options.min_save_tokens,
-                                   metrics=self.metrics, policy=self.policy,
-                                   settle=self.memory is None or self.memory.kind is MemoryKind.RECURRENT)
+        self.placement = Placement(
+            store,
+            client,
+            self.total_slots,
+            min_tokens=self.options.min_save_tokens,
+            metrics=self.metrics,
+            policy=self.policy,
+            settle=self.memory is None or self.memory.kind is MemoryKind.RECURRENT,
+        )
         if self.options.remote_store:
             self.attach_remote(store, self.placement, fingerprint)
         other = f"; {len(store.skipped)} kept but not used (see above)" if store.skipped else ""
-        log.info("%d slot(s); %d conversation(s) in %s (%s of a %s cap)%s", self.total_slots, len(store.entries),
-                 self.config.save_dir, fmt_bytes(store.total_bytes), fmt_bytes(store.cap_bytes or 0), other)
+        log.info(
+            "%d slot(s); %d conversation(s) in %s (%s of a %s cap)%s",
+            self.total_slots,
+            len(store.entries),
+            self.config.save_dir,
+            fmt_bytes(store.total_bytes),
+            fmt_bytes(store.cap_bytes or 0),
+            other,
+        )
         if self.options.placement or self.policy is CachePolicy.PREFIX:
             await self.placement.restore_recent()
         else:  # nothing would keep a request that diverges inside a restored state off its slot
@@ -362,17 +399,29 @@ class Daemon:
             self.policy = FORCED_POLICIES[forced, swa_full]
             log.info("model memory: %s (--model-memory): cache policy %s", forced, self.policy.value)
         elif memory is None:
-            log.warning("model memory unknown (its GGUF header could not be read): chats are saved at turn "
-                        "boundaries and restored only into requests that extend them")
+            log.warning(
+                "model memory unknown (its GGUF header could not be read): chats are saved at turn "
+                "boundaries and restored only into requests that extend them"
+            )
         elif self.policy is CachePolicy.NONE:
-            cost = f" (KV {fmt_bytes(swa_kv[0])} -> {fmt_bytes(swa_kv[1])})" if (swa_kv := self.swa_full_cost(
-                memory, n_ctx_slot)) else ""
-            log.warning("%s uses a %s-token sliding window: llama-server reuses no restored chat of it unless "
-                        "--swa-full%s; nothing is saved, and each chat keeps its own slot",
-                        memory.architecture, f"{memory.sliding_window:,}", cost)
+            cost = (
+                f" (KV {fmt_bytes(swa_kv[0])} -> {fmt_bytes(swa_kv[1])})"
+                if (swa_kv := self.swa_full_cost(memory, n_ctx_slot))
+                else ""
+            )
+            log.warning(
+                "%s uses a %s-token sliding window: llama-server reuses no restored chat of it unless "
+                "--swa-full%s; nothing is saved, and each chat keeps its own slot",
+                memory.architecture,
+                f"{memory.sliding_window:,}",
+                cost,
+            )
         elif self.policy is CachePolicy.EXTEND_ONLY:
-            log.info("model: %s, %s: chats are saved at turn boundaries and restored only into requests that "
-                     "extend them", memory.architecture, memory.describe())
+            log.info(
+                "model: %s, %s: chats are saved at turn boundaries and restored only into requests that extend them",
+                memory.architecture,
+                memory.describe(),
+            )
         else:
             log.info("model: %s, %s", memory.architecture, memory.describe())
 
@@ -381,13 +430,16 @@ class Daemon:
         if not n_ctx_slot:
             return None
         unified_flag = kv_flags(self.config.child_args).get("kv_unified")
-        slots, unified = llama_server_slots(self.config.total_slots_hint,
-                                            None if unified_flag is None else not unified_flag.startswith("no"))
+        slots, unified = llama_server_slots(
+            self.config.total_slots_hint, None if unified_flag is None else not unified_flag.startswith("no")
+        )
         n_seq = max(self.total_slots or slots, 1)
         n_ctx = n_ctx_slot if unified else n_ctx_slot * n_seq
         try:
-            return (kv_cache_bytes(memory, n_ctx, n_seq, swa_full=False, unified=unified),
-                    kv_cache_bytes(memory, n_ctx, n_seq, swa_full=True, unified=unified))
+            return (
+                kv_cache_bytes(memory, n_ctx, n_seq, swa_full=False, unified=unified),
+                kv_cache_bytes(memory, n_ctx, n_seq, swa_full=True, unified=unified),
+            )
         except ValueError:
             return None
 
@@ -395,8 +447,11 @@ class Daemon:
         memory = self.memory
         return {
             "architecture": memory.architecture if memory else None,
-            "kind": self.options.model_memory if self.options.model_memory != "auto" else
-                    memory.kind.value if memory else None,
+            "kind": self.options.model_memory
+            if self.options.model_memory != "auto"
+            else memory.kind.value
+            if memory
+            else None,
             "sliding_window": memory.sliding_window if memory else None,
             "policy": self.policy.value,
         }
@@ -497,8 +552,9 @@ class Daemon:
         for slot in self.placement.slots:
             info: dict[str, Any] = next((e for e in entries or () if e.get("id") == slot.id), {})
             task = info.get("id_task")
-            if entries is None or (task is not None and info.get("n_prompt_tokens", 0) > 0
-                                   and self._seen_tasks.get(slot.id) != task):
+            if entries is None or (
+                task is not None and info.get("n_prompt_tokens", 0) > 0 and self._seen_tasks.get(slot.id) != task
+            ):
                 slot.changed_unseen()
                 if task is not None:
                     self._seen_tasks[slot.id] = task
@@ -532,8 +588,10 @@ class Daemon:
         if outcome == "child_exited":
             log.error("llama-server exited with code %d while saving", child_exited.result())
         elif client.running:  # e.g. the restore of a request the drain cancelled: llama-server finishes it first
-            log.info("llama-server is busy with a slot %s: it is stopped once that ends (inside --save-timeout)",
-                     client.busy_with())
+            log.info(
+                "llama-server is busy with a slot %s: it is stopped once that ends (inside --save-timeout)",
+                client.busy_with(),
+            )
             outcome, _ = await self._race(client.until_idle(budget_end), self.force_requested, child_exited)
             if outcome == "interrupted":
                 return await self.stop_forced()
@@ -545,8 +603,9 @@ class Daemon:
             try:
                 await self.remote.close(budget_end)
             except Exception as exc:  # noqa: BLE001 - the journal keeps what was not uploaded; the stop goes on
-                log.warning("remote: closing failed: %s; the uploads not done resume at the next start",
-                            describe_error(exc))
+                log.warning(
+                    "remote: closing failed: %s; the uploads not done resume at the next start", describe_error(exc)
+                )
         return EXIT_OK
 
     async def settle_store(self) -> None:
@@ -572,12 +631,15 @@ class Daemon:
         try:
             counts = await asyncio.wait_for(self.save_changed("at stop", budget_end), max(remaining, 0.0))
         except TimeoutError:
-            log.warning("the save budget (--save-timeout %.1f s) ran out; slots not saved yet keep their previous "
-                        "entries", self.options.save_timeout)
+            log.warning(
+                "the save budget (--save-timeout %.1f s) ran out; slots not saved yet keep their previous entries",
+                self.options.save_timeout,
+            )
             return None
         except Exception as exc:  # noqa: BLE001 - never CancelledError: a second signal still forces the stop
-            log.warning("saving at stop failed: %s; slots not saved yet keep their previous entries",
-                        describe_error(exc))
+            log.warning(
+                "saving at stop failed: %s; slots not saved yet keep their previous entries", describe_error(exc)
+            )
             return None
         if not counts[1]:
             log.info("no slot changed since its cache was written; nothing to save")
@@ -607,7 +669,9 @@ class Daemon:
             log.warning(
                 "saving the slots (up to %s) takes ~%.1f s at the last measured %s/s, more than --save-timeout %.1f s: "
                 "raise --save-timeout, and llama-swap's unloadTimeout (and healthCheckTimeout for swaps) above it",
-                fmt_bytes(int(estimate["bytes"])), estimate["seconds"], fmt_bytes(int(estimate["bytes_per_s"])),
+                fmt_bytes(int(estimate["bytes"])),
+                estimate["seconds"],
+                fmt_bytes(int(estimate["bytes_per_s"])),
                 self.options.save_timeout,
             )
 

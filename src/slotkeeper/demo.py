@@ -40,8 +40,20 @@ DEMO_SEED_TEXT = (  # benchmarks/swap.py builds its long prompt from it
 SYSTEM_PROMPT = "You are a careful assistant for a team of editors. " + " ".join(
     f"Rule {i}: answer briefly, cite the page you used, and keep the tone kind." for i in range(1, 17)
 )
-TOPICS = ["lighthouses", "old maps", "rivers", "mountain passes", "desert towns", "night trains", "harbours",
-          "glaciers", "orchards", "observatories", "canals", "salt marshes"]
+TOPICS = [
+    "lighthouses",
+    "old maps",
+    "rivers",
+    "mountain passes",
+    "desert towns",
+    "night trains",
+    "harbours",
+    "glaciers",
+    "orchards",
+    "observatories",
+    "canals",
+    "salt marshes",
+]
 NOTES_PER_CHAT = 38  # about 1,800 tokens of notes: with the system prompt, a chat opens at ~2,600 tokens
 TURN_TOKENS = 24
 TITLE_TOKENS = 6
@@ -80,8 +92,13 @@ class Turn:
         return self.cache_n + self.prompt_n
 
 
-def stream_chat(port: int, messages: list[dict[str, str]], max_tokens: int, timeout: float = 600.0,
-                request: dict[str, Any] | None = None) -> Turn:
+def stream_chat(
+    port: int,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    timeout: float = 600.0,
+    request: dict[str, Any] | None = None,
+) -> Turn:
     """POST /v1/chat/completions with stream: time to the first content (or reasoning), and the final timings.
     `request`: more fields of the body (e.g. chat_template_kwargs)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
@@ -91,8 +108,9 @@ def stream_chat(port: int, messages: list[dict[str, str]], max_tokens: int, time
     content: list[str] = []
     timings: dict[str, Any] = {}
     try:
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(),
-                     headers={"Content-Type": "application/json"})
+        conn.request(
+            "POST", "/v1/chat/completions", body=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"/v1/chat/completions answered {resp.status}: {resp.read()[:300]!r}")
@@ -111,9 +129,15 @@ def stream_chat(port: int, messages: list[dict[str, str]], max_tokens: int, time
     finally:
         conn.close()
     total = time.monotonic() - started
-    return Turn(first if first is not None else total, total, "".join(content), int(timings.get("cache_n", 0)),
-                int(timings.get("prompt_n", 0)), timings.get("prompt_ms", 0.0) + timings.get("predicted_ms", 0.0),
-                timings)
+    return Turn(
+        first if first is not None else total,
+        total,
+        "".join(content),
+        int(timings.get("cache_n", 0)),
+        int(timings.get("prompt_n", 0)),
+        timings.get("prompt_ms", 0.0) + timings.get("predicted_ms", 0.0),
+        timings,
+    )
 
 
 @dataclass
@@ -129,11 +153,17 @@ class Chat:
     def __post_init__(self) -> None:
         if not self.messages:
             topic = TOPICS[self.n % len(TOPICS)]
-            notes = " ".join(f"Note {i}: on {topic}, page {i + 3} says the {i}th entry was logged at dusk."
-                             for i in range(1, self.notes + 1))
-            self.messages = [{"role": "system", "content": SYSTEM_PROMPT},
-                             {"role": "user", "content": f"Chat {self.n + 1}. Here are my notes on {topic}. {notes} "
-                                                         "What stands out?"}]
+            notes = " ".join(
+                f"Note {i}: on {topic}, page {i + 3} says the {i}th entry was logged at dusk."
+                for i in range(1, self.notes + 1)
+            )
+            self.messages = [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {
+                    "role": "user",
+                    "content": f"Chat {self.n + 1}. Here are my notes on {topic}. {notes} What stands out?",
+                },
+            ]
 
     @property
     def label(self) -> str:
@@ -148,15 +178,20 @@ class Chat:
         warm = self.last_prompt_tokens > 0 and turn.cache_n >= self.last_prompt_tokens
         self.last_prompt_tokens = turn.prompt_tokens
         self.messages.append({"role": "assistant", "content": turn.content})
-        self.messages.append({"role": "user",
-                              "content": f"Thanks. Now go on about note {len(self.messages) // 2}, please."})
+        self.messages.append(
+            {"role": "user", "content": f"Thanks. Now go on about note {len(self.messages) // 2}, please."}
+        )
         return turn, warm
 
     def title(self, port: int) -> None:
         """The front end's title request after a turn: a short prompt of its own, on the same model."""
         excerpt = self.messages[1]["content"][:80]
-        stream_chat(port, [{"role": "user", "content": f"Write a 3-word title for this chat: {excerpt}"}], TITLE_TOKENS,
-                    request=self.request)
+        stream_chat(
+            port,
+            [{"role": "user", "content": f"Write a 3-word title for this chat: {excerpt}"}],
+            TITLE_TOKENS,
+            request=self.request,
+        )
 
 
 class PlainServer:
@@ -166,9 +201,14 @@ class PlainServer:
         self.port = port
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - the server's output, open for its whole life (stop() closes it)
-        self.proc = subprocess.Popen([binary, *args, "--host", "127.0.0.1", "--port", str(port)], env=env,
-                                     stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [binary, *args, "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         from .testing.harness import http_call, wait_until
@@ -209,13 +249,19 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="slotkeeper demo",
         description="Chats sharing a system prompt, title requests between turns, more chats than slots, a model "
-        "swap: each chat's next turn on plain llama-server restarted (cold) vs through slotkeeper (warm).")
+        "swap: each chat's next turn on plain llama-server restarted (cold) vs through slotkeeper (warm).",
+    )
     parser.add_argument("--chats", type=int, default=DEMO_CHATS, help=f"chats (default {DEMO_CHATS})")
     parser.add_argument("--keep", action="store_true", help="keep the working directory (logs, caches) and say where")
-    parser.add_argument("--model", type=Path, help="your own GGUF instead of the small random-weight one; any "
-                        "other arguments go to llama-server as they are (e.g. --swa-full, -c 8192)")
-    parser.add_argument("--no-thinking", action="store_true",
-                        help="send chat_template_kwargs enable_thinking: false (reasoning models)")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        help="your own GGUF instead of the small random-weight one; any "
+        "other arguments go to llama-server as they are (e.g. --swa-full, -c 8192)",
+    )
+    parser.add_argument(
+        "--no-thinking", action="store_true", help="send chat_template_kwargs enable_thinking: false (reasoning models)"
+    )
     options, llama_args = parser.parse_known_args(argv)
     if options.model is not None and not options.model.is_file():
         print(f"slotkeeper demo: no such model file: {options.model}", file=sys.stderr)
@@ -229,13 +275,17 @@ def main(argv: list[str]) -> int:
         from .testing.harness import Slotkeeper, free_port, http_call
         from .testing.tinymodel import BENCH_MODEL_E, write_tiny_model
     except ImportError as exc:
-        print(f"slotkeeper demo: needs the llama extra ({exc.name} missing): uv run --extra llama slotkeeper demo",
-              file=sys.stderr)
+        print(
+            f"slotkeeper demo: needs the llama extra ({exc.name} missing): uv run --extra llama slotkeeper demo",
+            file=sys.stderr,
+        )
         return 2
 
     n_chats = max(1, options.chats)
-    say(f"slotkeeper demo: {n_chats} chats sharing a system prompt, a title request after every turn, a model swap;\n"
-        "then each chat's next turn on plain llama-server restarted (cold) vs through slotkeeper (warm)\n")
+    say(
+        f"slotkeeper demo: {n_chats} chats sharing a system prompt, a title request after every turn, a model swap;\n"
+        "then each chat's next turn on plain llama-server restarted (cold) vs through slotkeeper (warm)\n"
+    )
     cache = demo_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     if options.model is not None:
@@ -252,8 +302,15 @@ def main(argv: list[str]) -> int:
     work = Path(tempfile.mkdtemp(prefix="slotkeeper-demo-"))
     env = clean_env(binary[0])
     port = free_port()
-    server_args = ["-m", str(model), "-c", "24576", "-t", str(min(os.cpu_count() or 2, 4)),  # default slots
-                   *llama_args]
+    server_args = [
+        "-m",
+        str(model),
+        "-c",
+        "24576",
+        "-t",
+        str(min(os.cpu_count() or 2, 4)),  # default slots
+        *llama_args,
+    ]
     args = [*server_args, "--port", str(port), "--slot-save-path", str(work / "cache")]
 
     def start(n: int) -> tuple[Slotkeeper, float]:
@@ -270,23 +327,32 @@ def main(argv: list[str]) -> int:
         sk, ready_s = start(1)
         status = http_call(port, "GET", "/slotkeeper/status").body
         n_slots, memory = status["total_slots"], status["model_memory"]
-        say(f"ready in {ready_s:.2f} s; llama-server has {n_slots} slots; {memory['architecture']}: "
-            f"{memory['kind']} memory, cache policy {memory['policy']}")
+        say(
+            f"ready in {ready_s:.2f} s; llama-server has {n_slots} slots; {memory['architecture']}: "
+            f"{memory['kind']} memory, cache policy {memory['policy']}"
+        )
 
         for t in range(DEMO_TURNS_BEFORE_SWAP):
-            say("[3/7] each chat's first turn (a new chat: a cold prefill):" if t == 0 else
-                f"[4/7] each chat's next turn ({n_chats} chats, {n_slots} slots: slotkeeper saves a slot's chat "
-                "before it gives the slot to another, and restores it when it comes back):")
+            say(
+                "[3/7] each chat's first turn (a new chat: a cold prefill):"
+                if t == 0
+                else f"[4/7] each chat's next turn ({n_chats} chats, {n_slots} slots: slotkeeper saves a slot's chat "
+                "before it gives the slot to another, and restores it when it comes back):"
+            )
             warm_count = 0
             for chat in chats:
                 turn, warm = chat.turn(port)
                 warm_count += warm
                 chat.title(port)
-                say(f"      {chat.label}: {turn.prompt_tokens:,}-token prompt, first token after "
-                    f"{fmt_s(turn.first_token_s)}" + (f", {turn.cache_n:,} reused" if t else "") + "; then a title")
+                say(
+                    f"      {chat.label}: {turn.prompt_tokens:,}-token prompt, first token after "
+                    f"{fmt_s(turn.first_token_s)}" + (f", {turn.cache_n:,} reused" if t else "") + "; then a title"
+                )
             if t:
-                say(f"      {warm_count} of {n_chats} came back warm "
-                    f"({http_call(port, 'GET', '/slotkeeper/status').body['on_demand_restores']} restored on demand)")
+                say(
+                    f"      {warm_count} of {n_chats} came back warm "
+                    f"({http_call(port, 'GET', '/slotkeeper/status').body['on_demand_restores']} restored on demand)"
+                )
 
         say("[5/7] swapping the model out (SIGTERM to the process group, as llama-swap does) ... ", end="")
         t0 = time.monotonic()
@@ -298,8 +364,10 @@ def main(argv: list[str]) -> int:
             say(f"failed (exit {code}); log: {sk.log_path}")
             return 1
         entries = list((work / "cache" / "entries").glob("*.bin"))
-        say(f"saved and exited in {stop_s:.2f} s; on disk: {len(entries)} entries, "
-            f"{fmt_bytes(sum(p.stat().st_size for p in entries))}")
+        say(
+            f"saved and exited in {stop_s:.2f} s; on disk: {len(entries)} entries, "
+            f"{fmt_bytes(sum(p.stat().st_size for p in entries))}"
+        )
 
         # Both sides get the very same next turns: the chats as they stand now.
         cold_chats = [chat.copy() for chat in chats]
@@ -312,8 +380,10 @@ def main(argv: list[str]) -> int:
             turn, warm = chat.turn(port)
             chat.title(port)
             warm_turns.append((turn, warm))
-            say(f"      {chat.label}: first token after {fmt_s(turn.first_token_s)}, "
-                f"{turn.cache_n:,} of {turn.prompt_tokens:,} tokens reused")
+            say(
+                f"      {chat.label}: first token after {fmt_s(turn.first_token_s)}, "
+                f"{turn.cache_n:,} of {turn.prompt_tokens:,} tokens reused"
+            )
         on_demand = http_call(port, "GET", "/slotkeeper/status").body["on_demand_restores"]
         sk.killpg(signal.SIGTERM)
         sk.wait(60)
@@ -329,8 +399,10 @@ def main(argv: list[str]) -> int:
                 turn, _ = chat.turn(port)
                 chat.title(port)
                 cold_turns.append(turn)
-                say(f"      {chat.label}: first token after {fmt_s(turn.first_token_s)}, "
-                    f"{turn.cache_n:,} of {turn.prompt_tokens:,} tokens reused")
+                say(
+                    f"      {chat.label}: first token after {fmt_s(turn.first_token_s)}, "
+                    f"{turn.cache_n:,} of {turn.prompt_tokens:,} tokens reused"
+                )
         finally:
             plain.stop()
     finally:
@@ -344,24 +416,28 @@ def main(argv: list[str]) -> int:
     say("")
     say("  chat    prompt   cold: first token   reused       warm: first token   reused")
     for chat, cold, (hot, _) in zip(chats, cold_turns, warm_turns, strict=True):
-        say(f"  {chat.n + 1:>4}  {hot.prompt_tokens:>8,}   {fmt_s(cold.first_token_s):>17}   {reuse(cold):<11}"
-            f"  {fmt_s(hot.first_token_s):>17}   {reuse(hot)}")
+        say(
+            f"  {chat.n + 1:>4}  {hot.prompt_tokens:>8,}   {fmt_s(cold.first_token_s):>17}   {reuse(cold):<11}"
+            f"  {fmt_s(hot.first_token_s):>17}   {reuse(hot)}"
+        )
     n_warm = sum(warm for _, warm in warm_turns)
     cold_median = statistics.median(t.first_token_s for t in cold_turns)
     warm_median = statistics.median(t.first_token_s for t, _ in warm_turns)
     say("")
     say("  cold: plain llama-server started again after the swap, with the same arguments. It kept nothing: it")
     say("  recomputes each chat, reusing at most what it computed since it started (the shared system prompt).")
-    say(f"  warm: slotkeeper restored the {n_slots} most recent chats before it reported ready; "
-        f"{on_demand} restores on")
+    say(
+        f"  warm: slotkeeper restored the {n_slots} most recent chats before it reported ready; {on_demand} restores on"
+    )
     say("  demand followed, as chats came back to a slot holding another (that one saved first if it had changed).")
     say("")
-    say(f"{n_warm} of {n_chats} chats came back warm; first token {fmt_s(cold_median)} cold vs {fmt_s(warm_median)} "
-        f"warm (median), {cold_median / max(warm_median, 1e-6):.0f}x faster")
+    say(
+        f"{n_warm} of {n_chats} chats came back warm; first token {fmt_s(cold_median)} cold vs {fmt_s(warm_median)} "
+        f"warm (median), {cold_median / max(warm_median, 1e-6):.0f}x faster"
+    )
     return 0 if n_warm == n_chats else 1
 
 
 def reuse(turn: Turn) -> str:
     share = turn.cache_n / turn.prompt_tokens if turn.prompt_tokens else 0.0
     return f"{turn.cache_n:,} ({share:.0%})"
-

@@ -208,12 +208,23 @@ class Entry:
 
     def manifest(self) -> dict[str, Any]:
         return {
-            "version": MANIFEST_VERSION, "id": self.id, "tokens": self.tokens, "bytes": self.nbytes,
-            "saved_at": self.saved_at, "last_used": self.last_used, "save_ms": self.save_ms,
-            "fingerprint": self.fingerprint, "format": {"seq_version": self.seq_version, "layout": self.layout},
-            "llama_server": self.server, "block_tokens": BLOCK_TOKENS, "blocks": list(self.keys),
+            "version": MANIFEST_VERSION,
+            "id": self.id,
+            "tokens": self.tokens,
+            "bytes": self.nbytes,
+            "saved_at": self.saved_at,
+            "last_used": self.last_used,
+            "save_ms": self.save_ms,
+            "fingerprint": self.fingerprint,
+            "format": {"seq_version": self.seq_version, "layout": self.layout},
+            "llama_server": self.server,
+            "block_tokens": BLOCK_TOKENS,
+            "blocks": list(self.keys),
             "units": list(self.units),
-            "exact": self.exact, "boundary": self.boundary, "opening": self.opening, "uses": self.uses,
+            "exact": self.exact,
+            "boundary": self.boundary,
+            "opening": self.opening,
+            "uses": self.uses,
             "checksum": self.checksum,
         }
 
@@ -223,13 +234,23 @@ class Entry:
             raise ValueError(f"prefix keys of {data.get('block_tokens')}-token blocks, not {BLOCK_TOKENS}")
         fmt = data.get("format") or {}
         return cls(
-            id=str(data["id"]), tokens=int(data["tokens"]), nbytes=int(data["bytes"]), keys=_chain(data["blocks"]),
-            saved_at=float(data.get("saved_at", 0)), last_used=float(data.get("last_used", data.get("saved_at", 0))),
-            fingerprint=_mapping(data.get("fingerprint")), seq_version=int(fmt.get("seq_version", 0)),
-            layout=str(fmt.get("layout", "")), server=_mapping(data.get("llama_server")),
-            units=_chain(data.get("units") or []), save_ms=data.get("save_ms"), exact=str(data.get("exact") or ""),
-            boundary=bool(data.get("boundary", False)), opening=bool(data.get("opening", False)),
-            uses=int(data.get("uses") or 0), checksum=str(data.get("checksum") or ""),
+            id=str(data["id"]),
+            tokens=int(data["tokens"]),
+            nbytes=int(data["bytes"]),
+            keys=_chain(data["blocks"]),
+            saved_at=float(data.get("saved_at", 0)),
+            last_used=float(data.get("last_used", data.get("saved_at", 0))),
+            fingerprint=_mapping(data.get("fingerprint")),
+            seq_version=int(fmt.get("seq_version", 0)),
+            layout=str(fmt.get("layout", "")),
+            server=_mapping(data.get("llama_server")),
+            units=_chain(data.get("units") or []),
+            save_ms=data.get("save_ms"),
+            exact=str(data.get("exact") or ""),
+            boundary=bool(data.get("boundary", False)),
+            opening=bool(data.get("opening", False)),
+            uses=int(data.get("uses") or 0),
+            checksum=str(data.get("checksum") or ""),
         )
 
     @property
@@ -305,8 +326,13 @@ class Verdict:
 
 
 def judge(
-    manifest: Mapping[str, Any] | Entry | None, size: int | None, fingerprint: dict[str, Any] | None = None,
-    current_format: tuple[int, str] | None = None, *, committed: bool = True, link: bool = False,
+    manifest: Mapping[str, Any] | Entry | None,
+    size: int | None,
+    fingerprint: dict[str, Any] | None = None,
+    current_format: tuple[int, str] | None = None,
+    *,
+    committed: bool = True,
+    link: bool = False,
 ) -> Verdict:
     """What slotkeeper makes of the pair `entries/<id>.bin` + `entries/<id>.json`; pure, so that every reader
     of a store (ConversationStore.open and adopt, `slotkeeper ls`) judges alike.
@@ -333,8 +359,9 @@ def judge(
     if fingerprint is not None and entry.fingerprint != fingerprint:
         difference = first_difference(shareable(entry.fingerprint), shareable(fingerprint))
         if difference:
-            return Verdict(Status.OTHER_CONFIGURATION, f"saved for another configuration: {difference}", entry,
-                           difference)
+            return Verdict(
+                Status.OTHER_CONFIGURATION, f"saved for another configuration: {difference}", entry, difference
+            )
     if not compatible_format(entry, current_format):
         return Verdict(Status.OTHER_FORMAT, "saved in another state format", entry)
     return Verdict(Status.USABLE, "", entry)

@@ -90,8 +90,9 @@ class LlamaClient:
 
     async def tokenize(self, prompt: Any) -> list[int] | None:
         """The prompt's tokens as a completion request would see them (special tokens parsed, BOS added)."""
-        payload = json.dumps({"content": prompt, "add_special": True, "parse_special": True},
-                             separators=(",", ":")).encode()
+        payload = json.dumps(
+            {"content": prompt, "add_special": True, "parse_special": True}, separators=(",", ":")
+        ).encode()
         status, raw = await self.call_raw("POST", "/tokenize", payload)
         if status != 200:
             return None
@@ -114,8 +115,9 @@ class LlamaClient:
         the action goes on here, and a stop waits for it (`until_idle`) before it signals the child.
         """
         body = {"filename": filename} if filename is not None else {}
-        call = asyncio.ensure_future(self.call_json("POST", f"/slots/{slot_id}", payload=body,
-                                                    params={"action": action}))
+        call = asyncio.ensure_future(
+            self.call_json("POST", f"/slots/{slot_id}", payload=body, params={"action": action})
+        )
         self.running[call] = action
         call.add_done_callback(self._ended)
         return await asyncio.shield(call)

@@ -26,8 +26,12 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         return json.dumps(
-            {"ts": round(time.time(), 3), "level": record.levelname.lower(), "logger": LOGGER_NAME,
-             "msg": record.getMessage()},
+            {
+                "ts": round(time.time(), 3),
+                "level": record.levelname.lower(),
+                "logger": LOGGER_NAME,
+                "msg": record.getMessage(),
+            },
             ensure_ascii=False,
         )
 

@@ -122,22 +122,62 @@ def _line(entry: Entry, shared: dict[str, list[Any]]) -> bytes | None:
         if value not in table:
             table.append(value)
         refs.append(table.index(value))
-    fields = (entry.tokens, entry.nbytes, keys, repr(entry.saved_at), repr(entry.last_used), refs[0],
-              entry.seq_version, entry.layout or "-", refs[1], units or "-", "" if entry.save_ms is None else
-              repr(float(entry.save_ms)), entry.exact or "-", int(entry.boundary), int(entry.opening), entry.uses,
-              entry.checksum or "-")
+    fields = (
+        entry.tokens,
+        entry.nbytes,
+        keys,
+        repr(entry.saved_at),
+        repr(entry.last_used),
+        refs[0],
+        entry.seq_version,
+        entry.layout or "-",
+        refs[1],
+        units or "-",
+        "" if entry.save_ms is None else repr(float(entry.save_ms)),
+        entry.exact or "-",
+        int(entry.boundary),
+        int(entry.opening),
+        entry.uses,
+        entry.checksum or "-",
+    )
     return "\t".join(map(str, fields)).encode() + b"\n"
 
 
 def _entry(entry_id: str, raw: bytes, shared: dict[str, list[Any]]) -> Entry:
-    (tokens, nbytes, keys, saved_at, last_used, fingerprint, seq_version, layout, server, units, save_ms, exact,
-     boundary, opening, uses, checksum) = raw.decode().rstrip("\n").split("\t")
+    (
+        tokens,
+        nbytes,
+        keys,
+        saved_at,
+        last_used,
+        fingerprint,
+        seq_version,
+        layout,
+        server,
+        units,
+        save_ms,
+        exact,
+        boundary,
+        opening,
+        uses,
+        checksum,
+    ) = raw.decode().rstrip("\n").split("\t")
     return Entry(
-        id=entry_id, tokens=int(tokens), nbytes=int(nbytes), keys=KeyChain.from_hex(keys),
-        saved_at=float(saved_at), last_used=float(last_used), fingerprint=shared["fingerprint"][int(fingerprint)],
-        seq_version=int(seq_version), layout="" if layout == "-" else sys.intern(layout),
+        id=entry_id,
+        tokens=int(tokens),
+        nbytes=int(nbytes),
+        keys=KeyChain.from_hex(keys),
+        saved_at=float(saved_at),
+        last_used=float(last_used),
+        fingerprint=shared["fingerprint"][int(fingerprint)],
+        seq_version=int(seq_version),
+        layout="" if layout == "-" else sys.intern(layout),
         server=shared["llama_server"][int(server)],
-        units=KeyChain.from_hex("" if units == "-" else units), save_ms=float(save_ms) if save_ms else None,
-        exact="" if exact == "-" else exact, boundary=boundary == "1", opening=opening == "1", uses=int(uses),
+        units=KeyChain.from_hex("" if units == "-" else units),
+        save_ms=float(save_ms) if save_ms else None,
+        exact="" if exact == "-" else exact,
+        boundary=boundary == "1",
+        opening=opening == "1",
+        uses=int(uses),
         checksum="" if checksum == "-" else checksum,
     )

@@ -137,89 +137,154 @@ class _Collector:
             return family
 
         yield counter("restores", "Entry restores (at start and on demand), by outcome", "outcome", dict(m.restores))
-        yield HistogramMetricFamily("slotkeeper_restore_seconds", "Duration of successful slot restores",
-                                    buckets=m.restore_seconds.cumulative(), sum_value=m.restore_seconds.total)
+        yield HistogramMetricFamily(
+            "slotkeeper_restore_seconds",
+            "Duration of successful slot restores",
+            buckets=m.restore_seconds.cumulative(),
+            sum_value=m.restore_seconds.total,
+        )
         yield counter("restored_bytes", "Bytes of slot cache restored", values=m.restored_bytes)
         yield counter("restored_tokens", "Tokens of slot cache restored", values=m.restored_tokens)
         yield counter("saves", "Slot saves, by outcome", "outcome", dict(m.saves))
-        yield HistogramMetricFamily("slotkeeper_save_seconds", "Duration of successful slot saves (incl. fsync)",
-                                    buckets=m.save_seconds.cumulative(), sum_value=m.save_seconds.total)
+        yield HistogramMetricFamily(
+            "slotkeeper_save_seconds",
+            "Duration of successful slot saves (incl. fsync)",
+            buckets=m.save_seconds.cumulative(),
+            sum_value=m.save_seconds.total,
+        )
         yield counter("saved_bytes", "Bytes of slot cache saved", values=m.saved_bytes)
         yield counter("saved_tokens", "Tokens of slot cache saved", values=m.saved_tokens)
         yield counter("save_failures", "Failed or abandoned slot saves, by reason", "reason", dict(m.save_failures))
         yield counter("quarantines", "Cache files moved to quarantine/", values=m.quarantines)
-        yield counter("checksum_seconds", "Time spent checking entries against their checksums before restores",
-                      values=m.checksum_seconds)
-        yield counter("placements", "Completion requests placed: resident (hit), restored (on demand), new, branch "
-                      "(a miss), pinned (the client chose), unplaced (tokens unknown)", "outcome", dict(m.placements))
+        yield counter(
+            "checksum_seconds",
+            "Time spent checking entries against their checksums before restores",
+            values=m.checksum_seconds,
+        )
+        yield counter(
+            "placements",
+            "Completion requests placed: resident (hit), restored (on demand), new, branch "
+            "(a miss), pinned (the client chose), unplaced (tokens unknown)",
+            "outcome",
+            dict(m.placements),
+        )
         yield counter("on_demand_restores", "Entries restored into a slot for a request", values=m.on_demand_restores)
-        yield counter("remote_fetches", "Entries downloaded from the remote tier for a request",
-                      values=m.remote_fetches)
-        yield counter("remote_prefill_faster", "Remote entries not downloaded: prefilling was estimated faster",
-                      values=m.remote_prefill_faster)
-        yield counter("prompt_tokenizations", "Placements that asked llama-server for the prompt's tokens (a chat "
-                      "continuing in its slot needs none)", values=m.prompt_tokenizations)
-        yield counter("prefill_tokens_saved", "Prompt tokens placed requests found cached (estimated, in 64-token "
-                      "blocks)", values=m.prefill_tokens_saved)
-        yield counter("extend_hits", "Requests that extend a saved turn boundary exactly (hybrid and "
-                      "sliding-window models)", values=m.extend_hits)
-        yield counter("extend_misses", "Requests that went cold though an entry shares their opening, by why",
-                      "reason", dict(m.extend_misses))
-        yield counter("boundaries_reached", "Slots brought to a turn boundary before a save",
-                      values=m.boundaries_reached)
-        yield counter("boundaries_settled", "Hybrid chats' idle slots brought to their turn boundary after a turn",
-                      values=m.boundaries_settled)
-        yield counter("settle_prefill_tokens", "Tokens prefilled to bring idle hybrid slots to their boundary",
-                      values=m.settle_prefill_tokens)
-        yield counter("settle_seconds", "Seconds spent bringing idle hybrid slots to their boundary",
-                      values=m.settle_seconds)
-        yield counter("boundary_prefill_tokens", "Tokens prefilled to reach turn boundaries",
-                      values=m.boundary_prefill_tokens)
+        yield counter(
+            "remote_fetches", "Entries downloaded from the remote tier for a request", values=m.remote_fetches
+        )
+        yield counter(
+            "remote_prefill_faster",
+            "Remote entries not downloaded: prefilling was estimated faster",
+            values=m.remote_prefill_faster,
+        )
+        yield counter(
+            "prompt_tokenizations",
+            "Placements that asked llama-server for the prompt's tokens (a chat continuing in its slot needs none)",
+            values=m.prompt_tokenizations,
+        )
+        yield counter(
+            "prefill_tokens_saved",
+            "Prompt tokens placed requests found cached (estimated, in 64-token blocks)",
+            values=m.prefill_tokens_saved,
+        )
+        yield counter(
+            "extend_hits",
+            "Requests that extend a saved turn boundary exactly (hybrid and sliding-window models)",
+            values=m.extend_hits,
+        )
+        yield counter(
+            "extend_misses",
+            "Requests that went cold though an entry shares their opening, by why",
+            "reason",
+            dict(m.extend_misses),
+        )
+        yield counter(
+            "boundaries_reached", "Slots brought to a turn boundary before a save", values=m.boundaries_reached
+        )
+        yield counter(
+            "boundaries_settled",
+            "Hybrid chats' idle slots brought to their turn boundary after a turn",
+            values=m.boundaries_settled,
+        )
+        yield counter(
+            "settle_prefill_tokens",
+            "Tokens prefilled to bring idle hybrid slots to their boundary",
+            values=m.settle_prefill_tokens,
+        )
+        yield counter(
+            "settle_seconds", "Seconds spent bringing idle hybrid slots to their boundary", values=m.settle_seconds
+        )
+        yield counter(
+            "boundary_prefill_tokens", "Tokens prefilled to reach turn boundaries", values=m.boundary_prefill_tokens
+        )
         yield counter("boundary_seconds", "Seconds spent reaching turn boundaries", values=m.boundary_seconds)
-        yield counter("boundary_unknown", "Saves whose chat's last reply was unknown (only its earlier boundary "
-                      "saved)", values=m.boundary_unknown)
-        yield counter("openings_saved", "Shared openings (system prompt, tools) saved for new chats",
-                      values=m.openings_saved)
-        yield counter("opening_prefill_tokens", "Tokens prefilled to reach openings before saving them (the chat "
-                      "that brought each reused them)", values=m.opening_prefill_tokens)
-        yield counter("opening_seconds", "Seconds spent reaching openings before saving them",
-                      values=m.opening_seconds)
+        yield counter(
+            "boundary_unknown",
+            "Saves whose chat's last reply was unknown (only its earlier boundary saved)",
+            values=m.boundary_unknown,
+        )
+        yield counter(
+            "openings_saved", "Shared openings (system prompt, tools) saved for new chats", values=m.openings_saved
+        )
+        yield counter(
+            "opening_prefill_tokens",
+            "Tokens prefilled to reach openings before saving them (the chat that brought each reused them)",
+            values=m.opening_prefill_tokens,
+        )
+        yield counter("opening_seconds", "Seconds spent reaching openings before saving them", values=m.opening_seconds)
         yield counter("opening_hits", "New chats that started from a saved opening", values=m.opening_hits)
         yield counter("opening_tokens_saved", "Opening tokens new chats did not prefill", values=m.opening_tokens_saved)
-        yield counter("slots_parked", "Idle slots saved and erased so that a long prompt on another slot attends "
-                      "over fewer KV cells", values=m.slots_parked)
-        yield counter("unpinned_elsewhere", "Requests llama-server places itself (Anthropic Messages) that it ran on "
-                      "another slot than slotkeeper prepared", values=m.unpinned_elsewhere)
-        yield counter("chats_found_empty", "Saves of a slot a chat was placed on that found it empty",
-                      values=m.chats_found_empty)
+        yield counter(
+            "slots_parked",
+            "Idle slots saved and erased so that a long prompt on another slot attends over fewer KV cells",
+            values=m.slots_parked,
+        )
+        yield counter(
+            "unpinned_elsewhere",
+            "Requests llama-server places itself (Anthropic Messages) that it ran on "
+            "another slot than slotkeeper prepared",
+            values=m.unpinned_elsewhere,
+        )
+        yield counter(
+            "chats_found_empty", "Saves of a slot a chat was placed on that found it empty", values=m.chats_found_empty
+        )
         memory = m.memory()
         if memory:
-            info = GaugeMetricFamily("slotkeeper_model_memory", "The model's memory kind and the cache policy",
-                                     labels=sorted(memory))
+            info = GaugeMetricFamily(
+                "slotkeeper_model_memory", "The model's memory kind and the cache policy", labels=sorted(memory)
+            )
             info.add_metric([str(memory[k]) for k in sorted(memory)], 1)
             yield info
-        for name, doc, value in (("store_entries", "Entries in the conversation store", m.store_entries()),
-                                 ("store_bytes", "Bytes of entries in the conversation store", m.store_bytes())):
+        for name, doc, value in (
+            ("store_entries", "Entries in the conversation store", m.store_entries()),
+            ("store_bytes", "Bytes of entries in the conversation store", m.store_bytes()),
+        ):
             gauge = GaugeMetricFamily(f"slotkeeper_{name}", doc)
             gauge.add_metric([], value)
             yield gauge
-        yield counter("proxied_requests", "Requests proxied to llama-server, by status", "status",
-                      m.requests_by_status())
+        yield counter(
+            "proxied_requests", "Requests proxied to llama-server, by status", "status", m.requests_by_status()
+        )
         remote = m.remote()
         if remote is not None:
             pending = GaugeMetricFamily("slotkeeper_remote_uploads_pending", "Uploads to the remote tier not done yet")
             pending.add_metric([], remote.uploads_pending)
             yield pending
-            for name, doc in (("uploads_failed", "Uploads that gave up (kept for the next start)"),
-                              ("uploads_done", "Entries uploaded"), ("upload_bytes", "Bytes uploaded"),
-                              ("upload_seconds", "Seconds spent uploading"),
-                              ("remote_hits", "Lookups that found a remote entry"),
-                              ("remote_misses", "Lookups that found none"), ("download_bytes", "Bytes downloaded"),
-                              ("download_seconds", "Seconds spent downloading"),
-                              ("fetches_failed", "Downloads that failed (network or disk)"),
-                              ("rejected", "Remote entries refused: tampered, truncated, malformed or foreign")):
-                yield counter(f"remote_{name}" if not name.startswith("remote_") else name, doc,
-                              values=getattr(remote, name))
+            for name, doc in (
+                ("uploads_failed", "Uploads that gave up (kept for the next start)"),
+                ("uploads_done", "Entries uploaded"),
+                ("upload_bytes", "Bytes uploaded"),
+                ("upload_seconds", "Seconds spent uploading"),
+                ("remote_hits", "Lookups that found a remote entry"),
+                ("remote_misses", "Lookups that found none"),
+                ("download_bytes", "Bytes downloaded"),
+                ("download_seconds", "Seconds spent downloading"),
+                ("fetches_failed", "Downloads that failed (network or disk)"),
+                ("rejected", "Remote entries refused: tampered, truncated, malformed or foreign"),
+            ):
+                yield counter(
+                    f"remote_{name}" if not name.startswith("remote_") else name, doc, values=getattr(remote, name)
+                )
         in_flight = GaugeMetricFamily("slotkeeper_requests_in_flight", "Requests being proxied now")
         in_flight.add_metric([], m.requests_in_flight())
         yield in_flight

@@ -61,10 +61,12 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 
 # gguf_type: element type code -> (struct format, size). 8 = string and 9 = array are handled apart.
+# fmt: off
 _SCALAR_TYPES: dict[int, tuple[str, int]] = {
     0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4),
     6: ("f", 4), 7: ("?", 1), 10: ("Q", 8), 11: ("q", 8), 12: ("d", 8),
 }
+# fmt: on
 _TYPE_STRING = 8
 _TYPE_ARRAY = 9
 
@@ -116,7 +118,7 @@ class _Reader:
     def raw_string(self) -> bytes:
         n = self.u64()
         self.need(n)
-        data = bytes(self.buf[self.pos:self.pos + n])
+        data = bytes(self.buf[self.pos : self.pos + n])
         self.pos += n
         return data
 
@@ -199,8 +201,10 @@ def read_gguf_metadata(path: str | os.PathLike[str], *, max_array: int = MAX_KEP
             version = r.u32()
             if version not in SUPPORTED_VERSIONS:
                 if version & 0xFFFF == 0 and version:
-                    raise ModelInfoError(f"{name}: GGUF version {version:#x}: a big-endian file? llama.cpp reads "
-                                         "only files of its own byte order")
+                    raise ModelInfoError(
+                        f"{name}: GGUF version {version:#x}: a big-endian file? llama.cpp reads "
+                        "only files of its own byte order"
+                    )
                 raise ModelInfoError(f"{name}: unsupported GGUF version {version} (llama.cpp reads 2 and 3)")
             r.u64()  # tensor count: not needed
             n_kv = r.u64()
@@ -231,6 +235,7 @@ def read_gguf_metadata(path: str | os.PathLike[str], *, max_array: int = MAX_KEP
 
 #: Every architecture name of llama.cpp b11434 (src/llama-arch.cpp, LLM_ARCH_NAMES). An architecture outside
 #: this set is classified from its keys.
+# fmt: off
 KNOWN_ARCHITECTURES = frozenset({
     "clip", "llama", "llama4", "deci", "falcon", "grok", "gpt2", "gptj", "gptneox", "mpt", "baichuan",
     "starcoder", "refact", "bert", "modern-bert", "nomic-bert", "nomic-bert-moe", "neo-bert", "jina-bert-v2",
@@ -251,31 +256,74 @@ KNOWN_ARCHITECTURES = frozenset({
     "llama-embed", "maincoder", "kimi-linear", "kimi-k3", "glm5-next", "talkie", "mellum", "nanbeige",
     "qwen3tts", "pockettts",
 })
+# fmt: on
 
 #: src/llama-arch.cpp, llm_arch_is_recurrent(): recurrent state only, no KV cache.
 RECURRENT_ARCHITECTURES = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
 
 #: src/llama-arch.cpp, llm_arch_is_hybrid(): attention layers with a KV cache plus recurrent layers.
-HYBRID_ARCHITECTURES = frozenset({
-    "jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h", "nemotron_h_moe",
-    "qwen3next", "kimi-linear", "bailingmoe3", "kimi-k3", "glm5-next", "qwen35", "qwen35moe", "qwen4exp",
-    "deepseek4", "minimax-01",
-})
+HYBRID_ARCHITECTURES = frozenset(
+    {
+        "jamba",
+        "falcon-h1",
+        "plamo2",
+        "granitehybrid",
+        "lfm2",
+        "lfm2moe",
+        "nemotron_h",
+        "nemotron_h_moe",
+        "qwen3next",
+        "kimi-linear",
+        "bailingmoe3",
+        "kimi-k3",
+        "glm5-next",
+        "qwen35",
+        "qwen35moe",
+        "qwen4exp",
+        "deepseek4",
+        "minimax-01",
+    }
+)
 
 #: src/llama-model.cpp, llama_model::create_memory(): architectures whose context has no memory at all
 #: (encoders, embedding and diffusion models).
-MEMORYLESS_ARCHITECTURES = frozenset({
-    "bert", "jina-bert-v2", "jina-bert-v3", "nomic-bert", "nomic-bert-moe", "neo-bert", "eurobert",
-    "wavtokenizer-dec", "modern-bert", "gemma-embedding", "dream", "llada", "llada-moe", "rnd1", "clef",
-})
+MEMORYLESS_ARCHITECTURES = frozenset(
+    {
+        "bert",
+        "jina-bert-v2",
+        "jina-bert-v3",
+        "nomic-bert",
+        "nomic-bert-moe",
+        "neo-bert",
+        "eurobert",
+        "wavtokenizer-dec",
+        "modern-bert",
+        "gemma-embedding",
+        "dream",
+        "llada",
+        "llada-moe",
+        "rnd1",
+        "clef",
+    }
+)
 
 #: src/llama-model.cpp, llama_model::create_memory(): architectures with a cache of their own kind (an indexer
 #: key cache for sparse attention, DeepSeek-V4's compressed cache, a shared draft cache). Their KV estimate
 #: counts the attention K/V only and is marked inexact.
-SPECIAL_CACHE_ARCHITECTURES = frozenset({
-    "minimax-m3", "glm-dsa", "deepseek32", "glm5-next", "hy_v4", "dots3note", "deepseek4", "qwen4exp", "dflash",
-    "gemma4-assistant",
-})
+SPECIAL_CACHE_ARCHITECTURES = frozenset(
+    {
+        "minimax-m3",
+        "glm-dsa",
+        "deepseek32",
+        "glm5-next",
+        "hy_v4",
+        "dots3note",
+        "deepseek4",
+        "qwen4exp",
+        "dflash",
+        "gemma4-assistant",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -489,8 +537,10 @@ def model_memory_from_metadata(meta: dict[str, Any]) -> ModelMemory:
         head_v = _get_int(meta, p + "attention.value_length", n_embd // n_head[0])
     head_k_swa = _get_int(meta, p + "attention.key_length_swa", head_k)
     head_v_swa = _get_int(meta, p + "attention.value_length_swa", head_v)
-    is_mla = (_get_int(meta, p + "attention.key_length_mla", 0) != 0
-              and _get_int(meta, p + "attention.value_length_mla", 0) != 0)
+    is_mla = (
+        _get_int(meta, p + "attention.key_length_mla", 0) != 0
+        and _get_int(meta, p + "attention.value_length_mla", 0) != 0
+    )
     window_key = p + "attention.sliding_window"
     window_found = window_key in meta
     window = _get_int(meta, window_key, 0)
@@ -536,8 +586,11 @@ def model_memory_from_metadata(meta: dict[str, Any]) -> ModelMemory:
     if not known:
         has_state = any(k.startswith(p + group) for k in meta for group in _RECURRENT_KEY_GROUPS)
         if has_state:
-            hybrid_arch = any(n_head_kv[:n_layer]) or p + "attention.recurrent_layers" in meta \
+            hybrid_arch = (
+                any(n_head_kv[:n_layer])
+                or p + "attention.recurrent_layers" in meta
                 or p + "full_attention_interval" in meta
+            )
             recurrent_arch = not hybrid_arch
     is_recr = [recurrent_arch] * n_layer_all
     if hybrid_arch:
@@ -545,8 +598,11 @@ def model_memory_from_metadata(meta: dict[str, Any]) -> ModelMemory:
             is_recr = [True] * n_layer_all
         elif arch in ("nemotron_h", "nemotron_h_moe"):
             is_recr = [il < n_layer and n_head_kv[il] == 0 and n_ff[il] == 0 for il in range(n_layer_all)]
-        elif arch in _INTERVAL_HYBRIDS or p + "attention.recurrent_layers" in meta \
-                or (not known and p + "full_attention_interval" in meta):
+        elif (
+            arch in _INTERVAL_HYBRIDS
+            or p + "attention.recurrent_layers" in meta
+            or (not known and p + "full_attention_interval" in meta)
+        ):
             listed = meta.get(p + "attention.recurrent_layers")
             if listed is not None:
                 is_recr = [bool(v) for v in _per_layer(meta, p + "attention.recurrent_layers", n_layer_all, 0)]
@@ -653,8 +709,17 @@ def llama_server_slots(parallel: int | None, kv_unified: bool | None = None) -> 
     return parallel, bool(kv_unified)
 
 
-def kv_cache_bytes(memory: ModelMemory, n_ctx: int, n_seq: int, *, swa_full: bool, n_ubatch: int = 512,
-                   bytes_per_element: float = 2.0, unified: bool = False, flash_attn: bool = True) -> int:
+def kv_cache_bytes(
+    memory: ModelMemory,
+    n_ctx: int,
+    n_seq: int,
+    *,
+    swa_full: bool,
+    n_ubatch: int = 512,
+    bytes_per_element: float = 2.0,
+    unified: bool = False,
+    flash_attn: bool = True,
+) -> int:
     """Bytes of llama-server's KV cache for this model: the sum of what it logs as ``llama_kv_cache: size = ...``
     (for an SWA model, once for the non-SWA cache and once for the SWA cache).
 

@@ -53,6 +53,7 @@ COMPLETION_PATHS = CHAT_PATHS | PROMPT_PATHS
 # the slot it ran on is read from /slots (`Placement._ran_on`).
 UNPINNABLE_PATHS = chatform.ANTHROPIC_PATHS
 # Body fields that do not change the prompt: a chat whose turns differ only in these is still one chat.
+# fmt: off
 NOT_PROMPT_FIELDS = frozenset({
     "messages", "input", "prompt", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p",
     "max_tokens", "max_completion_tokens", "max_output_tokens", "n_predict", "seed", "stop", "stop_sequences",
@@ -62,6 +63,7 @@ NOT_PROMPT_FIELDS = frozenset({
     "dry_base", "dry_allowed_length", "dry_penalty_last_n", "xtc_probability", "xtc_threshold", "top_n_sigma",
     "t_max_predict_ms", "n_indent", "return_tokens", "post_sampling_probs", "response_fields", "lora",
 })
+# fmt: on
 DEFAULT_MIN_TOKENS = 256
 SETTLE_AFTER_S = 0.25  # a hybrid chat's slot goes to its boundary once its turn has been over this long
 BRANCH_SHARE = (3, 4)  # a request sharing 3/4 of a slot's blocks branches that chat (an edited message)
@@ -242,8 +244,15 @@ class Placement:
     """The completion hook (proxy.CompletionHook) and the table of what each slot holds."""
 
     def __init__(
-        self, store: ConversationStore, client: LlamaClient, n_slots: int, *, min_tokens: int = DEFAULT_MIN_TOKENS,
-        metrics: Metrics | None = None, policy: CachePolicy = CachePolicy.PREFIX, settle: bool = False,
+        self,
+        store: ConversationStore,
+        client: LlamaClient,
+        n_slots: int,
+        *,
+        min_tokens: int = DEFAULT_MIN_TOKENS,
+        metrics: Metrics | None = None,
+        policy: CachePolicy = CachePolicy.PREFIX,
+        settle: bool = False,
     ) -> None:
         self.store = store
         self.client = client
@@ -302,16 +311,20 @@ class Placement:
         self._count_start(plan)
         out = body if unpinnable or pinned is not None else with_id_slot(body, plan.slot.id)
         form = ReplyForm.of(path)
-        reader = ReplyReader(form) if form is not None and chat is not None and (self.extend_only or unpinnable) \
-            else None
+        reader = (
+            ReplyReader(form) if form is not None and chat is not None and (self.extend_only or unpinnable) else None
+        )
         if unpinnable:
+
             def done(status: int) -> None:
                 task = asyncio.ensure_future(self._unpinned_done(plan, status, fast, chat, reader))
                 self._confirming.add(task)
                 task.add_done_callback(self._confirming.discard)
         else:
+
             def done(status: int) -> None:
                 self._finished(plan, status, fast, chat, reader)
+
         return Placed(out, done, None if reader is None else reader.feed)
 
     def _log_decision(self, path: str, plan: Plan) -> None:
@@ -322,18 +335,39 @@ class Placement:
         if plan.n_tokens:
             reused = f"{plan.n_tokens - plan.cold:,} of {plan.n_tokens:,} prompt tokens expected reused"
         else:
-            reused = "prompt not tokenized (the chat continues in its slot)" if plan.outcome is Outcome.RESIDENT \
+            reused = (
+                "prompt not tokenized (the chat continues in its slot)"
+                if plan.outcome is Outcome.RESIDENT
                 else "prompt tokens unknown"
-        steps = [what for what, done in (
-            (f"chat {slot.label or '-'} there written back first", plan.write_back and self._worth_keeping(slot)),
-            (f"entry {plan.restore.short} restored first" if plan.restore else "", plan.restore is not None),
-            ("erased first", plan.erase), ("its opening saved first", plan.opening is not None)) if done]
-        log.debug("%s request placed on slot %d (%s): %s%s", path, slot.id, plan.outcome.value, reused,
-                  "; " + ", ".join(steps) if steps else "")
+            )
+        steps = [
+            what
+            for what, done in (
+                (f"chat {slot.label or '-'} there written back first", plan.write_back and self._worth_keeping(slot)),
+                (f"entry {plan.restore.short} restored first" if plan.restore else "", plan.restore is not None),
+                ("erased first", plan.erase),
+                ("its opening saved first", plan.opening is not None),
+            )
+            if done
+        ]
+        log.debug(
+            "%s request placed on slot %d (%s): %s%s",
+            path,
+            slot.id,
+            plan.outcome.value,
+            reused,
+            "; " + ", ".join(steps) if steps else "",
+        )
 
     async def _plan(
-        self, path: str, body: bytes, data: dict[str, Any], chat: dict[str, Any] | None, fast: FastKey,
-        pinned: int | None, unpinnable: bool = False,
+        self,
+        path: str,
+        body: bytes,
+        data: dict[str, Any],
+        chat: dict[str, Any] | None,
+        fast: FastKey,
+        pinned: int | None,
+        unpinnable: bool = False,
     ) -> Plan:
         """Decide (waiting for an idle slot if need be); the chosen slot is reserved."""
         if pinned is None:
@@ -357,8 +391,13 @@ class Placement:
             plan.cold = max(0, len(tokens) - reused * BLOCK_TOKENS)
         if self.extend_only and plan.restore is None:
             plan.erase = plan.slot.floor is not None and (tokens is None or not plan.slot.extended_by(tokens))
-        if (opening is not None and plan.outcome is Outcome.NEW and len(opening.tokens) >= self.min_tokens
-                and opening.key not in self._opening_saves and self.store.find_exact(opening.key) is None):
+        if (
+            opening is not None
+            and plan.outcome is Outcome.NEW
+            and len(opening.tokens) >= self.min_tokens
+            and opening.key not in self._opening_saves
+            and self.store.find_exact(opening.key) is None
+        ):
             plan.opening = opening  # a new opening: saved before the request goes (once, however many come)
             self._opening_saves.add(opening.key)
         return plan
@@ -370,8 +409,9 @@ class Placement:
         if turn is None:
             return None
         try:
-            opening = await asyncio.wait_for(self.openings.of(chat, turn, chat_units(chat, turn.history), tokens),
-                                             TOKENIZE_TIMEOUT_S)
+            opening = await asyncio.wait_for(
+                self.openings.of(chat, turn, chat_units(chat, turn.history), tokens), TOKENIZE_TIMEOUT_S
+            )
         except (TimeoutError, ConnectionError, ValueError, KeyError, TypeError) as exc:
             log.debug("the opening of a chat is unknown: %r", exc)
             return None
@@ -407,13 +447,24 @@ class Placement:
         near, shared = self.store.lookup(keys)
         if near is not None and shared * BLOCK_TOKENS >= self.min_tokens:
             self.metrics.extend_misses[Miss.DIVERGED.value] += 1
-            log.debug("request diverges inside entry %s (%d of its %d blocks): not restored", near.short, shared,
-                      len(near.keys))
+            log.debug(
+                "request diverges inside entry %s (%d of its %d blocks): not restored",
+                near.short,
+                shared,
+                len(near.keys),
+            )
         return None, 0
 
-    def _decide(self, keys: list[str] | None, n_tokens: int, pinned: int | None, unpinnable: bool,
-                tokens: list[int] | None = None, opening: Opening | None = None, fast: FastKey = NO_KEY,
-                ) -> Plan | None:
+    def _decide(
+        self,
+        keys: list[str] | None,
+        n_tokens: int,
+        pinned: int | None,
+        unpinnable: bool,
+        tokens: list[int] | None = None,
+        opening: Opening | None = None,
+        fast: FastKey = NO_KEY,
+    ) -> Plan | None:
         """The plan for a request whose prompt has these block keys (and tokens: extend-only models need them),
         or None when it must wait for a slot. `opening`: the request's opening, when it is known."""
         if pinned is not None:
@@ -439,9 +490,13 @@ class Placement:
         if self._branches(best, shared, start):
             return Plan(self._reserve(best), write_back=True, outcome=Outcome.BRANCH)  # an edit of this chat's past
         # A new chat: where its opening (a shared system prompt) already is, if that costs no write-back.
-        reusable = [(s, n) for s, n in ((s, self._shared(s, keys, tokens)) for s in idle)
-                    if n * BLOCK_TOKENS >= self.min_tokens and not self._worth_keeping(s)
-                    and (start is None or self._holds_opening(s, n, start))]
+        reusable = [
+            (s, n)
+            for s, n in ((s, self._shared(s, keys, tokens)) for s in idle)
+            if n * BLOCK_TOKENS >= self.min_tokens
+            and not self._worth_keeping(s)
+            and (start is None or self._holds_opening(s, n, start))
+        ]
         if reusable:
             return Plan(self._reserve(max(reusable, key=lambda p: p[1])[0]), outcome=Outcome.NEW)
         if start is not None and not self.extend_only and shared >= len(start.keys):
@@ -453,13 +508,25 @@ class Placement:
             there = self._shared(victim, keys, tokens)
             # (a live hybrid state goes back only to its checkpoints: what it shares is not reused for sure)
             gained = len(start.keys) - (0 if self.extend_only else there)
-            if (not self._holds_opening(victim, there, start) and gained >= RESTORE_MIN_GAIN_BLOCKS
-                    and self._restore_pays(start, gained * BLOCK_TOKENS)):
+            if (
+                not self._holds_opening(victim, there, start)
+                and gained >= RESTORE_MIN_GAIN_BLOCKS
+                and self._restore_pays(start, gained * BLOCK_TOKENS)
+            ):
                 return Plan(self._reserve(victim), restore=start, write_back=True, outcome=Outcome.OPENING)
         return Plan(self._reserve(victim), write_back=True, outcome=Outcome.NEW)
 
-    def _decide_unpinnable(self, idle: list[Slot], keys: list[str], n_tokens: int, tokens: list[int] | None,
-                           entry: Entry | None, in_store: int, opening: Opening | None, fast: FastKey) -> Plan:
+    def _decide_unpinnable(
+        self,
+        idle: list[Slot],
+        keys: list[str],
+        n_tokens: int,
+        tokens: list[int] | None,
+        entry: Entry | None,
+        in_store: int,
+        opening: Opening | None,
+        fast: FastKey,
+    ) -> Plan:
         """llama-server chooses the slot of a request it cannot be told one for: slotkeeper predicts that choice
         and prepares the slot there. A restore keeps the prediction true: the slot it restores into then shares
         more of the prompt than any other idle one."""
@@ -481,14 +548,21 @@ class Placement:
     def _worth_restoring(self, entry: Entry | None, in_store: int, shared: int, start: Entry | None) -> bool:
         """The entry found for the request beats what the best slot shares with it, and is not a new chat's
         opening (that is `start`), nor in a slot already."""
-        return (entry is not None and start is None and not self._in_a_slot(entry)
-                and in_store >= shared + RESTORE_MIN_GAIN_BLOCKS and in_store * BLOCK_TOKENS >= self.min_tokens)
+        return (
+            entry is not None
+            and start is None
+            and not self._in_a_slot(entry)
+            and in_store >= shared + RESTORE_MIN_GAIN_BLOCKS
+            and in_store * BLOCK_TOKENS >= self.min_tokens
+        )
 
     def _branches(self, slot: Slot, shared: int, start: Entry | None) -> bool:
         """The request shares most of the slot's chat: an edit of that chat's past (it is saved first)."""
-        return (shared * BLOCK_TOKENS >= self.min_tokens
-                and shared * BRANCH_SHARE[1] >= len(slot.keys) * BRANCH_SHARE[0]
-                and (start is None or shared >= len(start.keys) + RESTORE_MIN_GAIN_BLOCKS))
+        return (
+            shared * BLOCK_TOKENS >= self.min_tokens
+            and shared * BRANCH_SHARE[1] >= len(slot.keys) * BRANCH_SHARE[0]
+            and (start is None or shared >= len(start.keys) + RESTORE_MIN_GAIN_BLOCKS)
+        )
 
     def _start(self, opening: Opening | None, deepest: Entry | None, shared: int) -> Entry | None:
         """The saved opening a new chat starts from: the request's opening has an entry, and no saved chat
@@ -496,8 +570,9 @@ class Placement:
         if opening is None:
             return None
         found = self.store.find_exact(opening.key)
-        if found is None or (deepest is not None and deepest is not found
-                             and shared >= len(found.keys) + RESTORE_MIN_GAIN_BLOCKS):
+        if found is None or (
+            deepest is not None and deepest is not found and shared >= len(found.keys) + RESTORE_MIN_GAIN_BLOCKS
+        ):
             return None
         return found
 
@@ -530,8 +605,14 @@ class Placement:
         rate = self._prefill[1] or self._measured_prefill or DEFAULT_PREFILL_TOKENS_PER_S
         if restore_s is None or restore_s < tokens / rate:
             return True
-        log.debug("opening %s not restored: reading %s (~%s) is slower than prefilling %s tokens (~%s)",
-                  entry.short, fmt_bytes(entry.nbytes), fmt_ms(restore_s), f"{tokens:,}", fmt_ms(tokens / rate))
+        log.debug(
+            "opening %s not restored: reading %s (~%s) is slower than prefilling %s tokens (~%s)",
+            entry.short,
+            fmt_bytes(entry.nbytes),
+            fmt_ms(restore_s),
+            f"{tokens:,}",
+            fmt_ms(tokens / rate),
+        )
         return False
 
     @staticmethod
@@ -616,9 +697,11 @@ class Placement:
                 continue
             self._reserve(slot)
             try:  # (one whose save fails stays: the request is very likely placed elsewhere, see _llama_choice)
-                await self._save_and_erase(slot, "before a request llama-server places itself",
-                                           lambda _: "erased: a request llama-server places itself does not extend "
-                                                   "the chat restored there")
+                await self._save_and_erase(
+                    slot,
+                    "before a request llama-server places itself",
+                    lambda _: "erased: a request llama-server places itself does not extend the chat restored there",
+                )
             finally:
                 self._release(slot)
 
@@ -648,9 +731,13 @@ class Placement:
             self._reserve(slot)
             try:
                 if await self._save_and_erase(
-                        slot, f"parked: a long prompt runs on slot {active.id}",
-                        lambda saved: f"parked (chat {saved.label or '-'} is in the store): its KV cells are freed "
-                                      f"for a long prompt on slot {active.id}"):
+                    slot,
+                    f"parked: a long prompt runs on slot {active.id}",
+                    lambda saved: (
+                        f"parked (chat {saved.label or '-'} is in the store): its KV cells are freed "
+                        f"for a long prompt on slot {active.id}"
+                    ),
+                ):
                     self.metrics.slots_parked += 1
             except (ConnectionError, TimeoutError) as exc:
                 log.debug("slot %d not parked: %r", slot.id, exc)
@@ -663,8 +750,7 @@ class Placement:
         if not slot.may_reach(opening.tokens):
             return  # a restored state that goes past it: this slot cannot go back there
         try:
-            reached, result = await self._reach_and_save(slot, opening.tokens, opening.key, opening.units, _never,
-                                                         True)
+            reached, result = await self._reach_and_save(slot, opening.tokens, opening.key, opening.units, _never, True)
         except (ConnectionError, ValueError) as exc:
             reached = result = None
             log.debug("reaching an opening failed: %r", exc)
@@ -679,10 +765,17 @@ class Placement:
         entry = result.entry
         slot.exact = entry.exact
         self.metrics.openings_saved += 1
-        log.info("opening %s saved from slot %d at its turn boundary (before the first user message, for the chats "
-                 "that share it): %s tokens (%s prefilled in %s), %s in %s", entry.short, slot.id,
-                 f"{entry.tokens:,}", f"{reached.prefilled:,}", fmt_ms(reached.seconds), fmt_bytes(entry.nbytes),
-                 fmt_ms(result.seconds))
+        log.info(
+            "opening %s saved from slot %d at its turn boundary (before the first user message, for the chats "
+            "that share it): %s tokens (%s prefilled in %s), %s in %s",
+            entry.short,
+            slot.id,
+            f"{entry.tokens:,}",
+            f"{reached.prefilled:,}",
+            fmt_ms(reached.seconds),
+            fmt_bytes(entry.nbytes),
+            fmt_ms(result.seconds),
+        )
 
     def _count_start(self, plan: Plan) -> None:
         """A new chat placed on a slot that holds exactly a saved opening (restored for it, or found there)."""
@@ -695,8 +788,9 @@ class Placement:
         self.metrics.opening_hits += 1
         self.metrics.opening_tokens_saved += entry.tokens
         if plan.restore is None:
-            log.info("a new chat starts from opening %s in slot %d: %s tokens", entry.short, slot.id,
-                     f"{entry.tokens:,}")
+            log.info(
+                "a new chat starts from opening %s in slot %d: %s tokens", entry.short, slot.id, f"{entry.tokens:,}"
+            )
 
     def _measured(self, reached: Reached) -> None:
         """llama-server's prompt speed, from a prefill slotkeeper asked for (used when /metrics is off)."""
@@ -724,8 +818,14 @@ class Placement:
         if result.entry is None:
             if result.failure is SaveFailure.EMPTY:
                 if slot.tokens:
-                    log.warning("slot %d held nothing to save (%s), though chat %s was placed there: %s tokens of it "
-                                "are not kept", slot.id, why, slot.label or "-", f"{slot.tokens:,}")
+                    log.warning(
+                        "slot %d held nothing to save (%s), though chat %s was placed there: %s tokens of it "
+                        "are not kept",
+                        slot.id,
+                        why,
+                        slot.label or "-",
+                        f"{slot.tokens:,}",
+                    )
                     self.metrics.chats_found_empty += 1
                 slot.dirty = False
                 return False
@@ -734,8 +834,16 @@ class Placement:
         entry = result.entry
         slot.hold(entry, entry.keys, entry.tokens)
         superseding = f", superseding {result.superseded}" if result.superseded else ""
-        log.info("chat %s saved from slot %d (%s): %s tokens, %s in %s%s", entry.short, slot.id, why,
-                 f"{entry.tokens:,}", fmt_bytes(entry.nbytes), fmt_ms(result.seconds), superseding)
+        log.info(
+            "chat %s saved from slot %d (%s): %s tokens, %s in %s%s",
+            entry.short,
+            slot.id,
+            why,
+            f"{entry.tokens:,}",
+            fmt_bytes(entry.nbytes),
+            fmt_ms(result.seconds),
+            superseding,
+        )
         return True
 
     async def _save_boundaries(self, slot: Slot, why: str, live: bool) -> bool:
@@ -749,8 +857,12 @@ class Placement:
         current, previous = turns_of(chat.get("messages") or [], message)
         if current is None:
             self.metrics.boundary_unknown += 1
-            log.info("chat %s in slot %d: its reply is unknown (cut off, or not a chat completion), so only its "
-                     "earlier boundary can be saved", slot.label, slot.id)
+            log.info(
+                "chat %s in slot %d: its reply is unknown (cut off, or not a chat completion), so only its "
+                "earlier boundary can be saved",
+                slot.label,
+                slot.id,
+            )
         saved = moved = failed = False
         latest: Entry | None = None
         for turn in (current, previous):
@@ -779,8 +891,9 @@ class Placement:
         if existing is not None:
             self.store.touch(existing)
             return existing, False
-        reached, result = await self._reach_and_save(slot, tokens, key, chat_units(chat, turn.history),
-                                                     self._older_boundary, is_opening(turn))
+        reached, result = await self._reach_and_save(
+            slot, tokens, key, chat_units(chat, turn.history), self._older_boundary, is_opening(turn)
+        )
         if reached is None or result is None:
             log.warning("slot %d not saved (%s): llama-server did not take it to its turn boundary", slot.id, why)
             return None, False
@@ -791,15 +904,32 @@ class Placement:
             return None, True
         entry = result.entry
         superseding = f", superseding {result.superseded}" if result.superseded else ""
-        how = (f"{reached.prefilled:,} prefilled to reach it in {fmt_ms(reached.seconds)}" if reached.seconds
-               else "the slot was there already")
-        log.info("chat %s saved from slot %d at its turn boundary (%s): %s tokens (%s), %s in %s%s", entry.short,
-                 slot.id, why, f"{entry.tokens:,}", how, fmt_bytes(entry.nbytes), fmt_ms(result.seconds), superseding)
+        how = (
+            f"{reached.prefilled:,} prefilled to reach it in {fmt_ms(reached.seconds)}"
+            if reached.seconds
+            else "the slot was there already"
+        )
+        log.info(
+            "chat %s saved from slot %d at its turn boundary (%s): %s tokens (%s), %s in %s%s",
+            entry.short,
+            slot.id,
+            why,
+            f"{entry.tokens:,}",
+            how,
+            fmt_bytes(entry.nbytes),
+            fmt_ms(result.seconds),
+            superseding,
+        )
         return entry, True
 
     async def _reach_and_save(
-        self, slot: Slot, tokens: list[int], key: str, units: list[str],
-        supersedes: Callable[[Entry, Entry], bool], opening: bool,
+        self,
+        slot: Slot,
+        tokens: list[int],
+        key: str,
+        units: list[str],
+        supersedes: Callable[[Entry, Entry], bool],
+        opening: bool,
     ) -> tuple[Reached | None, SaveResult | None]:
         """Bring the (reserved) slot to exactly `tokens` (`key`), unless it is there already (`Reached` with no
         time spent), and save it as a boundary entry, which the slot then holds; (None, None) when llama-server
@@ -815,8 +945,9 @@ class Placement:
             self._measured(reached)
         slot.hold(None, block_keys(tokens), len(tokens))
         slot.exact = key
-        result = await self.store.save_slot(slot.id, self._expected_bytes(slot), units, boundary=tokens,
-                                            supersedes=supersedes, opening=opening)
+        result = await self.store.save_slot(
+            slot.id, self._expected_bytes(slot), units, boundary=tokens, supersedes=supersedes, opening=opening
+        )
         if result.entry is not None:
             slot.hold(result.entry, result.entry.keys, result.entry.tokens)
         return reached, result
@@ -826,8 +957,10 @@ class Placement:
         boundaries that another one lies between (never an opening: a system prompt that chats share)."""
         if old.opening or not (old.boundary and len(old.units) >= 3 and _strict_prefix(old.units, new.units)):
             return False
-        return any(mid.boundary and _strict_prefix(old.units, mid.units) and _strict_prefix(mid.units, new.units)
-                   for mid in self.store.units_within(new.units))
+        return any(
+            mid.boundary and _strict_prefix(old.units, mid.units) and _strict_prefix(mid.units, new.units)
+            for mid in self.store.units_within(new.units)
+        )
 
     async def restore_into(self, slot: Slot, entry: Entry, *, on_demand: bool = True) -> bool:
         """Restore an entry into a (reserved) slot; the slot then holds it, unchanged since saved."""
@@ -835,8 +968,12 @@ class Placement:
         if not result.ok:
             slot.clear()
             if not result.quarantined:  # (a quarantine has its own line)
-                log.warning("chat %s not restored into slot %d (%s); the request starts cold", entry.short,
-                            slot.id, result.reason)
+                log.warning(
+                    "chat %s not restored into slot %d (%s); the request starts cold",
+                    entry.short,
+                    slot.id,
+                    result.reason,
+                )
             return False
         slot.hold(entry, entry.keys, entry.tokens)
         slot.exact = entry.exact
@@ -846,8 +983,15 @@ class Placement:
             slot.floor, slot.floor_checked = entry, False
         slot.last_used = self._tick()
         self.metrics.on_demand_restores += on_demand
-        log.info("%s %s restored into slot %d: %s tokens, %s in %s", "opening" if entry.opening else "chat",
-                 entry.short, slot.id, f"{result.tokens:,}", fmt_bytes(result.nbytes), fmt_ms(result.seconds))
+        log.info(
+            "%s %s restored into slot %d: %s tokens, %s in %s",
+            "opening" if entry.opening else "chat",
+            entry.short,
+            slot.id,
+            f"{result.tokens:,}",
+            fmt_bytes(result.nbytes),
+            fmt_ms(result.seconds),
+        )
         return True
 
     def _expected_bytes(self, slot: Slot, tokens: int | None = None) -> int:
@@ -878,8 +1022,11 @@ class Placement:
         if len(keys) - local < RESTORE_MIN_GAIN_BLOCKS:
             return
         match = await self.remote.find(keys, BLOCK_TOKENS)
-        if match is None or match.entry_id in self.store.entries or \
-                match.matched_blocks < local + RESTORE_MIN_GAIN_BLOCKS:
+        if (
+            match is None
+            or match.entry_id in self.store.entries
+            or match.matched_blocks < local + RESTORE_MIN_GAIN_BLOCKS
+        ):
             return
         nbytes = int(match.manifest.get("bytes", 0))
         gained = (match.matched_blocks - local) * BLOCK_TOKENS
@@ -888,18 +1035,28 @@ class Placement:
         prefill_s = gained / (rate or DEFAULT_PREFILL_TOKENS_PER_S)
         if fetch_s is not None and fetch_s >= prefill_s:
             self.metrics.remote_prefill_faster += 1
-            log.info("chat %s is in the remote store, but fetching %s (~%.1f s) is slower than prefilling %s "
-                     "tokens (~%.1f s): prefilling", match.entry_id[:4], fmt_bytes(nbytes), fetch_s, f"{gained:,}",
-                     prefill_s)
+            log.info(
+                "chat %s is in the remote store, but fetching %s (~%.1f s) is slower than prefilling %s "
+                "tokens (~%.1f s): prefilling",
+                match.entry_id[:4],
+                fmt_bytes(nbytes),
+                fetch_s,
+                f"{gained:,}",
+                prefill_s,
+            )
             return
         # Without a measured speed yet, the request waits no longer than its prefill would take; the download
         # goes on in the background (it is shared), so the entry is here for the chat's next turn.
         try:
-            fetched = await asyncio.wait_for(self.remote.fetch(match, self.store.entries_dir),
-                                             None if fetch_s is not None else prefill_s)
+            fetched = await asyncio.wait_for(
+                self.remote.fetch(match, self.store.entries_dir), None if fetch_s is not None else prefill_s
+            )
         except TimeoutError:
-            log.info("chat %s: its download outlasts the ~%.1f s prefill; prefilling while it goes on",
-                     match.entry_id[:4], prefill_s)
+            log.info(
+                "chat %s: its download outlasts the ~%.1f s prefill; prefilling while it goes on",
+                match.entry_id[:4],
+                prefill_s,
+            )
             self._adopt_later(match)
             return
         if fetched is not None and self.store.adopt(fetched[1]) is not None:
@@ -907,6 +1064,7 @@ class Placement:
 
     def _adopt_later(self, match: Any) -> None:
         """Take the entry in once its (shared) download completes, for the next turn."""
+
         async def adopt() -> None:
             fetched = await self.remote.fetch(match, self.store.entries_dir)
             if fetched is not None and match.entry_id not in self.store.entries:
@@ -927,8 +1085,9 @@ class Placement:
 
     # ---- after the request --------------------------------------------------------------------------------
 
-    async def _unpinned_done(self, plan: Plan, status: int, fast: FastKey, chat: dict[str, Any] | None,
-                             reader: ReplyReader | None) -> None:
+    async def _unpinned_done(
+        self, plan: Plan, status: int, fast: FastKey, chat: dict[str, Any] | None, reader: ReplyReader | None
+    ) -> None:
         """An unpinnable request ended: the slot it ran on is found before the table records it (its predicted
         slot stays reserved until then, so that nothing else is placed on the strength of a guess)."""
         predicted = plan.slot
@@ -946,13 +1105,24 @@ class Placement:
             return
         self._release(predicted)  # it holds what slotkeeper left there
         if ran.busy:
-            log.warning("a request slotkeeper prepared slot %d for ran on slot %d (llama-server's own choice), which "
-                        "is in use again: what it left there is not kept", predicted.id, ran.id)
+            log.warning(
+                "a request slotkeeper prepared slot %d for ran on slot %d (llama-server's own choice), which "
+                "is in use again: what it left there is not kept",
+                predicted.id,
+                ran.id,
+            )
             return
-        lost = f"; chat {ran.label} there had changed since its last save and is lost" \
-            if self._worth_keeping(ran) else ""
-        log.warning("a request slotkeeper prepared slot %d for ran on slot %d (llama-server's own choice): slot %d "
-                    "now holds its chat%s", predicted.id, ran.id, ran.id, lost)
+        lost = (
+            f"; chat {ran.label} there had changed since its last save and is lost" if self._worth_keeping(ran) else ""
+        )
+        log.warning(
+            "a request slotkeeper prepared slot %d for ran on slot %d (llama-server's own choice): slot %d "
+            "now holds its chat%s",
+            predicted.id,
+            ran.id,
+            ran.id,
+            lost,
+        )
         self.metrics.unpinned_elsewhere += 1
         plan.slot = self._reserve(ran)
         if plan.tokens is None or not ran.extended_by(plan.tokens):
@@ -971,17 +1141,29 @@ class Placement:
         if not reply.ok or not isinstance(reply.body, list):
             return None
         held = {usage.prompt + usage.generated - 1, usage.prompt + usage.generated, usage.prompt}
-        found = [info for info in reply.body if isinstance(info, dict) and not info.get("is_processing")
-                 and info.get("n_prompt_tokens") in held and isinstance(info.get("id"), int)
-                 and 0 <= info["id"] < len(self.slots)]
+        found = [
+            info
+            for info in reply.body
+            if isinstance(info, dict)
+            and not info.get("is_processing")
+            and info.get("n_prompt_tokens") in held
+            and isinstance(info.get("id"), int)
+            and 0 <= info["id"] < len(self.slots)
+        ]
         if not found:
             return None
         if any(info["id"] == predicted.id for info in found):
             return predicted
         return self.slots[max(found, key=lambda info: info.get("id_task") or -1)["id"]]
 
-    def _finished(self, plan: Plan, status: int, fast: FastKey, chat: dict[str, Any] | None = None,
-                  reader: ReplyReader | None = None) -> None:
+    def _finished(
+        self,
+        plan: Plan,
+        status: int,
+        fast: FastKey,
+        chat: dict[str, Any] | None = None,
+        reader: ReplyReader | None = None,
+    ) -> None:
         """The request ended: the slot now holds its prompt and what was generated (unless it was refused)."""
         slot = plan.slot
         if status in (200, 499):  # answered, or the client left while it ran: the slot holds (part of) it
@@ -1004,7 +1186,8 @@ class Placement:
                 if old is not None:
                     old.cancel()
                 self._settle_timers[slot.id] = asyncio.get_running_loop().call_later(
-                    SETTLE_AFTER_S, self._start_settle, slot, chat, reader, fast)
+                    SETTLE_AFTER_S, self._start_settle, slot, chat, reader, fast
+                )
         self._release(slot)
 
     def _start_settle(self, slot: Slot, chat: dict[str, Any], reader: ReplyReader, fast: FastKey) -> None:
@@ -1069,8 +1252,9 @@ class Placement:
 
     # ---- tokens -------------------------------------------------------------------------------------------
 
-    async def _tokens(self, path: str, body: bytes, data: dict[str, Any],
-                      chat: dict[str, Any] | None) -> list[int] | None:
+    async def _tokens(
+        self, path: str, body: bytes, data: dict[str, Any], chat: dict[str, Any] | None
+    ) -> list[int] | None:
         """The prompt's tokens, as llama-server will see them (template applied); None when it cannot say."""
         try:
             return await asyncio.wait_for(self._ask_tokens(path, body, data, chat), TOKENIZE_TIMEOUT_S)
@@ -1078,14 +1262,16 @@ class Placement:
             log.debug("tokens of a %s request unknown: %r", path, exc)
             return None
 
-    async def _ask_tokens(self, path: str, body: bytes, data: dict[str, Any],
-                          chat: dict[str, Any] | None) -> list[int] | None:
+    async def _ask_tokens(
+        self, path: str, body: bytes, data: dict[str, Any], chat: dict[str, Any] | None
+    ) -> list[int] | None:
         self.metrics.prompt_tokenizations += 1
         if path in CHAT_PATHS:
             if chat is None:
                 return None
             return await self.client.chat_tokens(
-                body if chat is data else json.dumps(chat, separators=(",", ":")).encode())
+                body if chat is data else json.dumps(chat, separators=(",", ":")).encode()
+            )
         prompt = data.get("prompt")
         if path == "/infill" or prompt is None:
             return None
@@ -1101,8 +1287,9 @@ class Placement:
         def skip(entry: Entry) -> bool:
             """Chats only (openings are restored for the new chats that need them); on extend-only models, their
             latest boundaries only (not a fallback, or an older kind of entry)."""
-            return entry.opening or (self.extend_only
-                                     and (not entry.boundary or self.store.units_extended(entry.units)))
+            return entry.opening or (
+                self.extend_only and (not entry.boundary or self.store.units_extended(entry.units))
+            )
 
         for slot, entry in zip(self.slots, self.store.most_recent(len(self.slots), skip)):
             self._reserve(slot)
@@ -1143,8 +1330,10 @@ class Placement:
                 saved += await self.write_back(slot, why, deadline, live=live)
             except TimeoutError:
                 self.metrics.save_failed(SaveFailure.BUDGET.value)
-                log.warning("slot %d save abandoned: the save budget (--save-timeout) ran out; "
-                            "its previous entries are kept", slot.id)
+                log.warning(
+                    "slot %d save abandoned: the save budget (--save-timeout) ran out; its previous entries are kept",
+                    slot.id,
+                )
             finally:
                 self._release(slot)
         return saved, attempted
@@ -1156,9 +1345,15 @@ class Placement:
     def describe(self) -> list[dict[str, Any]]:
         """Per slot, for /slotkeeper/status."""
         return [
-            {"slot": s.id, "chat": s.label or None, "entry": s.entry.id if s.entry else None,
-             "tokens_known": s.tokens, "dirty": s.dirty, "busy": s.busy,
-             "restored_state": s.floor.id if s.floor else None,
-             "opening": s.entry.id if s.entry is not None and s.entry.opening and not s.dirty else None}
+            {
+                "slot": s.id,
+                "chat": s.label or None,
+                "entry": s.entry.id if s.entry else None,
+                "tokens_known": s.tokens,
+                "dirty": s.dirty,
+                "busy": s.busy,
+                "restored_state": s.floor.id if s.floor else None,
+                "opening": s.entry.id if s.entry is not None and s.entry.opening and not s.dirty else None,
+            }
             for s in self.slots
         ]

@@ -135,8 +135,9 @@ class PrefixTree:
         while table is not None:
             run = table.get(tree_key(keys, pos)) if pos < len(keys) else None
             if pos:  # one key unlike `keys`'s, then nothing: all but their last
-                found += [i for other in table.values() if other is not run and other.start == other.end
-                          for i in other.ends]
+                found += [
+                    i for other in table.values() if other is not run and other.start == other.end for i in other.ends
+                ]
             if run is None:
                 break
             last = _last_shared(keys, self._chains[run.holders[0]], pos, run.end)
@@ -166,4 +167,3 @@ def _last_shared(keys: Sequence[str], other: Sequence[str], start: int, end: int
         else:
             hi = mid - 1
     return lo
-

@@ -26,8 +26,15 @@ from .uploads import UploadQueue
 if TYPE_CHECKING:
     from obstore import GetResult
 
-__all__ = ["CANCEL_GRACE_S", "INDEX_MAX_AGE_S", "RemoteConfig", "RemoteError", "RemoteMatch", "RemoteStats",
-           "RemoteTier"]
+__all__ = [
+    "CANCEL_GRACE_S",
+    "INDEX_MAX_AGE_S",
+    "RemoteConfig",
+    "RemoteError",
+    "RemoteMatch",
+    "RemoteStats",
+    "RemoteTier",
+]
 
 INDEX_MAX_AGE_S = 30.0  # find() re-lists the namespace at most this often
 FIND_WAIT_S = 5.0  # a request waits at most this long for a refresh; it then continues in the background
@@ -49,8 +56,15 @@ class RemoteMatch:
 class RemoteTier:
     """One namespace of the shared tier: write-behind uploads, an index of remote manifests, verified fetches."""
 
-    def __init__(self, config: RemoteConfig, namespace: str, journal_dir: Path, *, concurrency: int = 2,
-                 request_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        config: RemoteConfig,
+        namespace: str,
+        journal_dir: Path,
+        *,
+        concurrency: int = 2,
+        request_timeout_s: float = 30.0,
+    ) -> None:
         if not NAME_RE.fullmatch(namespace):
             raise ValueError(f"remote namespace {namespace!r} must be a short name of A-Z a-z 0-9 . _ -")
         self.config = config
@@ -103,8 +117,14 @@ class RemoteTier:
                 if mine != other:
                     break
                 matched += 1
-            if matched and (best is None or matched > best.matched_blocks or (matched == best.matched_blocks
-                            and int(manifest.get("bytes", 0)) < int(best.manifest.get("bytes", 0)))):
+            if matched and (
+                best is None
+                or matched > best.matched_blocks
+                or (
+                    matched == best.matched_blocks
+                    and int(manifest.get("bytes", 0)) < int(best.manifest.get("bytes", 0))
+                )
+            ):
                 best = RemoteMatch(entry_id, manifest, matched)  # of equals, the smallest: an opening, not a chat
         if best is None:
             self.stats.remote_misses += 1
@@ -116,12 +136,18 @@ class RemoteTier:
         """Re-list the namespace; only manifests that are new or changed (by e_tag) are downloaded."""
         known = {f"{self.namespace}/{entry_id}": listed for entry_id, listed in self._index.items()}
         try:
-            found = await asyncio.wait_for(self.bucket.list_manifests(
-                f"{self.namespace}/", known, skip=self._skipped(), on_invalid=self._invalid), INDEX_TIMEOUT_S)
+            found = await asyncio.wait_for(
+                self.bucket.list_manifests(f"{self.namespace}/", known, skip=self._skipped(), on_invalid=self._invalid),
+                INDEX_TIMEOUT_S,
+            )
         except Exception as exc:  # noqa: BLE001 - keep the index we have
             if not self._refresh_failing:
-                log.warning("remote: listing %s failed (%s); using the %d entries known", self.config.url,
-                            reason(exc, INDEX_TIMEOUT_S), len(self._index))
+                log.warning(
+                    "remote: listing %s failed (%s); using the %d entries known",
+                    self.config.url,
+                    reason(exc, INDEX_TIMEOUT_S),
+                    len(self._index),
+                )
             self._refresh_failing = True
             self._index_at = time.monotonic()  # retried after INDEX_MAX_AGE_S, not on every request
             return
@@ -156,8 +182,11 @@ class RemoteTier:
         if task is None:
             task = asyncio.ensure_future(self._fetch(match, dest_dir))
             self._fetches[match.entry_id] = task
-            task.add_done_callback(lambda done: self._fetches.pop(match.entry_id, None)
-                                   if self._fetches.get(match.entry_id) is done else None)
+            task.add_done_callback(
+                lambda done: (
+                    self._fetches.pop(match.entry_id, None) if self._fetches.get(match.entry_id) is done else None
+                )
+            )
         result: tuple[Path, dict[str, Any]] | None = await _shared(task)
         return result
 
@@ -196,8 +225,13 @@ class RemoteTier:
         self.stats.download_seconds += elapsed
         speed = expected / max(elapsed, 1e-6)
         self._speed = speed if self._speed is None else SPEED_WEIGHT * speed + (1 - SPEED_WEIGHT) * self._speed
-        log.info("remote: entry %s fetched: %s in %.1f s (%s/s)", entry_id, fmt_bytes(expected), elapsed,
-                 fmt_bytes(int(speed)))
+        log.info(
+            "remote: entry %s fetched: %s in %.1f s (%s/s)",
+            entry_id,
+            fmt_bytes(expected),
+            elapsed,
+            fmt_bytes(int(speed)),
+        )
         return final, manifest
 
     async def _download(self, entry_id: str, result: GetResult, partial: Path, expected: int, sha256: str) -> bool:

@@ -116,6 +116,7 @@ def _events(body: bytes) -> list[Any]:
 
 # ---- chat completions -------------------------------------------------------------------------------------
 
+
 def _chat(body: bytes, whole: bool) -> _Read:
     if whole:
         data = json.loads(body)
@@ -173,6 +174,7 @@ def _sent_back(content: Any, tool_calls: Any) -> dict[str, Any]:
 
 # ---- Responses --------------------------------------------------------------------------------------------
 
+
 def _responses(body: bytes, whole: bool) -> _Read:
     response: Any = json.loads(body) if whole else None
     if not whole:
@@ -188,6 +190,7 @@ def _responses(body: bytes, whole: bool) -> _Read:
 
 
 # ---- Anthropic Messages -----------------------------------------------------------------------------------
+
 
 def _anthropic(body: bytes, whole: bool) -> _Read:
     if whole:

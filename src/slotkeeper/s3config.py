@@ -53,10 +53,16 @@ class RemoteConfig:
         home = Path(env["HOME"]) if env.get("HOME") else Path.home()
         profile = env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE")
         name = profile or "default"
-        creds = _read_ini(Path(env.get("AWS_SHARED_CREDENTIALS_FILE") or home / ".aws" / "credentials"),
-                          "AWS_SHARED_CREDENTIALS_FILE", {name})
-        conf = _read_ini(Path(env.get("AWS_CONFIG_FILE") or home / ".aws" / "config"), "AWS_CONFIG_FILE",
-                         {f"profile {name}", name} if name == "default" else {f"profile {name}"})
+        creds = _read_ini(
+            Path(env.get("AWS_SHARED_CREDENTIALS_FILE") or home / ".aws" / "credentials"),
+            "AWS_SHARED_CREDENTIALS_FILE",
+            {name},
+        )
+        conf = _read_ini(
+            Path(env.get("AWS_CONFIG_FILE") or home / ".aws" / "config"),
+            "AWS_CONFIG_FILE",
+            {f"profile {name}", name} if name == "default" else {f"profile {name}"},
+        )
         if profile and creds is None and conf is None:
             raise ValueError(f"AWS_PROFILE={profile}: no such profile in the AWS credentials or config file")
         creds, conf = creds or {}, conf or {}
@@ -66,22 +72,35 @@ class RemoteConfig:
 
         source: str | None
         if env.get("AWS_ACCESS_KEY_ID") or env.get("AWS_SECRET_ACCESS_KEY"):
-            key_id, secret, token = (env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY"),
-                                     env.get("AWS_SESSION_TOKEN"))
+            key_id, secret, token = (
+                env.get("AWS_ACCESS_KEY_ID"),
+                env.get("AWS_SECRET_ACCESS_KEY"),
+                env.get("AWS_SESSION_TOKEN"),
+            )
             source, where = None, "the environment"
         else:
-            key_id, secret, token = (from_profile("aws_access_key_id"), from_profile("aws_secret_access_key"),
-                                     from_profile("aws_session_token"))
+            key_id, secret, token = (
+                from_profile("aws_access_key_id"),
+                from_profile("aws_secret_access_key"),
+                from_profile("aws_session_token"),
+            )
             source = name if key_id or secret else None
             where = f"AWS profile {name}"
             if profile and not key_id and not secret:
-                raise ValueError(f"AWS_PROFILE={profile}: the profile has no aws_access_key_id/"
-                                 "aws_secret_access_key (SSO, role and credential_process profiles are not supported)")
+                raise ValueError(
+                    f"AWS_PROFILE={profile}: the profile has no aws_access_key_id/"
+                    "aws_secret_access_key (SSO, role and credential_process profiles are not supported)"
+                )
         if bool(key_id) != bool(secret):
             missing = "secret access key" if key_id else "access key id"
             raise ValueError(f"the credentials from {where} have no {missing}")
-        endpoint = (env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
-                    or _ini_subkey(conf.get("s3", ""), "endpoint_url") or conf.get("endpoint_url") or None)
+        endpoint = (
+            env.get("AWS_ENDPOINT_URL_S3")
+            or env.get("AWS_ENDPOINT_URL")
+            or _ini_subkey(conf.get("s3", ""), "endpoint_url")
+            or conf.get("endpoint_url")
+            or None
+        )
         if endpoint is not None:
             parts = urlsplit(endpoint)
             if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
@@ -103,12 +122,20 @@ class RemoteConfig:
             config["secret_access_key"] = self.secret_access_key
             if self.session_token:
                 config["session_token"] = self.session_token
-        backoff: BackoffConfig = {"init_backoff": timedelta(seconds=BACKOFF_FIRST_S),
-                                  "max_backoff": timedelta(seconds=BACKOFF_MAX_S), "base": 2}
+        backoff: BackoffConfig = {
+            "init_backoff": timedelta(seconds=BACKOFF_FIRST_S),
+            "max_backoff": timedelta(seconds=BACKOFF_MAX_S),
+            "base": 2,
+        }
         return S3Store(
-            self.bucket, prefix=self.prefix or None, config=config,
-            client_options={"allow_http": bool(self.endpoint and self.endpoint.startswith("http://")),
-                            "timeout": timeout, "connect_timeout": min(timeout, timedelta(seconds=5))},
+            self.bucket,
+            prefix=self.prefix or None,
+            config=config,
+            client_options={
+                "allow_http": bool(self.endpoint and self.endpoint.startswith("http://")),
+                "timeout": timeout,
+                "connect_timeout": min(timeout, timedelta(seconds=5)),
+            },
             retry_config={"max_retries": retries, "backoff": backoff, "retry_timeout": retry_timeout},
         )
 

@@ -74,9 +74,23 @@ if TYPE_CHECKING:  # `slotkeeper ls` reads a store without the client
 
 # Entries and their files are entries.py's; these stay importable from here for the store's callers.
 __all__ = [
-    "BIN_SUFFIX", "MANIFEST_SUFFIX", "TRANSIENT_PREFIX", "ConversationStore", "Entry", "RestoreResult",
-    "SaveFailure", "SaveResult", "compatible_format", "default_cap", "extends", "format_entry", "fsync_path",
-    "read_json", "remove_pair", "server_identity", "write_json_atomic",
+    "BIN_SUFFIX",
+    "MANIFEST_SUFFIX",
+    "TRANSIENT_PREFIX",
+    "ConversationStore",
+    "Entry",
+    "RestoreResult",
+    "SaveFailure",
+    "SaveResult",
+    "compatible_format",
+    "default_cap",
+    "extends",
+    "format_entry",
+    "fsync_path",
+    "read_json",
+    "remove_pair",
+    "server_identity",
+    "write_json_atomic",
 ]
 
 QUARANTINE_KEEP = 8  # newest pairs kept in quarantine/
@@ -214,8 +228,11 @@ class ConversationStore:
                 discard(Path(item.path))
                 log.info("removed entry %s left by an interrupted save", entry_id[:4])
         unreadable = 0
-        stamps = {entry_id: manifestcache.stamp_of(item.stat(follow_symlinks=False))
-                  for entry_id, item in manifests.items() if item.is_file(follow_symlinks=False)}
+        stamps = {
+            entry_id: manifestcache.stamp_of(item.stat(follow_symlinks=False))
+            for entry_id, item in manifests.items()
+            if item.is_file(follow_symlinks=False)
+        }
         cached = manifestcache.read(self.root, stamps)  # what the manifests held when last seen: most need no reading
         self.cache_changes = 0
         for entry_id, item in manifests.items():
@@ -234,12 +251,20 @@ class ConversationStore:
             else:
                 self._admit(entry_id, data, None if bin_item is None else bin_item.stat(follow_symlinks=False).st_size)
         if links:
-            log.warning("%d entr%s in %s %s a link or not a file: never followed, left as %s", links,
-                        "y" if links == 1 else "ies", self.entries_dir, "is" if links == 1 else "are",
-                        "it is" if links == 1 else "they are")
+            log.warning(
+                "%d entr%s in %s %s a link or not a file: never followed, left as %s",
+                links,
+                "y" if links == 1 else "ies",
+                self.entries_dir,
+                "is" if links == 1 else "are",
+                "it is" if links == 1 else "they are",
+            )
         if unreadable:
-            log.warning("%d entr%s with a manifest this slotkeeper cannot read: kept, not used", unreadable,
-                        "y" if unreadable == 1 else "ies")
+            log.warning(
+                "%d entr%s with a manifest this slotkeeper cannot read: kept, not used",
+                unreadable,
+                "y" if unreadable == 1 else "ies",
+            )
         reasons: dict[str, int] = {}
         for reason in self.skipped.values():
             reasons[reason] = reasons.get(reason, 0) + 1
@@ -340,8 +365,9 @@ class ConversationStore:
     def _take_over_one(self, bin_path: Path, old: dict[str, Any] | None) -> None:
         manifest_path = bin_path.with_suffix(MANIFEST_SUFFIX)
         if old is None and not self.restore_unverified:
-            log.warning("%s has no slotkeeper manifest; left as it is (--restore-unverified takes it over)",
-                        bin_path.name)
+            log.warning(
+                "%s has no slotkeeper manifest; left as it is (--restore-unverified takes it over)", bin_path.name
+            )
             return
         try:
             header = read_header(bin_path)
@@ -351,16 +377,30 @@ class ConversationStore:
         now = time.time()
         saved_at = float((old or {}).get("saved_at", bin_path.stat().st_mtime))
         entry = Entry(
-            id=secrets.token_hex(8), tokens=header.n_tokens, nbytes=bin_path.stat().st_size,
-            keys=block_keys(header.tokens), saved_at=saved_at, last_used=saved_at,
-            fingerprint=(old or {}).get("fingerprint") or self.fingerprint, seq_version=header.version,
-            layout=header.layout, server={}, save_ms=(old or {}).get("save_ms"), exact=exact_key(header.tokens),
+            id=secrets.token_hex(8),
+            tokens=header.n_tokens,
+            nbytes=bin_path.stat().st_size,
+            keys=block_keys(header.tokens),
+            saved_at=saved_at,
+            last_used=saved_at,
+            fingerprint=(old or {}).get("fingerprint") or self.fingerprint,
+            seq_version=header.version,
+            layout=header.layout,
+            server={},
+            save_ms=(old or {}).get("save_ms"),
+            exact=exact_key(header.tokens),
         )
         os.replace(bin_path, self.entries_dir / f"{entry.id}{BIN_SUFFIX}")
         write_json_atomic(self.entries_dir / f"{entry.id}{MANIFEST_SUFFIX}", entry.manifest(), self.fsync)
         manifest_path.unlink(missing_ok=True)
-        log.info("slot file %s taken over as entry %s: %s tokens, %s (%.0f s old)", bin_path.name, entry.short,
-                 f"{entry.tokens:,}", fmt_bytes(entry.nbytes), now - saved_at)
+        log.info(
+            "slot file %s taken over as entry %s: %s tokens, %s (%.0f s old)",
+            bin_path.name,
+            entry.short,
+            f"{entry.tokens:,}",
+            fmt_bytes(entry.nbytes),
+            now - saved_at,
+        )
 
     # ---- finding ------------------------------------------------------------------------------------------
 
@@ -383,8 +423,12 @@ class ConversationStore:
         best: Entry | None = None
         for entry_id in (*self._keyless, *self._tree.within(keys)):  # the entries whose blocks the request's open
             entry = self.entries[entry_id]
-            if (entry.boundary and entry.exact and (best is None or entry.tokens > best.tokens)
-                    and extends_exactly(tokens, entry.tokens, entry.exact)):
+            if (
+                entry.boundary
+                and entry.exact
+                and (best is None or entry.tokens > best.tokens)
+                and extends_exactly(tokens, entry.tokens, entry.exact)
+            ):
                 best = entry
         return best
 
@@ -456,17 +500,24 @@ class ConversationStore:
 
     def check_formats(self) -> None:
         """Set aside entries this llama-server cannot read (one line), instead of trying and quarantining them."""
-        unreadable = [e for e in self.entries.values() if not compatible_format(e, self.current_format)]
+        current = self.current_format
+        if current is None:
+            return
+        unreadable = [e for e in self.entries.values() if not compatible_format(e, current)]
         for entry in unreadable:
             self._unindex(entry)
-            self._keep_unused(entry, f"format v{entry.seq_version} ({entry.layout}); this llama-server writes "
-                              f"v{self.current_format[0]} ({self.current_format[1]})")  # type: ignore[index]
+            self._keep_unused(
+                entry,
+                f"format v{entry.seq_version} ({entry.layout}); this llama-server writes v{current[0]} ({current[1]})",
+            )
         if unreadable:
             versions = sorted({f"v{e.seq_version}" for e in unreadable})
             log.warning(
                 "%d entr%s saved by a llama-server with another state format (%s; this one writes v%d): kept, not used",
-                len(unreadable), "y" if len(unreadable) == 1 else "ies", ", ".join(versions),
-                self.current_format[0],  # type: ignore[index]
+                len(unreadable),
+                "y" if len(unreadable) == 1 else "ies",
+                ", ".join(versions),
+                current[0],
             )
 
     # ---- the slot-action protocol -------------------------------------------------------------------------
@@ -507,8 +558,13 @@ class ConversationStore:
                 log.info("%s saving: %s%s", label, fmt_bytes(path.stat().st_size), of_expected)
 
     async def save_slot(
-        self, slot_id: int, expected_bytes: int = 0, units: list[str] | None = None, *,
-        boundary: list[int] | None = None, supersedes: Callable[[Entry, Entry], bool] | None = None,
+        self,
+        slot_id: int,
+        expected_bytes: int = 0,
+        units: list[str] | None = None,
+        *,
+        boundary: list[int] | None = None,
+        supersedes: Callable[[Entry, Entry], bool] | None = None,
         opening: bool = False,
     ) -> SaveResult:
         """Save what slot `slot_id` holds as a new entry; the entries it supersedes are then removed (by
@@ -531,8 +587,9 @@ class ConversationStore:
             reply = await self.client.slot_action(slot_id, "save", transient.name)
             if not reply.ok:
                 self.metrics.save_failed(SaveFailure.LLAMA_SERVER_ERROR.value)
-                return SaveResult(None, SaveFailure.LLAMA_SERVER_ERROR,
-                                  f"llama-server answered {reply.status}: {reply.error}")
+                return SaveResult(
+                    None, SaveFailure.LLAMA_SERVER_ERROR, f"llama-server answered {reply.status}: {reply.error}"
+                )
             tokens = int(reply.body.get("n_saved", 0))
             written = int(reply.body.get("n_written", -1))
             if tokens == 0:
@@ -541,14 +598,26 @@ class ConversationStore:
             size = transient.stat().st_size if transient.exists() else -1
             if size != written:
                 self.metrics.save_failed(SaveFailure.SIZE_MISMATCH.value)
-                return SaveResult(None, SaveFailure.SIZE_MISMATCH,
-                                  f"file has {size} bytes, llama-server reported {written}")
+                return SaveResult(
+                    None, SaveFailure.SIZE_MISMATCH, f"file has {size} bytes, llama-server reported {written}"
+                )
             progress.cancel()
             entry = Entry(
-                id=secrets.token_hex(8), tokens=tokens, nbytes=written, keys=[], saved_at=time.time(),
-                last_used=time.time(), fingerprint=self.fingerprint, seq_version=0, layout="",
-                server=self.server, units=list(units or []), save_ms=reply.body.get("timings", {}).get("save_ms"),
-                boundary=boundary is not None, opening=opening, uses=int(opening),
+                id=secrets.token_hex(8),
+                tokens=tokens,
+                nbytes=written,
+                keys=[],
+                saved_at=time.time(),
+                last_used=time.time(),
+                fingerprint=self.fingerprint,
+                seq_version=0,
+                layout="",
+                server=self.server,
+                units=list(units or []),
+                save_ms=reply.body.get("timings", {}).get("save_ms"),
+                boundary=boundary is not None,
+                opening=opening,
+                uses=int(opening),
             )
             expected_key = None if boundary is None else exact_key(boundary)
             commit = asyncio.ensure_future(asyncio.to_thread(self._commit, transient, entry, expected_key))
@@ -557,7 +626,8 @@ class ConversationStore:
             except asyncio.CancelledError:  # a budget ran out during the commit: it completes all the same
                 committed = True
                 commit.add_done_callback(
-                    lambda f: f.cancelled() or f.exception() or self._admit_saved(entry, supersedes))
+                    lambda f: f.cancelled() or f.exception() or self._admit_saved(entry, supersedes)
+                )
                 raise
             committed = True
         except (OSError, StateFileError) as exc:
@@ -625,8 +695,13 @@ class ConversationStore:
         else the file is removed (one line) and None returned. Judged as open() judges what it finds."""
         name = str(manifest.get("id"))
         bin_path, manifest_path = pair_paths(self.entries_dir, name)
-        verdict = judge(manifest, file_size(bin_path), self.fingerprint, self.current_format,
-                        link=is_link(bin_path) or is_link(manifest_path))
+        verdict = judge(
+            manifest,
+            file_size(bin_path),
+            self.fingerprint,
+            self.current_format,
+            link=is_link(bin_path) or is_link(manifest_path),
+        )
         entry = verdict.entry
         if verdict.status is Status.USABLE and entry is not None:
             entry.last_used = time.time()
@@ -671,8 +746,11 @@ class ConversationStore:
                 self.metrics.checksum_seconds += time.monotonic() - started
                 if actual != entry.checksum:
                     if reply.ok and not (erased := await self.client.slot_action(slot_id, "erase")).ok:
-                        log.error("slot %d holds an unchecked entry's state and could not be erased (%s)", slot_id,
-                                  erased.error)
+                        log.error(
+                            "slot %d holds an unchecked entry's state and could not be erased (%s)",
+                            slot_id,
+                            erased.error,
+                        )
                     if actual is None:
                         self.metrics.restores["failed"] += 1
                         return RestoreResult(False, f"its file could not be checked: {unread.strerror or unread}")
@@ -756,8 +834,9 @@ class ConversationStore:
         try:
             remove_pair(self.entries_dir, entry.id)
         except OSError as exc:
-            log.warning("entry %s not removed (%s): left on disk, not used in this run", entry.short,
-                        exc.strerror or exc)
+            log.warning(
+                "entry %s not removed (%s): left on disk, not used in this run", entry.short, exc.strerror or exc
+            )
 
     def evict_over_cap(self, protect: Iterable[str] = ()) -> list[Entry]:
         """Remove least recently used entries until the store fits its cap. Entries kept for other configurations
@@ -777,9 +856,14 @@ class ConversationStore:
             self._remove(entry)
             total -= entry.nbytes
             evicted.append(entry)
-            log.info("entry %s evicted (%s tokens, %s, unused for %.0f s): the store is over its cap %s",
-                     entry.short, f"{entry.tokens:,}", fmt_bytes(entry.nbytes), time.time() - entry.last_used,
-                     fmt_bytes(self.cap_bytes))
+            log.info(
+                "entry %s evicted (%s tokens, %s, unused for %.0f s): the store is over its cap %s",
+                entry.short,
+                f"{entry.tokens:,}",
+                fmt_bytes(entry.nbytes),
+                time.time() - entry.last_used,
+                fmt_bytes(self.cap_bytes),
+            )
         return evicted
 
     def _quarantine(self, entry: Entry, reason: str) -> None:
@@ -799,8 +883,13 @@ class ConversationStore:
             for old in olds[QUARANTINE_KEEP * 2 :]:
                 discard(old)
         except OSError as exc:
-            log.warning("entry %s set aside, not used in this run (%s); it could not be moved to %s/ (%s)",
-                        entry.short, reason, QUARANTINE_DIR, exc.strerror or exc)
+            log.warning(
+                "entry %s set aside, not used in this run (%s); it could not be moved to %s/ (%s)",
+                entry.short,
+                reason,
+                QUARANTINE_DIR,
+                exc.strerror or exc,
+            )
             return
         log.warning("entry %s quarantined (%s)", entry.short, reason)
 
@@ -859,4 +948,3 @@ def default_cap(root: Path, store_bytes: int) -> int:
 
 def format_entry(entry: Entry) -> str:
     return f"entry {entry.short} ({entry.tokens:,} tokens, {fmt_bytes(entry.nbytes)})"
-

@@ -46,8 +46,9 @@ class _Dropped(Exception):
 class UploadQueue:
     """One namespace's uploads: at most `concurrency` at a time, each journaled until it is committed."""
 
-    def __init__(self, bucket: Bucket, namespace: str, journal_dir: Path, stats: RemoteStats, *,
-                 concurrency: int = 2) -> None:
+    def __init__(
+        self, bucket: Bucket, namespace: str, journal_dir: Path, stats: RemoteStats, *, concurrency: int = 2
+    ) -> None:
         self.bucket = bucket
         self.namespace = namespace
         self.journal_dir = journal_dir
@@ -106,8 +107,9 @@ class UploadQueue:
                 await asyncio.wait(pending, timeout=grace_s)
         if self._uploads:
             left = sum(job.nbytes for job, _ in self._uploads.values())
-            log.info("remote: %d upload(s) pending (%s); they resume at the next start",
-                     len(self._uploads), fmt_bytes(left))
+            log.info(
+                "remote: %d upload(s) pending (%s); they resume at the next start", len(self._uploads), fmt_bytes(left)
+            )
 
     # ---- one upload ---------------------------------------------------------------------------------------------
 
@@ -144,8 +146,11 @@ class UploadQueue:
             except Exception as exc:  # noqa: BLE001 - kept in the journal for the next start
                 self.stats.uploads_failed += 1
                 self._finish(job)
-                log.warning("remote: entry %s upload failed (%s); it stays in the journal for the next start",
-                            job.entry_id, reason(exc, self.bucket.request_timeout_s))
+                log.warning(
+                    "remote: entry %s upload failed (%s); it stays in the journal for the next start",
+                    job.entry_id,
+                    reason(exc, self.bucket.request_timeout_s),
+                )
                 return
             elapsed = time.monotonic() - started
             self._journal_path(job.entry_id).unlink(missing_ok=True)
@@ -184,8 +189,9 @@ class UploadQueue:
             with contextlib.suppress(Exception):
                 await self.bucket.delete_object(self.namespace, job.entry_id, BIN_SUFFIX)
             raise changed
-        await self.bucket.put_manifest(self.namespace, job.entry_id,
-                                       {**job.manifest, "sha256": hasher.hexdigest(), "bytes": sent})
+        await self.bucket.put_manifest(
+            self.namespace, job.entry_id, {**job.manifest, "sha256": hasher.hexdigest(), "bytes": sent}
+        )
         return sent
 
 

@@ -26,6 +26,19 @@ from .rows import RemoteRow, Row
 from .scan import SaveDir, scan_dir
 
 __all__ = [
-    "CatalogError", "Expectation", "RemoteRow", "Row", "SaveDir", "expectation_from_args", "find_save_dirs",
-    "format_age", "ls_main", "parse_duration", "parse_size", "plan_prune", "prune_main", "remove_files", "scan_dir",
+    "CatalogError",
+    "Expectation",
+    "RemoteRow",
+    "Row",
+    "SaveDir",
+    "expectation_from_args",
+    "find_save_dirs",
+    "format_age",
+    "ls_main",
+    "parse_duration",
+    "parse_size",
+    "plan_prune",
+    "prune_main",
+    "remove_files",
+    "scan_dir",
 ]

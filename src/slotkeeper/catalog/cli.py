@@ -63,17 +63,25 @@ def _parse(parser: _Parser, argv: list[str]) -> argparse.Namespace | int:
 
 def _parser(prog: str, description: str, env: Mapping[str, str]) -> _Parser:
     parser = _Parser(prog=prog, description=description)
-    parser.add_argument("dirs", nargs="*", metavar="DIR",
-                        help=f"save directories (default: every one under {display_path(cache_root(env))})")
+    parser.add_argument(
+        "dirs",
+        nargs="*",
+        metavar="DIR",
+        help=f"save directories (default: every one under {display_path(cache_root(env))})",
+    )
     return parser
 
 
 def _add_remote_arguments(parser: _Parser, what: str) -> None:
-    parser.add_argument("--remote", action=FLAG, default=False,
-                        help=f"{what} the shared tier instead of save directories")
-    parser.add_argument("--remote-store", metavar="URL",
-                        help=f"the shared tier for --remote: s3://bucket/prefix (default: ${ENV_REMOTE_STORE}; "
-                        "credentials and endpoint from the AWS_* variables and profiles)")
+    parser.add_argument(
+        "--remote", action=FLAG, default=False, help=f"{what} the shared tier instead of save directories"
+    )
+    parser.add_argument(
+        "--remote-store",
+        metavar="URL",
+        help=f"the shared tier for --remote: s3://bucket/prefix (default: ${ENV_REMOTE_STORE}; "
+        "credentials and endpoint from the AWS_* variables and profiles)",
+    )
 
 
 def _resolve_remote(parsed: argparse.Namespace, env: Mapping[str, str]) -> RemoteConfig | None:
@@ -119,15 +127,21 @@ def _main(parser: _Parser, argv: list[str], command: Callable[[argparse.Namespac
 def ls_main(argv: list[str], env: Mapping[str, str] | None = None, now: float | None = None) -> int:
     """`slotkeeper ls [DIR... | --remote [--remote-store URL]] [--json] [-- LLAMA-SERVER ARGS]`."""
     env = os.environ if env is None else env
-    parser = _parser("slotkeeper ls", (
-        "List the conversation store: one table per save directory, one row per entry (and per "
-        "quarantined entry, and per slot file a next start takes over). The status is judged against the "
-        "configuration of the directory's most recently used entry (the last run's). With llama-server "
-        "arguments after --, a match column tells whether each entry fits them (what is known without starting "
-        "llama-server: the model file, KV flags, and the slot count and context size when -np / -c are given). "
-        "With --remote: the shared tier's entries, one table per namespace."), env)
-    parser.add_argument("--json", action=FLAG, default=False,
-                        help="one JSON object per directory and per row, for scripts")
+    parser = _parser(
+        "slotkeeper ls",
+        (
+            "List the conversation store: one table per save directory, one row per entry (and per "
+            "quarantined entry, and per slot file a next start takes over). The status is judged against the "
+            "configuration of the directory's most recently used entry (the last run's). With llama-server "
+            "arguments after --, a match column tells whether each entry fits them (what is known without starting "
+            "llama-server: the model file, KV flags, and the slot count and context size when -np / -c are given). "
+            "With --remote: the shared tier's entries, one table per namespace."
+        ),
+        env,
+    )
+    parser.add_argument(
+        "--json", action=FLAG, default=False, help="one JSON object per directory and per row, for scripts"
+    )
     _add_remote_arguments(parser, "list")
     return _main(parser, argv, lambda parsed, llama_argv: _ls(parsed, llama_argv, env, now))
 
@@ -139,8 +153,11 @@ def _ls(parsed: argparse.Namespace, llama_argv: list[str] | None, env: Mapping[s
     now = time.time() if now is None else now
     if remote is not None:
         by_namespace = remote_rows(remote.url, list_remote(remote))
-        say(dumps_indented(remote_json(remote.url, by_namespace, now, expectation)) if parsed.json
-            else render_remote(remote.url, by_namespace, now, expectation))
+        say(
+            dumps_indented(remote_json(remote.url, by_namespace, now, expectation))
+            if parsed.json
+            else render_remote(remote.url, by_namespace, now, expectation)
+        )
     elif parsed.json:
         say(dumps_indented(json_records(dirs, now, expectation)))
     elif not dirs:
@@ -151,21 +168,32 @@ def _ls(parsed: argparse.Namespace, llama_argv: list[str] | None, env: Mapping[s
 
 
 def _prune_parser(env: Mapping[str, str]) -> _Parser:
-    parser = _parser("slotkeeper prune", (
-        "Delete entries of the conversation store (each manifest, then its .bin), quarantined "
-        "entries, and slot files of the slot-file layout. snapshots/ (clients' own files) and partial files are "
-        "never touched, nor a directory a running slotkeeper holds (unless --force). With --remote: entries of "
-        "the shared tier (--older-than, --max-total, --other-configs with llama-server arguments)."), env)
-    parser.add_argument("--older-than", metavar="AGE",
-                        help="remove entries last used longer ago than AGE (30min, 12h, 7d, 2w)")
-    parser.add_argument("--max-total", metavar="SIZE",
-                        help="then remove the least recently used entries until those of all DIRs take at most SIZE "
-                        "(500MB, 20GB)")
+    parser = _parser(
+        "slotkeeper prune",
+        (
+            "Delete entries of the conversation store (each manifest, then its .bin), quarantined "
+            "entries, and slot files of the slot-file layout. snapshots/ (clients' own files) and partial files are "
+            "never touched, nor a directory a running slotkeeper holds (unless --force). With --remote: entries of "
+            "the shared tier (--older-than, --max-total, --other-configs with llama-server arguments)."
+        ),
+        env,
+    )
+    parser.add_argument(
+        "--older-than", metavar="AGE", help="remove entries last used longer ago than AGE (30min, 12h, 7d, 2w)"
+    )
+    parser.add_argument(
+        "--max-total",
+        metavar="SIZE",
+        help="then remove the least recently used entries until those of all DIRs take at most SIZE (500MB, 20GB)",
+    )
     for flag, text in (
         ("--quarantine", "remove everything in quarantine/"),
         ("--missing-models", "remove entries whose manifest names a model file that no longer exists"),
-        ("--other-configs", "remove entries saved for another configuration: than the llama-server arguments "
-         "after --, or without them, than the directory's most recently used entry (ls's status column)"),
+        (
+            "--other-configs",
+            "remove entries saved for another configuration: than the llama-server arguments "
+            "after --, or without them, than the directory's most recently used entry (ls's status column)",
+        ),
         ("--force", "prune a directory even while a slotkeeper uses it"),
         ("--dry-run", "only list what would be removed"),
     ):
@@ -176,10 +204,12 @@ def _prune_parser(env: Mapping[str, str]) -> _Parser:
 
 def _prune_criteria(parsed: argparse.Namespace, llama_argv: list[str] | None, env: Mapping[str, str]) -> dict[str, Any]:
     """The criteria plan_rows takes, from the arguments; bad input is a CatalogError."""
-    if not (parsed.older_than or parsed.max_total or parsed.quarantine or parsed.missing_models
-            or parsed.other_configs):
-        raise CatalogError("nothing to prune: give --older-than, --max-total, --quarantine, --missing-models "
-                           "or --other-configs")
+    if not (
+        parsed.older_than or parsed.max_total or parsed.quarantine or parsed.missing_models or parsed.other_configs
+    ):
+        raise CatalogError(
+            "nothing to prune: give --older-than, --max-total, --quarantine, --missing-models or --other-configs"
+        )
     if llama_argv is not None and not parsed.other_configs:
         raise CatalogError("llama-server arguments after -- are only used with --other-configs")
     criteria = {
@@ -189,8 +219,11 @@ def _prune_criteria(parsed: argparse.Namespace, llama_argv: list[str] | None, en
         "expectation": expectation_from_args(llama_argv, env) if llama_argv else None,
     }
     if parsed.remote:
-        for given, flag in ((parsed.quarantine, "--quarantine"), (parsed.missing_models, "--missing-models"),
-                            (parsed.force, "--force")):
+        for given, flag in (
+            (parsed.quarantine, "--quarantine"),
+            (parsed.missing_models, "--missing-models"),
+            (parsed.force, "--force"),
+        ):
             if given:
                 raise CatalogError(f"{flag} applies to save directories, not to --remote")
         if parsed.other_configs and criteria["expectation"] is None:
@@ -205,8 +238,7 @@ def prune_main(argv: list[str], env: Mapping[str, str] | None = None, now: float
     return _main(_prune_parser(env), argv, lambda parsed, llama_argv: _prune(parsed, llama_argv, env, now))
 
 
-def _prune(parsed: argparse.Namespace, llama_argv: list[str] | None, env: Mapping[str, str], now: float | None
-           ) -> int:
+def _prune(parsed: argparse.Namespace, llama_argv: list[str] | None, env: Mapping[str, str], now: float | None) -> int:
     criteria = _prune_criteria(parsed, llama_argv, env)
     remote = _resolve_remote(parsed, env)
     paths = [] if remote else resolve_dirs(parsed.dirs, env)
@@ -214,6 +246,13 @@ def _prune(parsed: argparse.Namespace, llama_argv: list[str] | None, env: Mappin
     if remote is not None:
         failed = report_removals(prune_remote(remote, now, parsed.dry_run, **criteria), parsed.dry_run)
     else:
-        failed = prune_dirs(paths, now, dry_run=parsed.dry_run, force=parsed.force, quarantine=parsed.quarantine,
-                            missing_models=parsed.missing_models, **criteria)
+        failed = prune_dirs(
+            paths,
+            now,
+            dry_run=parsed.dry_run,
+            force=parsed.force,
+            quarantine=parsed.quarantine,
+            missing_models=parsed.missing_models,
+            **criteria,
+        )
     return EXIT_FAILED if failed else EXIT_OK

@@ -126,7 +126,7 @@ def resolve_dirs(given: Sequence[str], env: Mapping[str, str]) -> list[Path]:
             raise CatalogError(f"no such directory: {text}")
         if not path.is_dir():
             raise CatalogError(f"not a directory: {text}")
-        for found in ([path] if holds_caches(path) else save_dirs_under(path) or [path]):
+        for found in [path] if holds_caches(path) else save_dirs_under(path) or [path]:
             if found.resolve() not in seen:
                 seen.add(found.resolve())
                 dirs.append(found)

@@ -72,7 +72,7 @@ def display_path(path: Path) -> str:
     text = str(path)
     home = _home(os.environ.get("HOME"))
     if home not in ("", "/") and (text == home or text.startswith(home + os.sep)):
-        return "~" + text[len(home):]
+        return "~" + text[len(home) :]
     return text
 
 

@@ -49,8 +49,9 @@ class Expectation:
         parts = [f"model {Path(self.fields['model']).name}" if self.model_given else "model not checked (no -m)"]
         flags = ", ".join(f"{k}={v}" for k, v in sorted(self.kv_fields().items()))
         parts.append(f"KV flags ({flags or 'defaults'})")
-        parts.append(f"total_slots (-np {self.total_slots})" if self.total_slots
-                     else "total_slots not checked (no -np)")
+        parts.append(
+            f"total_slots (-np {self.total_slots})" if self.total_slots else "total_slots not checked (no -np)"
+        )
         if self.ctx_range:
             parts.append(f"n_ctx_slot (-c {self.ctx_size})")
         else:

@@ -28,6 +28,7 @@ from .shared import open_bucket, remote_rows, run_remote
 if TYPE_CHECKING:
     from ..s3config import RemoteConfig
 
+
 @dataclass
 class Removal:
     """One pair prune deletes."""
@@ -55,15 +56,28 @@ def model_missing(row: Listed) -> bool:
 
 
 def plan_prune(
-    dirs: Sequence[SaveDir], now: float, *, older_than: float | None = None, max_total: int | None = None,
-    quarantine: bool = False, missing_models: bool = False, other_configs: bool = False,
+    dirs: Sequence[SaveDir],
+    now: float,
+    *,
+    older_than: float | None = None,
+    max_total: int | None = None,
+    quarantine: bool = False,
+    missing_models: bool = False,
+    other_configs: bool = False,
     expectation: Expectation | None = None,
 ) -> list[Removal]:
     """What prune removes, in order. --max-total counts the entries (and slot files) of all `dirs` together and
     removes the least recently used first."""
     rows = [row for save_dir in dirs for row in save_dir.rows if row.kind is not Kind.QUARANTINED]
-    removals = plan_rows(rows, now, older_than=older_than, max_total=max_total, missing_models=missing_models,
-                         other_configs=other_configs, expectation=expectation)
+    removals = plan_rows(
+        rows,
+        now,
+        older_than=older_than,
+        max_total=max_total,
+        missing_models=missing_models,
+        other_configs=other_configs,
+        expectation=expectation,
+    )
     if quarantine:
         for save_dir in dirs:
             for row in save_dir.of_kind(Kind.QUARANTINED):
@@ -72,8 +86,14 @@ def plan_prune(
 
 
 def plan_rows(
-    rows: Iterable[Listed], now: float, *, older_than: float | None = None, max_total: int | None = None,
-    missing_models: bool = False, other_configs: bool = False, expectation: Expectation | None = None,
+    rows: Iterable[Listed],
+    now: float,
+    *,
+    older_than: float | None = None,
+    max_total: int | None = None,
+    missing_models: bool = False,
+    other_configs: bool = False,
+    expectation: Expectation | None = None,
 ) -> list[Removal]:
     """The criteria, over local rows or the shared tier's."""
     removals: list[Removal] = []
@@ -85,8 +105,12 @@ def plan_rows(
         reason = None
         if missing_models and model_missing(row):
             reason = f"model gone: {row.model}"
-        elif other_configs and expectation is not None and row.status in COMPARABLE and (
-                differences := expectation.differences(row.fingerprint)):
+        elif (
+            other_configs
+            and expectation is not None
+            and row.status in COMPARABLE
+            and (differences := expectation.differences(row.fingerprint))
+        ):
             reason = f"not for these llama-server arguments: {differences[0]}"
         elif other_configs and expectation is None and row.status is Status.OTHER_CONFIGURATION:
             reason = row.reason
@@ -102,8 +126,9 @@ def plan_rows(
             if total <= max_total:
                 break
             total -= row.disk_bytes
-            removals.append(Removal(row, f"over --max-total {fmt_bytes(max_total)} (least recently used)",
-                                    now - row.last_used))
+            removals.append(
+                Removal(row, f"over --max-total {fmt_bytes(max_total)} (least recently used)", now - row.last_used)
+            )
     return removals
 
 
@@ -201,8 +226,11 @@ def prune_dirs(paths: Sequence[Path], now: float, *, dry_run: bool, force: bool,
             if state.held:
                 if not force:
                     failed = True
-                    print(f"slotkeeper prune: skipped {display_path(path)}: {state.describe()} "
-                          "(--force prunes it anyway)", file=sys.stderr)
+                    print(
+                        f"slotkeeper prune: skipped {display_path(path)}: {state.describe()} "
+                        "(--force prunes it anyway)",
+                        file=sys.stderr,
+                    )
                     continue
                 say(f"pruning {display_path(path)} although it is {state.describe()} (--force)")
             try:

@@ -58,16 +58,20 @@ def table_row(row: Listed, now: float, expectation: Expectation | None) -> list[
     return cells
 
 
-def render_sections(sections: Sequence[Section], total: str | None, now: float,
-                    expectation: Expectation | None) -> str:
+def render_sections(sections: Sequence[Section], total: str | None, now: float, expectation: Expectation | None) -> str:
     """Tables (title, rows, summary line) sharing their columns, then the total line."""
     headers = list(HEADERS if expectation else HEADERS[:-1])
     tables = [[table_row(r, now, expectation) for r in rows] for _, rows, _ in sections]
     widths = fit(headers, [row for rows in tables for row in rows], MODEL_COLUMN, BUDGETS)
     lines: list[str] = []
     if expectation:
-        lines += textwrap.wrap(f"match: {expectation.checked()}", WIDTH, subsequent_indent="       ",
-                               break_long_words=False, break_on_hyphens=False)
+        lines += textwrap.wrap(
+            f"match: {expectation.checked()}",
+            WIDTH,
+            subsequent_indent="       ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
         lines.append("")
     for i, ((title, _, summary), rows) in enumerate(zip(sections, tables)):
         if i:
@@ -77,8 +81,14 @@ def render_sections(sections: Sequence[Section], total: str | None, now: float,
             lines += [format_row(row, widths, RIGHT_ALIGNED) for row in [headers, *rows]]
         else:
             lines.append("  (no entries)")
-        lines += textwrap.wrap(summary, WIDTH, initial_indent="  ", subsequent_indent="    ",
-                               break_long_words=False, break_on_hyphens=False)
+        lines += textwrap.wrap(
+            summary,
+            WIDTH,
+            initial_indent="  ",
+            subsequent_indent="    ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
     if total:
         lines += ["", total]
     return "\n".join(lines)
@@ -90,12 +100,15 @@ def dir_summary(save_dir: SaveDir) -> str:
 
     entries = save_dir.entries
     usable = sum(r.status is Status.USABLE for r in entries)
-    parts = [f"{count(len(entries), 'entry', 'entries')}, {fmt_bytes(save_dir.entry_bytes)}"
-             + (f" ({usable:,} usable)" if usable != len(entries) else "")]
+    parts = [
+        f"{count(len(entries), 'entry', 'entries')}, {fmt_bytes(save_dir.entry_bytes)}"
+        + (f" ({usable:,} usable)" if usable != len(entries) else "")
+    ]
     slot_files = save_dir.of_kind(Kind.SLOT_FILE)
     if slot_files:
-        parts.append(count(len(slot_files), "slot file")
-                     + f" to take over, {fmt_bytes(sum(r.disk_bytes for r in slot_files))}")
+        parts.append(
+            count(len(slot_files), "slot file") + f" to take over, {fmt_bytes(sum(r.disk_bytes for r in slot_files))}"
+        )
     parts.append("quarantine: " + counted(save_dir.of_kind(Kind.QUARANTINED), "entry", "entries"))
     clients = save_dir.client_files
     text = f"{SNAPSHOTS_DIR}/: {count(len(clients), 'client file')}"
@@ -116,26 +129,32 @@ def render_listing(dirs: Sequence[SaveDir], now: float, expectation: Expectation
     sections = [(display_path(d.path), d.rows, dir_summary(d)) for d in dirs]
     total = None
     if len(dirs) > 1:
-        total = (f"total: {count(sum(len(d.entries) for d in dirs), 'entry', 'entries')}, "
-                 f"{fmt_bytes(sum(d.entry_bytes for d in dirs))} in {count(len(dirs), 'directory', 'directories')}")
+        total = (
+            f"total: {count(sum(len(d.entries) for d in dirs), 'entry', 'entries')}, "
+            f"{fmt_bytes(sum(d.entry_bytes for d in dirs))} in {count(len(dirs), 'directory', 'directories')}"
+        )
     return render_sections(sections, total, now, expectation)
 
 
-def render_remote(url: str, by_namespace: Mapping[str, list[RemoteRow]], now: float,
-                  expectation: Expectation | None) -> str:
+def render_remote(
+    url: str, by_namespace: Mapping[str, list[RemoteRow]], now: float, expectation: Expectation | None
+) -> str:
     if not by_namespace:
         return f"no entries in {url}"
     sections: list[Section] = []
     for namespace, rows in by_namespace.items():
         unusable = sum(r.status is not Status.SHARED for r in rows)
-        summary = (f"{count(len(rows), 'entry', 'entries')}, {fmt_bytes(sum(r.disk_bytes for r in rows))}"
-                   + (f" ({unusable:,} never used)" if unusable else ""))
+        summary = f"{count(len(rows), 'entry', 'entries')}, {fmt_bytes(sum(r.disk_bytes for r in rows))}" + (
+            f" ({unusable:,} never used)" if unusable else ""
+        )
         sections.append((f"{url}/{namespace}", rows, summary))
     total = None
     if len(by_namespace) > 1:
         rows_all = [r for rows in by_namespace.values() for r in rows]
-        total = (f"total: {count(len(rows_all), 'entry', 'entries')}, {fmt_bytes(sum(r.disk_bytes for r in rows_all))}"
-                 f" in {count(len(by_namespace), 'namespace')}")
+        total = (
+            f"total: {count(len(rows_all), 'entry', 'entries')}, {fmt_bytes(sum(r.disk_bytes for r in rows_all))}"
+            f" in {count(len(by_namespace), 'namespace')}"
+        )
     return render_sections(sections, total, now, expectation)
 
 
@@ -146,10 +165,17 @@ def record(row: Listed, now: float, expectation: Expectation | None) -> dict[str
     """Everything known about one row, local or remote, in the order of its `FIELDS`."""
     entry = row.entry
     values: dict[str, Any] = {
-        "kind": row.kind.value, "id": row.id, "short": row.short, "status": row.status.value,
-        "detail": row.detail, "reason": row.why, "tokens": row.tokens,
-        "saved_at": entry.saved_at if entry else None, "last_used": row.last_used,
-        "age_s": round(max(0.0, now - row.last_used), 1), "model": row.model,
+        "kind": row.kind.value,
+        "id": row.id,
+        "short": row.short,
+        "status": row.status.value,
+        "detail": row.detail,
+        "reason": row.why,
+        "tokens": row.tokens,
+        "saved_at": entry.saved_at if entry else None,
+        "last_used": row.last_used,
+        "age_s": round(max(0.0, now - row.last_used), 1),
+        "model": row.model,
         "model_name": file_name(row.model) if row.model else None,
         "fingerprint": (entry.fingerprint or None) if entry else None,
         "format": {"seq_version": entry.seq_version, "layout": entry.layout} if entry else None,
@@ -166,15 +192,21 @@ def record(row: Listed, now: float, expectation: Expectation | None) -> dict[str
 def dir_record(save_dir: SaveDir) -> dict[str, Any]:
     quarantined, slot_files = save_dir.of_kind(Kind.QUARANTINED), save_dir.of_kind(Kind.SLOT_FILE)
     return {
-        "kind": "directory", "dir": str(save_dir.path),
-        "entries": len(save_dir.entries), "bytes": save_dir.entry_bytes,
+        "kind": "directory",
+        "dir": str(save_dir.path),
+        "entries": len(save_dir.entries),
+        "bytes": save_dir.entry_bytes,
         "usable": sum(r.status is Status.USABLE for r in save_dir.entries),
         "reference": save_dir.reference.id if save_dir.reference else None,
-        "slot_files": len(slot_files), "slot_file_bytes": sum(r.disk_bytes for r in slot_files),
-        "quarantined": len(quarantined), "quarantine_bytes": sum(r.disk_bytes for r in quarantined),
-        "client_files": len(save_dir.client_files), "client_bytes": sum(f.size for f in save_dir.client_files),
+        "slot_files": len(slot_files),
+        "slot_file_bytes": sum(r.disk_bytes for r in slot_files),
+        "quarantined": len(quarantined),
+        "quarantine_bytes": sum(r.disk_bytes for r in quarantined),
+        "client_files": len(save_dir.client_files),
+        "client_bytes": sum(f.size for f in save_dir.client_files),
         "partials": len(save_dir.partials),
-        "in_use": save_dir.lock.held, "lock_pid": save_dir.lock.pid,
+        "in_use": save_dir.lock.held,
+        "lock_pid": save_dir.lock.pid,
     }
 
 
@@ -186,12 +218,20 @@ def json_records(dirs: Sequence[SaveDir], now: float, expectation: Expectation |
     return records
 
 
-def remote_json(url: str, by_namespace: Mapping[str, list[RemoteRow]], now: float,
-                expectation: Expectation | None) -> list[dict[str, Any]]:
+def remote_json(
+    url: str, by_namespace: Mapping[str, list[RemoteRow]], now: float, expectation: Expectation | None
+) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     for namespace, rows in by_namespace.items():
-        records.append({"kind": "remote_namespace", "url": url, "namespace": namespace, "entries": len(rows),
-                        "bytes": sum(r.disk_bytes for r in rows)})
+        records.append(
+            {
+                "kind": "remote_namespace",
+                "url": url,
+                "namespace": namespace,
+                "entries": len(rows),
+                "bytes": sum(r.disk_bytes for r in rows),
+            }
+        )
         records += [record(r, now, expectation) for r in rows]
     return records
 

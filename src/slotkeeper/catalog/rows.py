@@ -31,25 +31,36 @@ WORDS: dict[Status, tuple[str, str]] = {
     Status.WRONG_SIZE: ("size mismatch (quarantined at start)", ""),
     Status.NO_BIN: ("no .bin (manifest dropped at start)", "a manifest without its file: dropped at the next start"),
     Status.BAD_MANIFEST: ("bad manifest (never used)", "a manifest slotkeeper cannot read: its entry is never used"),
-    Status.INTERRUPTED_SAVE: ("interrupted save (removed at start)",
-                              "a file without a manifest: an interrupted save, removed at the next start"),
+    Status.INTERRUPTED_SAVE: (
+        "interrupted save (removed at start)",
+        "a file without a manifest: an interrupted save, removed at the next start",
+    ),
     Status.LINK: ("link (never followed)", "a link or not a file under an entry's name: never followed, left as it is"),
     Status.QUARANTINED: ("quarantined", "moved aside: llama-server refused it or its size was wrong"),
-    Status.SLOT_FILE: ("slot file (taken over at next start)",
-                       "a slot file of the slot-file layout: taken over at the next start"),
-    Status.SLOT_FILE_UNVERIFIED: ("no manifest (--restore-unverified)",
-                                  "a slot file without a manifest: taken over only with --restore-unverified"),
-    Status.SLOT_FILE_UNREADABLE: ("unreadable slot file (left as it is)",
-                                  "not a slot file slotkeeper can read: left as it is"),
+    Status.SLOT_FILE: (
+        "slot file (taken over at next start)",
+        "a slot file of the slot-file layout: taken over at the next start",
+    ),
+    Status.SLOT_FILE_UNVERIFIED: (
+        "no manifest (--restore-unverified)",
+        "a slot file without a manifest: taken over only with --restore-unverified",
+    ),
+    Status.SLOT_FILE_UNREADABLE: (
+        "unreadable slot file (left as it is)",
+        "not a slot file slotkeeper can read: left as it is",
+    ),
     Status.SLOT_MANIFEST_ONLY: ("manifest without its .bin", "a slot-file manifest without its .bin: left as it is"),
     Status.SHARED: ("shared", ""),
     Status.REMOTE_BAD_MANIFEST: ("bad manifest (never used)", "a manifest slotkeeper cannot read: never fetched"),
-    Status.OTHER_NAMESPACE: ("other namespace (never used)",
-                             "its fingerprint belongs to another namespace: a fetch rejects it"),
+    Status.OTHER_NAMESPACE: (
+        "other namespace (never used)",
+        "its fingerprint belongs to another namespace: a fetch rejects it",
+    ),
 }
 # Rows with a fingerprint that the next start (or a fetch) would compare with its configuration.
-COMPARABLE = frozenset({Status.USABLE, Status.OTHER_CONFIGURATION, Status.OTHER_FORMAT, Status.SLOT_FILE,
-                        Status.SHARED})
+COMPARABLE = frozenset(
+    {Status.USABLE, Status.OTHER_CONFIGURATION, Status.OTHER_FORMAT, Status.SLOT_FILE, Status.SHARED}
+)
 
 
 class Kind(enum.StrEnum):
@@ -172,9 +183,31 @@ class Row(Listed):
     its two files are `<folder>/<name>.json` and `<folder>/<name>.bin`."""
 
     FIELDS: ClassVar[tuple[str, ...]] = (
-        "kind", "dir", "id", "short", "status", "detail", "reason", "tokens", "bytes", "bin_size", "disk_bytes",
-        "saved_at", "last_used", "age_s", "save_ms", "boundary", "opening", "uses", "model", "model_name",
-        "fingerprint", "format", "llama_server", "bin", "manifest",
+        "kind",
+        "dir",
+        "id",
+        "short",
+        "status",
+        "detail",
+        "reason",
+        "tokens",
+        "bytes",
+        "bin_size",
+        "disk_bytes",
+        "saved_at",
+        "last_used",
+        "age_s",
+        "save_ms",
+        "boundary",
+        "opening",
+        "uses",
+        "model",
+        "model_name",
+        "fingerprint",
+        "format",
+        "llama_server",
+        "bin",
+        "manifest",
     )
     kind: Kind
     directory: Path  # the save directory
@@ -250,8 +283,24 @@ class RemoteRow(Listed):
     """One entry of the shared tier: `<prefix>/<namespace>/<id>.json` (and its .bin)."""
 
     FIELDS: ClassVar[tuple[str, ...]] = (
-        "kind", "url", "namespace", "id", "short", "status", "detail", "reason", "tokens", "bytes", "sha256",
-        "saved_at", "last_used", "age_s", "model", "model_name", "fingerprint", "format",
+        "kind",
+        "url",
+        "namespace",
+        "id",
+        "short",
+        "status",
+        "detail",
+        "reason",
+        "tokens",
+        "bytes",
+        "sha256",
+        "saved_at",
+        "last_used",
+        "age_s",
+        "model",
+        "model_name",
+        "fingerprint",
+        "format",
     )
     url: str
     namespace: str

@@ -99,8 +99,11 @@ def _pairs(folder: Path, names: Iterable[str]) -> dict[str, Pair]:
 
 def _links(folder: Path, names: Iterable[str]) -> set[str]:
     """The stems of entry names that are a link or not a regular file."""
-    return {name.rsplit(".", 1)[0] for name in names
-            if name.endswith((BIN_SUFFIX, MANIFEST_SUFFIX)) and is_link(folder / name)}
+    return {
+        name.rsplit(".", 1)[0]
+        for name in names
+        if name.endswith((BIN_SUFFIX, MANIFEST_SUFFIX)) and is_link(folder / name)
+    }
 
 
 def _scan_entries(save_dir: SaveDir) -> None:
@@ -109,23 +112,32 @@ def _scan_entries(save_dir: SaveDir) -> None:
     folder = save_dir.path / ENTRIES_DIR
     names = list_names(folder)
     save_dir.partials += [s for n in names if n.endswith(PARTIAL_SUFFIX) and (s := FileStat.maybe(folder / n))]
-    pairs = {stem: (pair, read_manifest(pair[1].path) if pair[1] else None)
-             for stem, pair in _pairs(folder, names).items()}
+    pairs = {
+        stem: (pair, read_manifest(pair[1].path) if pair[1] else None) for stem, pair in _pairs(folder, names).items()
+    }
     links = _links(folder, names)  # never followed, as the store never follows them (entries.is_link)
     for stem in links - pairs.keys():
         pairs[stem] = ((None, None), None)
 
     def judged(stem: str, against: Entry | None) -> Verdict:
         (bin_stat, manifest_stat), manifest = pairs[stem]
-        return judge(manifest, bin_stat.size if bin_stat else None, against.fingerprint if against else None,
-                     (against.seq_version, against.layout) if against else None, committed=manifest_stat is not None,
-                     link=stem in links)
+        return judge(
+            manifest,
+            bin_stat.size if bin_stat else None,
+            against.fingerprint if against else None,
+            (against.seq_version, against.layout) if against else None,
+            committed=manifest_stat is not None,
+            link=stem in links,
+        )
 
     last, reference, newest = None, None, (0.0, 0.0)  # the first of the most recently used usable entries
     for stem in pairs:
         alone = judged(stem, None)
-        if alone.status is Status.USABLE and (entry := alone.entry) is not None and (
-                reference is None or (entry.last_used, entry.saved_at) > newest):
+        if (
+            alone.status is Status.USABLE
+            and (entry := alone.entry) is not None
+            and (reference is None or (entry.last_used, entry.saved_at) > newest)
+        ):
             last, reference, newest = stem, entry, (entry.last_used, entry.saved_at)
     for stem in list(pairs):  # judge() is pure: without a reference, each verdict is the one judged alone
         verdict = judged(stem, reference)
@@ -143,8 +155,11 @@ def _described(verdict: Verdict, reference: Entry | None) -> tuple[str, str]:
     if verdict.status is Status.OTHER_CONFIGURATION:
         return verdict.reason, f"other configuration ({verdict.difference.split(':', 1)[0]})"
     if verdict.status is Status.OTHER_FORMAT and entry is not None and reference is not None:
-        return (f"state format v{entry.seq_version} ({entry.layout}); the last run's is "
-                f"v{reference.seq_version} ({reference.layout})", f"other state format (v{entry.seq_version})")
+        return (
+            f"state format v{entry.seq_version} ({entry.layout}); the last run's is "
+            f"v{reference.seq_version} ({reference.layout})",
+            f"other state format (v{entry.seq_version})",
+        )
     if verdict.status is Status.WRONG_SIZE:
         return f"{verdict.reason}: quarantined at the next start", ""
     return "", ""
@@ -158,16 +173,20 @@ def _scan_quarantine(save_dir: SaveDir) -> None:
     for stem, (bin_stat, manifest_stat) in _pairs(folder, list_names(folder)).items():
         manifest = read_manifest(manifest_stat.path) if manifest_stat else None
         entry = parse_entry(manifest)[0] if manifest is not None else None
-        quarantined.append(Row(Kind.QUARANTINED, save_dir.path, folder, stem, bin_stat, manifest_stat, entry,
-                               Status.QUARANTINED))
+        quarantined.append(
+            Row(Kind.QUARANTINED, save_dir.path, folder, stem, bin_stat, manifest_stat, entry, Status.QUARANTINED)
+        )
     save_dir.rows += sorted(quarantined, key=lambda r: r.name, reverse=True)  # newest first (by its stamp)
 
 
 def _scan_slot_files(save_dir: SaveDir, names: list[str]) -> None:
     """The slot-file layout in the directory itself, judged as ConversationStore._take_over_slot_files would."""
     root = save_dir.path
-    save_dir.partials += [s for n in names if n.endswith(PARTIAL_SUFFIX) and is_slot_name(n.split(".", 1)[0])
-                          and (s := FileStat.maybe(root / n))]
+    save_dir.partials += [
+        s
+        for n in names
+        if n.endswith(PARTIAL_SUFFIX) and is_slot_name(n.split(".", 1)[0]) and (s := FileStat.maybe(root / n))
+    ]
     pairs = {stem: pair for stem, pair in _pairs(root, names).items() if is_slot_name(stem)}
     for stem, (bin_stat, manifest_stat) in sorted(pairs.items(), key=lambda p: (int(p[0]), p[0])):
         old = read_json(manifest_stat.path) if manifest_stat else None
@@ -180,9 +199,16 @@ def _scan_slot_files(save_dir: SaveDir, names: list[str]) -> None:
             saved_at = _number((old or {}).get("saved_at"), bin_stat.mtime)
             fingerprint = (old or {}).get("fingerprint")
             entry = Entry(
-                id=stem, tokens=header.n_tokens, nbytes=bin_stat.size, keys=[], saved_at=saved_at,
-                last_used=saved_at, fingerprint=fingerprint if isinstance(fingerprint, dict) else {},
-                seq_version=header.version, layout=header.layout, save_ms=(old or {}).get("save_ms"),
+                id=stem,
+                tokens=header.n_tokens,
+                nbytes=bin_stat.size,
+                keys=[],
+                saved_at=saved_at,
+                last_used=saved_at,
+                fingerprint=fingerprint if isinstance(fingerprint, dict) else {},
+                seq_version=header.version,
+                layout=header.layout,
+                save_ms=(old or {}).get("save_ms"),
             )
         if bin_stat is None:
             status = Status.SLOT_MANIFEST_ONLY

@@ -70,8 +70,13 @@ def remote_row(url: str, namespace: str, manifest: dict[str, Any]) -> RemoteRow:
     """A remote entry, judged as a fetch would treat it: a manifest slotkeeper reads, in the namespace its
     fingerprint names (the store then judges a fetched entry as any other, entries.judge)."""
     entry, _ = parse_entry(manifest)
-    status = (Status.REMOTE_BAD_MANIFEST if entry is None
-              else Status.OTHER_NAMESPACE if namespace_key(entry.fingerprint) != namespace else Status.SHARED)
+    status = (
+        Status.REMOTE_BAD_MANIFEST
+        if entry is None
+        else Status.OTHER_NAMESPACE
+        if namespace_key(entry.fingerprint) != namespace
+        else Status.SHARED
+    )
     return RemoteRow(url, namespace, str(manifest.get("entry_id", "")), manifest, entry, status)
 
 

@@ -15,8 +15,9 @@ class Placed:
 
     __slots__ = ("body", "done", "observe")
 
-    def __init__(self, body: bytes, done: Callable[[int], None] | None = None,
-                 observe: Callable[[bytes], None] | None = None) -> None:
+    def __init__(
+        self, body: bytes, done: Callable[[int], None] | None = None, observe: Callable[[bytes], None] | None = None
+    ) -> None:
         self.body = body
         self.done = done  # called once with the final status (499: the client went away)
         self.observe = observe  # given each piece of the response body, as llama-server sent it (unframed)

@@ -21,8 +21,15 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 HOP_BY_HOP_HEADERS = frozenset(
     {
-        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-        "te", "trailer", "transfer-encoding", "upgrade",
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
     }
 )
 _HOP_BY_HOP = frozenset(name.encode() for name in HOP_BY_HOP_HEADERS)
@@ -32,7 +39,8 @@ REQUEST_NOTED = _HOP_BY_HOP | {b"content-length", b"expect", b"host"}
 # In the child's raw response head: the hop-by-hop header lines (dropped), and Content-Length (kept: it is the
 # body's length on both hops). The head has been validated by llhttp; a match ends before the line's CRLF.
 RESPONSE_NOTED = re.compile(
-    rb"\r\n(" + b"|".join(sorted(name for name in _HOP_BY_HOP if not name.startswith(b"proxy-")))
+    rb"\r\n("
+    + b"|".join(sorted(name for name in _HOP_BY_HOP if not name.startswith(b"proxy-")))
     + rb"|proxy-[!#$%&'*+.^_`|~0-9a-z-]*|content-length)[ \t]*:[^\r]*",
     re.IGNORECASE,
 )
@@ -61,8 +69,12 @@ class Reply:
         except ValueError:
             reason = "Unknown"
         return b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s\r\n%s" % (
-            self.status, reason.encode(), self.content_type.encode(), len(self.body),
-            b"Connection: close\r\n" if close else b"", self.body,
+            self.status,
+            reason.encode(),
+            self.content_type.encode(),
+            len(self.body),
+            b"Connection: close\r\n" if close else b"",
+            self.body,
         )
 
 
@@ -179,8 +191,12 @@ class Request:
             return f"Transfer-Encoding {self.codings.decode('latin-1')!r}: only chunked is supported"
         forwarded = self.forwarded
         if self.named:  # drop the headers Connection named (rare): every header is 4 items
-            forwarded = [item for i in range(0, len(forwarded), 4) if forwarded[i].lower() not in self.named
-                         for item in forwarded[i:i + 4]]
+            forwarded = [
+                item
+                for i in range(0, len(forwarded), 4)
+                if forwarded[i].lower() not in self.named
+                for item in forwarded[i : i + 4]
+            ]
         if not self.has_host:
             forwarded += (b"Host: localhost\r\n",)
         if self.chunked:

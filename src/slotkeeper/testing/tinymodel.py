@@ -257,23 +257,22 @@ class TinyModelSpec:
 #: Benchmark model "E": ~44 MB f16, 8 layers x 512 wide, GQA with one KV head (small KV
 #: cache and slot files). A ~7,500-token prompt takes several seconds to prefill on 2 CPU
 #: cores, which makes a restored slot cache clearly visible in timings.
-BENCH_MODEL_E = TinyModelSpec(
-    n_layers=8, width=512, n_heads=8, n_kv_heads=1, f16=True, name="slotkeeper-bench-e"
-)
+BENCH_MODEL_E = TinyModelSpec(n_layers=8, width=512, n_heads=8, n_kv_heads=1, f16=True, name="slotkeeper-bench-e")
 
 #: Named specs for the ``--preset`` option.
 PRESETS: dict[str, TinyModelSpec] = {
     "tiny": TinyModelSpec(),
     "e": BENCH_MODEL_E,
     #: 3 delta-net layers + 1 full-attention layer, 64 wide, 4 value / 2 key heads (GQA).
-    "qwen35": TinyModelSpec(arch="qwen35", n_layers=4, width=64, n_heads=4, n_kv_heads=2,
-                            name="slotkeeper-tiny-qwen35"),
+    "qwen35": TinyModelSpec(
+        arch="qwen35", n_layers=4, width=64, n_heads=4, n_kv_heads=2, name="slotkeeper-tiny-qwen35"
+    ),
     #: conv, conv, attention, conv; 64 wide, GQA 4/2.
-    "lfm2": TinyModelSpec(arch="lfm2", n_layers=4, width=64, n_heads=4, n_kv_heads=2,
-                          name="slotkeeper-tiny-lfm2"),
+    "lfm2": TinyModelSpec(arch="lfm2", n_layers=4, width=64, n_heads=4, n_kv_heads=2, name="slotkeeper-tiny-lfm2"),
     #: 5 sliding-window layers (128 tokens) + 1 global layer, 64 wide, one KV head.
-    "gemma3": TinyModelSpec(arch="gemma3", n_layers=6, width=64, n_heads=4, n_kv_heads=1,
-                            name="slotkeeper-tiny-gemma3"),
+    "gemma3": TinyModelSpec(
+        arch="gemma3", n_layers=6, width=64, n_heads=4, n_kv_heads=1, name="slotkeeper-tiny-gemma3"
+    ),
 }
 
 
@@ -283,11 +282,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     llama.cpp's ``gpt2`` tokenizer looks byte tokens up by this spelling, so the 256 byte
     tokens must use it for every input byte to be representable.
     """
-    bs = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -364,8 +359,11 @@ def chat_template_text(name: str) -> str:
 
     if name not in _TEMPLATE_FILES:
         raise ValueError(f"unknown chat template {name!r}; expected one of {', '.join(TEMPLATES)}")
-    return files(__package__ or "slotkeeper.testing").joinpath("templates", _TEMPLATE_FILES[name]).read_text(
-        encoding="utf-8")
+    return (
+        files(__package__ or "slotkeeper.testing")
+        .joinpath("templates", _TEMPLATE_FILES[name])
+        .read_text(encoding="utf-8")
+    )
 
 
 def _weights(spec: TinyModelSpec) -> list[tuple[str, np.ndarray[Any, Any]]]:
@@ -765,9 +763,13 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[Path, TinyModelSpec]:
         description="Write a tiny random-weight GGUF model that llama-server can load.",
     )
     p.add_argument("out", type=Path, help="output .gguf path")
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="start from a named spec (other options override its fields); "
-                        "default: the --arch preset if there is one, else 'tiny'")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="start from a named spec (other options override its fields); "
+        "default: the --arch preset if there is one, else 'tiny'",
+    )
     p.add_argument("--arch", choices=ARCHS, help="model architecture")
     p.add_argument("--layers", type=int, dest="n_layers")
     p.add_argument("--width", type=int)
@@ -778,18 +780,16 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[Path, TinyModelSpec]:
     p.add_argument("--seed", type=int)
     p.add_argument("--ctx", type=int, dest="context_length", help="context_length written to the file")
     p.add_argument("--name", type=str)
-    p.add_argument("--sliding-window", type=int, dest="sliding_window",
-                   help="gemma3 sliding-window size in tokens (default 128)")
-    p.add_argument("--template", choices=TEMPLATES,
-                   help="embedded chat template (default: the arch's; llama has none)")
+    p.add_argument(
+        "--sliding-window", type=int, dest="sliding_window", help="gemma3 sliding-window size in tokens (default 128)"
+    )
+    p.add_argument("--template", choices=TEMPLATES, help="embedded chat template (default: the arch's; llama has none)")
     ns = p.parse_args(argv)
     preset = ns.preset
     if preset is None:
         preset = ns.arch if ns.arch in PRESETS else "tiny"
     overrides = {
-        f.name: getattr(ns, f.name)
-        for f in dataclasses.fields(TinyModelSpec)
-        if getattr(ns, f.name, None) is not None
+        f.name: getattr(ns, f.name) for f in dataclasses.fields(TinyModelSpec) if getattr(ns, f.name, None) is not None
     }
     try:
         spec = dataclasses.replace(PRESETS[preset], **overrides)

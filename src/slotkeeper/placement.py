@@ -146,9 +146,10 @@ class Slot:
         """A request slotkeeper did not place ran here: what it holds is unknown, and worth a save to find out."""
         self.dirty, self.keys, self.tokens = True, [], 0
 
-    def hold(self, entry: Entry | None, keys: Sequence[str], tokens: int) -> None:
-        """It now holds exactly `keys`/`tokens` (saved as `entry`, when that is not None)."""
-        self.entry, self.keys, self.tokens, self.dirty, self.exact = entry, keys, tokens, False, ""
+    def hold(self, entry: Entry | None, keys: Sequence[str], tokens: int, exact: str = "") -> None:
+        """It now holds exactly `keys`/`tokens` (saved as `entry`, when that is not None; `exact`: the exact key
+        of those tokens, when they are known to the token)."""
+        self.entry, self.keys, self.tokens, self.dirty, self.exact = entry, keys, tokens, False, exact
         if entry is not None:
             self.label = entry.short
 
@@ -943,13 +944,12 @@ class Placement:
                 return None, None
             reached = went
             self._measured(reached)
-        slot.hold(None, block_keys(tokens), len(tokens))
-        slot.exact = key
+        slot.hold(None, block_keys(tokens), len(tokens), key)
         result = await self.store.save_slot(
             slot.id, self._expected_bytes(slot), units, boundary=tokens, supersedes=supersedes, opening=opening
         )
         if result.entry is not None:
-            slot.hold(result.entry, result.entry.keys, result.entry.tokens)
+            slot.hold(result.entry, result.entry.keys, result.entry.tokens, key)
         return reached, result
 
     def _older_boundary(self, new: Entry, old: Entry) -> bool:

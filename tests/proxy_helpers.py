@@ -1,17 +1,21 @@
-"""The proxy's test harness, shared by test_proxy.py and test_framing.py: a scripted child that records the raw
-bytes it receives, and a raw client."""
+"""The proxy's test harness, shared by test_proxy.py, test_framing.py, test_client_gone.py and
+test_own_api_key.py: a scripted child that records the raw bytes it receives, the proxy served in front of it,
+and a raw client."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from slotkeeper.proxy.server import Gate, Proxy
+from slotkeeper.supervisor import ChildEndpoint
+from slotkeeper.testing.harness import free_port
 
 # ---- a scripted child ----------------------------------------------------------------------------------------
 
@@ -118,6 +122,45 @@ class Proxied:
     child: FakeChild
     proxy: Proxy
     gate: Gate
+
+
+# ---- the proxy in front of it -----------------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def listening_proxy(
+    tmp_path: Path, socket_path: Path, opened: bool = True, state: str = "ready", api_keys: Sequence[str] = ()
+) -> AsyncIterator[tuple[int, Proxy, Gate]]:
+    """(port, proxy, gate): the proxy served exactly as slotkeeper serves it (Proxy.listen, on a free TCP port),
+    in front of the child at `socket_path`; its gate open unless not `opened`, `state` the daemon's state it
+    reports while the gate is shut. Stopped after, as the daemon stops it."""
+    gate = Gate()
+    if opened:
+        gate.open()
+    endpoint = ChildEndpoint(runtime_dir=tmp_path, socket_path=socket_path)
+    proxy = Proxy(endpoint, gate, lambda: state, time.monotonic() + 30, api_keys)
+    port = free_port()
+    await proxy.listen("127.0.0.1", port)
+    try:
+        yield port, proxy, gate
+    finally:
+        await proxy.stop_listening()
+        proxy.close()
+
+
+@asynccontextmanager
+async def proxied_child(
+    tmp_path: Path, opened: bool = True, state: str = "ready", api_keys: Sequence[str] = ()
+) -> AsyncIterator[Proxied]:
+    """The proxy (`listening_proxy`) in front of a FakeChild, which answers `answer_ok` until a test sets its
+    `respond`; both stopped after."""
+    child = FakeChild(tmp_path / "child.sock")
+    await child.start()
+    try:
+        async with listening_proxy(tmp_path, child.path, opened, state, api_keys) as (port, proxy, gate):
+            yield Proxied(port, child, proxy, gate)
+    finally:
+        await child.stop()
 
 
 # ---- a raw client --------------------------------------------------------------------------------------------

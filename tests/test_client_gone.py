@@ -17,10 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from proxy_helpers import FakeChild, RawRequest, RawResponse, raw_response, read_body, read_response, request_bytes
+from proxy_helpers import RawRequest, RawResponse, proxied_child, raw_response, read_body, read_response, request_bytes
 
-from slotkeeper.proxy.server import Gate, Proxy
-from slotkeeper.supervisor import ChildEndpoint
 from slotkeeper.testing.harness import free_port, health_status, http_call, wait_until
 
 ARGS = ["-c", "32768", "-np", "1", "-t", "2", "--no-warmup", "--no-cache-idle-slots"]
@@ -36,7 +34,6 @@ FREED_WITHIN_S = 2.0
 async def test_the_clients_eof_reaches_the_child_after_its_request(tmp_path: Path) -> None:
     """EOF while the request waits for the gate: once the request is sent, the child reads all of it, then EOF;
     the client, half-closed, still gets the answer; that connection to the child is never reused."""
-    child = FakeChild(tmp_path / "child.sock")
     seen_eof: list[bool] = []
     hold = asyncio.Event()
 
@@ -47,35 +44,27 @@ async def test_the_clients_eof_reaches_the_child_after_its_request(tmp_path: Pat
         await writer.drain()
         await hold.wait()  # the child keeps this connection open: only the proxy must not reuse it
 
-    child.respond = respond
-    await child.start()
-    gate = Gate()
-    proxy = Proxy(
-        ChildEndpoint(runtime_dir=tmp_path, socket_path=child.path), gate, lambda: "restoring", time.monotonic() + 30
-    )
-    port = free_port()
-    await proxy.listen("127.0.0.1", port)
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(request_bytes("POST", "/completion", body=b'{"prompt":"x"}'))
-        writer.write_eof()
-        await asyncio.sleep(0.05)
-        assert not child.requests, "the gate is closed"
-        gate.open()
-        reply = await asyncio.wait_for(read_response(reader), 5)
-        assert (reply.status, reply.body) == (200, b'{"ok":true}')
-        assert seen_eof == [True]
-        assert await asyncio.wait_for(reader.read(), 5) == b""
-        writer.close()
-        child.respond = _answer
-        again = await asyncio.wait_for(_call(port), 5)
-        assert again.status == 200
-        assert child.connections == 2, "the half-closed connection went back to the pool"
-    finally:
-        hold.set()
-        await proxy.stop_listening()
-        proxy.close()
-        await child.stop()
+    async with proxied_child(tmp_path, opened=False, state="restoring") as served:
+        port, child, gate = served.port, served.child, served.gate
+        child.respond = respond
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request_bytes("POST", "/completion", body=b'{"prompt":"x"}'))
+            writer.write_eof()
+            await asyncio.sleep(0.05)
+            assert not child.requests, "the gate is closed"
+            gate.open()
+            reply = await asyncio.wait_for(read_response(reader), 5)
+            assert (reply.status, reply.body) == (200, b'{"ok":true}')
+            assert seen_eof == [True]
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            writer.close()
+            child.respond = _answer
+            again = await asyncio.wait_for(_call(port), 5)
+            assert again.status == 200
+            assert child.connections == 2, "the half-closed connection went back to the pool"
+        finally:
+            hold.set()
 
 
 async def _answer(request: RawRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

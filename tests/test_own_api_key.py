@@ -8,17 +8,13 @@ and the store hold, so they are guarded the same way: same headers, same verdict
 from __future__ import annotations
 
 import http.client
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from proxy_helpers import FakeChild, Proxied, raw_call, request_bytes
+from proxy_helpers import Proxied, proxied_child, raw_call, request_bytes
 
 from slotkeeper.proxy.messages import Reply
-from slotkeeper.proxy.server import Gate, Proxy
-from slotkeeper.supervisor import ChildEndpoint
-from slotkeeper.testing.harness import free_port
 
 KEY = "tok-123"
 OWN_PATHS = ("/slotkeeper/status", "/slotkeeper/metrics")
@@ -104,28 +100,13 @@ def test_own_paths_judge_every_header_form_as_llama_server_does(
 @pytest.fixture
 async def guarded(tmp_path: Path) -> AsyncIterator[Proxied]:
     """The proxy with two keys, an own route, in front of a FakeChild."""
-    child = FakeChild(tmp_path / "child.sock")
-    await child.start()
-    gate = Gate()
-    gate.open()
-    proxy = Proxy(
-        ChildEndpoint(runtime_dir=tmp_path, socket_path=child.path),
-        gate,
-        lambda: "ready",
-        time.monotonic() + 30,
-        ["k1", "k2"],
-    )
 
     async def status() -> Reply:
         return Reply.json({"state": "ready"})
 
-    proxy.own_routes["/slotkeeper/status"] = status
-    port = free_port()
-    await proxy.listen("127.0.0.1", port)
-    yield Proxied(port, child, proxy, gate)
-    await proxy.stop_listening()
-    proxy.close()
-    await child.stop()
+    async with proxied_child(tmp_path, api_keys=["k1", "k2"]) as served:
+        served.proxy.own_routes["/slotkeeper/status"] = status
+        yield served
 
 
 async def test_any_of_the_keys_opens_own_paths_and_nothing_reaches_the_child(guarded: Proxied) -> None:

@@ -28,6 +28,8 @@ from proxy_helpers import (
     FakeChild,
     Proxied,
     answer_ok,
+    listening_proxy,
+    proxied_child,
     raw_call,
     raw_response,
     read_body,
@@ -36,8 +38,6 @@ from proxy_helpers import (
 )
 
 from slotkeeper.proxy.messages import Reply
-from slotkeeper.proxy.server import Gate, Proxy
-from slotkeeper.supervisor import ChildEndpoint
 from slotkeeper.testing.harness import free_port, health_status, http_call, stream_lines, wait_until
 
 # ---- the proxy in front of the scripted child (tests/proxy_helpers.py) ----------------------------------------
@@ -46,18 +46,8 @@ from slotkeeper.testing.harness import free_port, health_status, http_call, stre
 @pytest.fixture
 async def proxied(tmp_path: Path) -> AsyncIterator[Proxied]:
     """The proxy served exactly as slotkeeper serves it (Proxy.listen), in front of a FakeChild."""
-    child = FakeChild(tmp_path / "child.sock")
-    await child.start()
-    gate = Gate()
-    gate.open()
-    endpoint = ChildEndpoint(runtime_dir=tmp_path, socket_path=child.path)
-    proxy = Proxy(endpoint, gate, lambda: "ready", time.monotonic() + 30)
-    port = free_port()
-    await proxy.listen("127.0.0.1", port)
-    yield Proxied(port, child, proxy, gate)
-    await proxy.stop_listening()
-    proxy.close()
-    await child.stop()
+    async with proxied_child(tmp_path) as served:
+        yield served
 
 
 # ---- the proxy against the scripted child ----------------------------------------------------------------------
@@ -424,20 +414,14 @@ async def test_a_full_accept_queue_at_the_child_is_waited_out(tmp_path):
             await asyncio.sleep(30)
 
     serving = asyncio.ensure_future(serve_later())
-    gate = Gate()
-    gate.open()
-    proxy = Proxy(ChildEndpoint(runtime_dir=tmp_path, socket_path=path), gate, lambda: "ready", time.monotonic())
-    port = free_port()
-    await proxy.listen("127.0.0.1", port)
-    try:
-        replies = await asyncio.gather(
-            *(raw_call(port, request_bytes("POST", "/tokenize", body=b"{}")) for _ in range(20))
-        )
-        assert [r.status for r in replies] == [200] * 20
-    finally:
-        serving.cancel()
-        await proxy.stop_listening()
-        proxy.close()
+    async with listening_proxy(tmp_path, path) as (port, _, _):
+        try:
+            replies = await asyncio.gather(
+                *(raw_call(port, request_bytes("POST", "/tokenize", body=b"{}")) for _ in range(20))
+            )
+            assert [r.status for r in replies] == [200] * 20
+        finally:
+            serving.cancel()
 
 
 async def test_idle_connection_closed_by_the_child_is_not_an_error(proxied):
@@ -641,15 +625,8 @@ async def test_slotkeeper_namespace(proxied):
 
 async def test_requests_wait_for_the_gate(tmp_path):
     """Before the restore is done /health is slotkeeper's 503; other requests wait, then reach the child."""
-    child = FakeChild(tmp_path / "c.sock")
-    await child.start()
-    gate = Gate()
-    proxy = Proxy(
-        ChildEndpoint(runtime_dir=tmp_path, socket_path=child.path), gate, lambda: "restoring", time.monotonic() + 30
-    )
-    port = free_port()
-    await proxy.listen("127.0.0.1", port)
-    try:
+    async with proxied_child(tmp_path, opened=False, state="restoring") as served:
+        port, child, gate = served.port, served.child, served.gate
         health = await raw_call(port, request_bytes("GET", "/health"))
         assert health.status == 503 and health.json()["status"] == "restoring"
         waiting = asyncio.ensure_future(raw_call(port, request_bytes("POST", "/completion", body=b"{}")))
@@ -658,10 +635,6 @@ async def test_requests_wait_for_the_gate(tmp_path):
         gate.open()
         assert (await asyncio.wait_for(waiting, 5)).status == 200
         assert [r.target for r in child.requests] == [b"/completion"]
-    finally:
-        await proxy.stop_listening()
-        proxy.close()
-        await child.stop()
 
 
 # ---- the daemon around the stub -------------------------------------------------------------------------------

@@ -25,8 +25,12 @@ request waiting for the gate, a new connection to the child, and slotkeeper's ow
 
 The modules, each importing only those after it:
 
-* server.py: the public side. ClientConnection (one client's connection: parsing, routing, writing, flow
-  control), the Gate, and the Proxy that listens, counts and drains.
+* server.py: the Proxy that listens, counts and drains (and holds what its connections share: the pool, the
+  gate, slotkeeper's own routes and their API keys, the hook), and the Gate.
+* connection.py: the public side. ClientConnection: one client's connection (parsing, routing, writing, flow
+  control), the way of each of its requests from the head to the end of the answer.
+* front.py: what a ClientConnection works with besides its requests: its FlowControl, and the Proxy and the
+  Gate as protocols (Front, GateView), so that connection.py does not import server.py, which creates it.
 * messages.py: a client's Request (all of one request's state, from its head to the end of its answer) and
   the Reply slotkeeper gives itself.
 * upstream.py: the child's side. ChildConnection and ChildPool (keep-alive connections, the connect timeout),

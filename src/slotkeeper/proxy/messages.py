@@ -2,7 +2,7 @@
 gives itself.
 
 A Request holds all that is particular to one request, from its head to the end of its answer; the connection
-it came on (server.ClientConnection) holds what outlives it.
+it came on (connection.ClientConnection) holds what outlives it.
 """
 
 from __future__ import annotations

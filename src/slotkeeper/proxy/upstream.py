@@ -1,8 +1,8 @@
 """The proxy's upstream side: keep-alive connections to the llama-server child, and what each one carries.
 
-A ChildConnection carries one exchange at a time for an `Exchange`: a client's connection (server.py), which
-relays the answer as it arrives, or one of slotkeeper's own requests (InternalExchange), which collects it
-whole. Connections are kept alive in ChildPool, on the child's private socket.
+A ChildConnection carries one exchange at a time for an `Exchange`: a client's connection (connection.py),
+which relays the answer as it arrives, or one of slotkeeper's own requests (InternalExchange), which collects
+it whole. Connections are kept alive in ChildPool, on the child's private socket.
 
 Nothing is timed out here but connecting to the child (CONNECT_TIMEOUT_S).
 """

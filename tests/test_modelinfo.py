@@ -15,15 +15,14 @@ np = pytest.importorskip("numpy")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from slotkeeper.ggufheader import SkippedArray, read_gguf_metadata  # noqa: E402
 from slotkeeper.modelinfo import (  # noqa: E402
     KvLayer,
     MemoryKind,
     ModelInfoError,
     ModelMemory,
-    SkippedArray,
     kv_cache_bytes,
     llama_server_slots,
-    read_gguf_metadata,
     read_model_memory,
 )
 

@@ -8,18 +8,13 @@ hybrid model keeps a fixed-size state that cannot be rolled back to an arbitrary
 daemon learns which at start, before llama-server has loaded anything, and without numpy or the ``gguf``
 package (runtime dependencies are stdlib + pydantic etc.): the GGUF header's key/value section says it all.
 
-The classification follows llama.cpp b11434, not guesses from key names:
+The classification follows llama.cpp b11434, not guesses from key names: which architectures are recurrent,
+hybrid, memoryless or use a sliding window is llamaarch.py's tables, copied from llama.cpp's source; which
+layers carry a KV cache, and how big llama-server's cache is, follow ``create_memory``, ``llama_kv_cache``,
+``llama_kv_cache_iswa``, ``llama_memory_hybrid`` and ``llama_context``'s context padding. The header itself is
+read by ggufheader.py.
 
-* the architecture lists are copied from ``src/llama-arch.cpp`` (``LLM_ARCH_NAMES``,
-  ``llm_arch_is_recurrent``, ``llm_arch_is_hybrid``) and ``src/llama-model.cpp``
-  (``llama_model::create_memory``: which architectures have no memory at all);
-* which architectures use a sliding window, their default layer patterns and windows, come from each
-  ``src/models/<arch>.cpp`` ``load_arch_hparams`` (``swa_type``, ``n_swa``, ``load_swa_pattern``);
-* which layers carry a KV cache, and how big llama-server's cache is, follow ``create_memory``,
-  ``llama_kv_cache``, ``llama_kv_cache_iswa``, ``llama_memory_hybrid`` and ``llama_context``'s context
-  padding.
-
-Architectures this table does not know (a GGUF from a newer llama.cpp) fall back on the keys:
+Architectures those tables do not know (a GGUF from a newer llama.cpp) fall back on the keys:
 ``<arch>.ssm.*`` / ``shortconv.*`` / ``wkv.*`` / ``kda.*`` mean recurrent, ``<arch>.attention.sliding_window``
 means SWA.
 """
@@ -27,12 +22,24 @@ means SWA.
 from __future__ import annotations
 
 import enum
-import mmap
 import os
-import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from .ggufheader import ModelInfoError, SkippedArray, read_gguf_metadata
+from .llamaarch import (
+    HYBRID_ARCHITECTURES,
+    INTERVAL_HYBRIDS,
+    KNOWN_ARCHITECTURES,
+    MAX_LAYERS,
+    MEMORYLESS_ARCHITECTURES,
+    RECURRENT_ARCHITECTURES,
+    RECURRENT_KEY_GROUPS,
+    SPECIAL_CACHE_ARCHITECTURES,
+    SWA_RULES,
+    SwaRule,
+)
 
 __all__ = [
     "KvLayer",
@@ -46,336 +53,6 @@ __all__ = [
     "read_gguf_metadata",
     "read_model_memory",
 ]
-
-
-class ModelInfoError(ValueError):
-    """The file is not a GGUF model this module can read; the text is a one-line reason."""
-
-
-# --------------------------------------------------------------------------------------------------------------
-# GGUF metadata reader
-# --------------------------------------------------------------------------------------------------------------
-
-GGUF_MAGIC = b"GGUF"
-# ggml/src/gguf.cpp reads versions 2 and 3 (GGUFv1, with 32-bit lengths, is "no longer supported").
-SUPPORTED_VERSIONS = (2, 3)
-
-# gguf_type: element type code -> (struct format, size). 8 = string and 9 = array are handled apart.
-# fmt: off
-_SCALAR_TYPES: dict[int, tuple[str, int]] = {
-    0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4),
-    6: ("f", 4), 7: ("?", 1), 10: ("Q", 8), 11: ("q", 8), 12: ("d", 8),
-}
-# fmt: on
-_TYPE_STRING = 8
-_TYPE_ARRAY = 9
-
-#: Arrays up to this many elements are kept (per-layer values such as ``head_count_kv`` or
-#: ``sliding_window_pattern``; llama.cpp allows at most 512 layers). Longer ones (the vocabulary, scores,
-#: merges) are skipped without building Python objects.
-MAX_KEPT_ARRAY = 4096
-
-
-@dataclass(frozen=True)
-class SkippedArray:
-    """Stands in for an array the reader skipped: its GGUF element type code and length."""
-
-    element_type: int
-    count: int
-
-    def __len__(self) -> int:
-        return self.count
-
-
-class _Truncated(Exception):
-    pass
-
-
-class _Reader:
-    """Bounds-checked little-endian reads from a buffer (an mmap of the file)."""
-
-    def __init__(self, buf: Any, size: int) -> None:
-        self.buf = buf
-        self.size = size
-        self.pos = 0
-
-    def need(self, n: int) -> None:
-        if n < 0 or self.pos + n > self.size:
-            raise _Truncated
-
-    def unpack(self, fmt: str, n: int) -> Any:
-        self.need(n)
-        value = struct.unpack_from("<" + fmt, self.buf, self.pos)
-        self.pos += n
-        return value[0] if len(value) == 1 else value
-
-    def u32(self) -> int:
-        return int(self.unpack("I", 4))
-
-    def u64(self) -> int:
-        return int(self.unpack("Q", 8))
-
-    def raw_string(self) -> bytes:
-        n = self.u64()
-        self.need(n)
-        data = bytes(self.buf[self.pos : self.pos + n])
-        self.pos += n
-        return data
-
-    def skip_strings(self, count: int) -> None:
-        # Each string needs at least its 8-byte length: a count the file cannot hold is a truncated file,
-        # found before looping over billions of phantom entries.
-        self.need(count * 8)
-        buf, pos, size, unpack_from = self.buf, self.pos, self.size, struct.unpack_from
-        for _ in range(count):
-            if pos + 8 > size:
-                raise _Truncated
-            pos += 8 + unpack_from("<Q", buf, pos)[0]
-        if pos > size:
-            raise _Truncated
-        self.pos = pos
-
-
-def _read_value(r: _Reader, vtype: int, key: str, max_array: int) -> Any:
-    if vtype in _SCALAR_TYPES:
-        fmt, size = _SCALAR_TYPES[vtype]
-        return r.unpack(fmt, size)
-    if vtype == _TYPE_STRING:
-        return r.raw_string().decode("utf-8", errors="replace")
-    if vtype != _TYPE_ARRAY:
-        raise ModelInfoError(f"key {key!r} has an invalid GGUF value type {vtype}")
-    etype = r.u32()
-    count = r.u64()
-    if etype == _TYPE_STRING:
-        if count <= max_array:
-            return [r.raw_string().decode("utf-8", errors="replace") for _ in range(count)]
-        r.skip_strings(count)
-        return SkippedArray(etype, count)
-    if etype not in _SCALAR_TYPES:  # gguf.cpp rejects arrays of arrays too
-        raise ModelInfoError(f"key {key!r} is an array of invalid GGUF type {etype}")
-    fmt, size = _SCALAR_TYPES[etype]
-    r.need(count * size)
-    if count > max_array:
-        r.pos += count * size
-        return SkippedArray(etype, count)
-    values = list(struct.unpack_from(f"<{count}{fmt}", r.buf, r.pos))
-    r.pos += count * size
-    return values
-
-
-def _map_file(path: str | os.PathLike[str]) -> tuple[Any, int, Callable[[], None]]:
-    name = os.fspath(path)
-    try:
-        with open(name, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                raise ModelInfoError(f"{name}: empty file, not a GGUF model")
-            try:
-                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError) as exc:  # not a regular file (a pipe, a device)
-                raise ModelInfoError(f"{name}: cannot map the file ({exc})") from None
-    except OSError as exc:
-        raise ModelInfoError(f"{name}: cannot read: {exc.strerror or exc}") from None
-    return mapped, size, mapped.close
-
-
-def read_gguf_metadata(path: str | os.PathLike[str], *, max_array: int = MAX_KEPT_ARRAY) -> dict[str, Any]:
-    """The key/value metadata of a GGUF file, without its tensor infos or tensor data.
-
-    Scalars are Python ints, floats, bools and strs; arrays of at most ``max_array`` elements are lists,
-    longer ones :class:`SkippedArray` (type and length only). Reads only the header pages of the file (for a
-    model with a 262k-token vocabulary, a few MB). Raises :class:`ModelInfoError` for anything that is not
-    a readable GGUF header: wrong magic, unsupported version, a truncated file, invalid types, duplicate keys.
-    """
-    name = os.fspath(path)
-    buf, size, close = _map_file(path)
-    try:
-        r = _Reader(buf, size)
-        try:
-            magic = bytes(buf[:4])
-            if size < 4 and GGUF_MAGIC.startswith(magic):
-                raise _Truncated
-            if magic != GGUF_MAGIC:
-                raise ModelInfoError(f"{name}: not a GGUF file (starts with {magic!r}, not b'GGUF')")
-            r.pos = 4
-            version = r.u32()
-            if version not in SUPPORTED_VERSIONS:
-                if version & 0xFFFF == 0 and version:
-                    raise ModelInfoError(
-                        f"{name}: GGUF version {version:#x}: a big-endian file? llama.cpp reads "
-                        "only files of its own byte order"
-                    )
-                raise ModelInfoError(f"{name}: unsupported GGUF version {version} (llama.cpp reads 2 and 3)")
-            r.u64()  # tensor count: not needed
-            n_kv = r.u64()
-            # Every pair takes at least 8 (key length) + 1 (key) + 4 (type) + 1 (value) bytes.
-            if n_kv * 14 > size - r.pos:
-                raise _Truncated
-            meta: dict[str, Any] = {}
-            for i in range(n_kv):
-                try:
-                    key = r.raw_string().decode("utf-8")
-                except UnicodeDecodeError:
-                    raise ModelInfoError(f"{name}: key #{i} is not UTF-8") from None
-                if not key:
-                    raise ModelInfoError(f"{name}: key #{i} is empty")
-                if key in meta:
-                    raise ModelInfoError(f"{name}: duplicate key {key!r}")
-                meta[key] = _read_value(r, r.u32(), key, max_array)
-            return meta
-        except _Truncated:
-            raise ModelInfoError(f"{name}: truncated GGUF header ({size} bytes; it ends inside the metadata)") from None
-    finally:
-        close()
-
-
-# --------------------------------------------------------------------------------------------------------------
-# llama.cpp b11434's architecture tables
-# --------------------------------------------------------------------------------------------------------------
-
-#: Every architecture name of llama.cpp b11434 (src/llama-arch.cpp, LLM_ARCH_NAMES). An architecture outside
-#: this set is classified from its keys.
-# fmt: off
-KNOWN_ARCHITECTURES = frozenset({
-    "clip", "llama", "llama4", "deci", "falcon", "grok", "gpt2", "gptj", "gptneox", "mpt", "baichuan",
-    "starcoder", "refact", "bert", "modern-bert", "nomic-bert", "nomic-bert-moe", "neo-bert", "jina-bert-v2",
-    "jina-bert-v3", "eurobert", "bloom", "stablelm", "qwen", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen3moe",
-    "qwen3next", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe", "clef", "qwen4exp", "phi2", "phi3", "phimoe",
-    "plamo", "plamo2", "plamo3", "codeshell", "orion", "internlm2", "minicpm", "minicpm3", "gemma", "gemma2",
-    "gemma3", "gemma3n", "gemma4", "gemma4-assistant", "gemma-embedding", "starcoder2", "mamba", "mamba2",
-    "maple", "jamba", "falcon-h1", "xverse", "command-r", "cohere2", "cohere2moe", "dbrx", "olmo", "olmo2",
-    "olmoe", "muse-glimmer", "openelm", "arctic", "deepseek", "deepseek2", "deepseek2-ocr", "deepseek32",
-    "deepseek4", "chatglm", "glm4", "glm4moe", "glm-dsa", "bitnet", "t5", "t5encoder", "jais", "jais2",
-    "nemotron", "nemotron_h", "nemotron_h_moe", "exaone", "exaone4", "exaone-moe", "rwkv6", "rwkv6qwen2",
-    "rwkv7", "arwkv7", "granite", "granitemoe", "granitehybrid", "graniteswitch", "granite_swa", "chameleon",
-    "wavtokenizer-dec", "plm", "bailingmoe", "bailingmoe2", "bailingmoe3", "dots1", "dots3note", "arcee",
-    "afmoe", "laguna", "ernie4_5", "ernie4_5-moe", "hunyuan-moe", "hunyuan-dense", "hunyuan_vl", "hy_v3",
-    "hy_v4", "smollm3", "gpt-oss", "lfm2", "lfm2moe", "dream", "smallthinker", "llada", "llada-moe",
-    "seed_oss", "grovemoe", "apertus", "minimax-01", "hrm_text", "minimax-m2", "minimax-m3", "cogvlm", "rnd1",
-    "pangu-embedded", "mistral3", "eagle3", "dflash", "mistral4", "paddleocr", "mimo2", "step35", "spark2_5",
-    "llama-embed", "maincoder", "kimi-linear", "kimi-k3", "glm5-next", "talkie", "mellum", "nanbeige",
-    "qwen3tts", "pockettts",
-})
-# fmt: on
-
-#: src/llama-arch.cpp, llm_arch_is_recurrent(): recurrent state only, no KV cache.
-RECURRENT_ARCHITECTURES = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
-
-#: src/llama-arch.cpp, llm_arch_is_hybrid(): attention layers with a KV cache plus recurrent layers.
-HYBRID_ARCHITECTURES = frozenset(
-    {
-        "jamba",
-        "falcon-h1",
-        "plamo2",
-        "granitehybrid",
-        "lfm2",
-        "lfm2moe",
-        "nemotron_h",
-        "nemotron_h_moe",
-        "qwen3next",
-        "kimi-linear",
-        "bailingmoe3",
-        "kimi-k3",
-        "glm5-next",
-        "qwen35",
-        "qwen35moe",
-        "qwen4exp",
-        "deepseek4",
-        "minimax-01",
-    }
-)
-
-#: src/llama-model.cpp, llama_model::create_memory(): architectures whose context has no memory at all
-#: (encoders, embedding and diffusion models).
-MEMORYLESS_ARCHITECTURES = frozenset(
-    {
-        "bert",
-        "jina-bert-v2",
-        "jina-bert-v3",
-        "nomic-bert",
-        "nomic-bert-moe",
-        "neo-bert",
-        "eurobert",
-        "wavtokenizer-dec",
-        "modern-bert",
-        "gemma-embedding",
-        "dream",
-        "llada",
-        "llada-moe",
-        "rnd1",
-        "clef",
-    }
-)
-
-#: src/llama-model.cpp, llama_model::create_memory(): architectures with a cache of their own kind (an indexer
-#: key cache for sparse attention, DeepSeek-V4's compressed cache, a shared draft cache). Their KV estimate
-#: counts the attention K/V only and is marked inexact.
-SPECIAL_CACHE_ARCHITECTURES = frozenset(
-    {
-        "minimax-m3",
-        "glm-dsa",
-        "deepseek32",
-        "glm5-next",
-        "hy_v4",
-        "dots3note",
-        "deepseek4",
-        "qwen4exp",
-        "dflash",
-        "gemma4-assistant",
-    }
-)
-
-
-@dataclass(frozen=True)
-class _SwaRule:
-    """How an architecture's load_arch_hparams (src/models/<arch>.cpp) sets up its sliding window."""
-
-    pattern: int | None  # load_swa_pattern's default n_pattern; None: the per-layer array is required
-    dense_first: bool = False
-    optional: bool = False  # SWA only when <arch>.attention.sliding_window is present and > 0
-    default_window: int | None = None  # n_swa when the key is absent (None: the key is required)
-    forced_window: int | None = None  # n_swa set after reading the key (the key only switches SWA on)
-    chunked: bool = False  # LLAMA_SWA_TYPE_CHUNKED (llama4) rather than STANDARD
-
-
-#: Architectures whose load_arch_hparams sets swa_type (src/models/*.cpp in b11434). Special cases handled in
-#: code: exaone4 (SWA only for its 64-layer model), llama4 (chunked unless the window key is 0), lfm2 (the
-#: window covers its attention layers), deepseek4 (every layer), phi3 (its SWA is disabled: full attention).
-_SWA_RULES: dict[str, _SwaRule] = {
-    "afmoe": _SwaRule(4, optional=True),
-    "cohere2": _SwaRule(4),
-    "cohere2moe": _SwaRule(4, dense_first=True),
-    "exaone-moe": _SwaRule(4),
-    "exaone4": _SwaRule(4, default_window=4096),
-    "gemma2": _SwaRule(2, default_window=4096),
-    "gemma3": _SwaRule(6, optional=True),
-    "gemma3n": _SwaRule(5),
-    "gemma4": _SwaRule(None),
-    "gemma4-assistant": _SwaRule(None),
-    "granite_swa": _SwaRule(None),
-    "laguna": _SwaRule(4, dense_first=True, optional=True),
-    "llama4": _SwaRule(4, forced_window=8192, chunked=True),
-    "maple": _SwaRule(None),
-    "mellum": _SwaRule(4, optional=True),
-    "mimo2": _SwaRule(None),
-    "muse-glimmer": _SwaRule(4),
-    "olmo2": _SwaRule(4, optional=True),
-    "gpt-oss": _SwaRule(2),
-    "plamo3": _SwaRule(8, optional=True),
-    "smallthinker": _SwaRule(4, dense_first=True, optional=True, forced_window=4096),
-    "spark2_5": _SwaRule(None),
-    "step35": _SwaRule(None),
-    "dots3note": _SwaRule(None),
-}
-
-#: Hybrid architectures whose recurrent layers are listed in <arch>.attention.recurrent_layers or else follow
-#: <arch>.full_attention_interval (this default): src/models/{qwen3next,qwen35,qwen35moe,qwen4exp,minimax-01}.cpp.
-_INTERVAL_HYBRIDS = {"qwen3next": 4, "qwen35": 4, "qwen35moe": 4, "qwen4exp": 4, "minimax-01": 8}
-
-_RECURRENT_KEY_GROUPS = ("ssm.", "shortconv.", "wkv.", "kda.")
-
-#: src/llama-hparams.h, LLAMA_MAX_LAYERS.
-MAX_LAYERS = 512
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -483,7 +160,7 @@ def _get_int(meta: dict[str, Any], key: str, default: int | None = None) -> int:
     return _as_int(value, key)
 
 
-def _swa_pattern(meta: dict[str, Any], p: str, n_layer: int, n_layer_all: int, rule: _SwaRule) -> list[bool]:
+def _swa_pattern(meta: dict[str, Any], p: str, n_layer: int, n_layer_all: int, rule: SwaRule) -> list[bool]:
     """llama_model_base::load_swa_pattern (or a required get_arr when the rule has no default pattern)."""
     value = meta.get(p + "attention.sliding_window_pattern")
     if isinstance(value, list):
@@ -553,7 +230,7 @@ def model_memory_from_metadata(meta: dict[str, Any]) -> ModelMemory:
     # Sliding window: swa_type and is_swa per layer, as load_arch_hparams sets them.
     is_swa = [False] * n_layer_all
     n_swa = 0
-    rule = _SWA_RULES.get(arch)
+    rule = SWA_RULES.get(arch)
     if rule is not None and not (rule.optional and window <= 0):
         if arch == "exaone4" and n_layer != 64:
             pass  # src/models/exaone4.cpp: only the 32B model (64 layers) uses SWA
@@ -572,7 +249,7 @@ def model_memory_from_metadata(meta: dict[str, Any]) -> ModelMemory:
         n_swa = window
         value = meta.get(p + "attention.sliding_window_pattern")
         if isinstance(value, list):
-            is_swa = _swa_pattern(meta, p, n_layer, n_layer_all, _SwaRule(None))
+            is_swa = _swa_pattern(meta, p, n_layer, n_layer_all, SwaRule(None))
         elif isinstance(value, int) and not isinstance(value, bool):
             is_swa = _set_swa_pattern(value, False, n_layer, n_layer_all)
         else:
@@ -584,7 +261,7 @@ def model_memory_from_metadata(meta: dict[str, Any]) -> ModelMemory:
     recurrent_arch = arch in RECURRENT_ARCHITECTURES
     hybrid_arch = arch in HYBRID_ARCHITECTURES
     if not known:
-        has_state = any(k.startswith(p + group) for k in meta for group in _RECURRENT_KEY_GROUPS)
+        has_state = any(k.startswith(p + group) for k in meta for group in RECURRENT_KEY_GROUPS)
         if has_state:
             hybrid_arch = (
                 any(n_head_kv[:n_layer])
@@ -599,7 +276,7 @@ def model_memory_from_metadata(meta: dict[str, Any]) -> ModelMemory:
         elif arch in ("nemotron_h", "nemotron_h_moe"):
             is_recr = [il < n_layer and n_head_kv[il] == 0 and n_ff[il] == 0 for il in range(n_layer_all)]
         elif (
-            arch in _INTERVAL_HYBRIDS
+            arch in INTERVAL_HYBRIDS
             or p + "attention.recurrent_layers" in meta
             or (not known and p + "full_attention_interval" in meta)
         ):
@@ -607,7 +284,7 @@ def model_memory_from_metadata(meta: dict[str, Any]) -> ModelMemory:
             if listed is not None:
                 is_recr = [bool(v) for v in _per_layer(meta, p + "attention.recurrent_layers", n_layer_all, 0)]
             else:
-                interval = _get_int(meta, p + "full_attention_interval", _INTERVAL_HYBRIDS.get(arch, 4)) or 1
+                interval = _get_int(meta, p + "full_attention_interval", INTERVAL_HYBRIDS.get(arch, 4)) or 1
                 is_recr = [il < n_layer and (il + 1) % interval != 0 for il in range(n_layer_all)]
         elif arch == "deepseek4":
             is_recr = [False] * n_layer_all
@@ -627,7 +304,7 @@ def model_memory_from_metadata(meta: dict[str, Any]) -> ModelMemory:
                 return True
             if arch in ("nemotron_h", "nemotron_h_moe"):
                 return not is_recr[il] and n_ff[il] == 0
-            if arch in _INTERVAL_HYBRIDS or arch == "glm5-next":
+            if arch in INTERVAL_HYBRIDS or arch == "glm5-next":
                 return il < n_layer and not is_recr[il]
             return not is_recr[il]
         # gemma3n / gemma4: only the first n_layer_kv_from_start layers own a cache, the rest reuse one.

@@ -56,8 +56,9 @@ template unless one is asked for (so its file is unchanged). Every special token
 the large negative output bias, so generated text stays printable ASCII and the model never
 ends a turn or opens/closes a think block by itself.
 
-Only imported by tests and by the ``demo`` command (needs ``numpy`` and ``gguf``), never by
-the daemon.
+The vocabulary and chat templates are ``tinyvocab``'s, the spec and its presets
+``tinyspec``'s; this module writes the file (its weights and keys). Only imported by tests
+and by the ``demo`` command (needs ``numpy`` and ``gguf``), never by the daemon.
 
 Command line::
 
@@ -77,9 +78,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from .tinyspec import ARCHS, BENCH_MODEL_E, PRESETS, TinyModelSpec
+from .tinyvocab import BOS_ID, EOS_ID, TEMPLATES, add_tokenizer, chat_template_text, vocab_tokens
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import numpy as np
@@ -99,63 +102,8 @@ __all__ = [
 ]
 
 ARCH = "llama"
+_DEFAULT_SPEC = TinyModelSpec()  # frozen: one instance is every call's default
 
-#: Architectures :func:`write_tiny_model` can write.
-ARCHS: tuple[str, ...] = ("llama", "qwen35", "lfm2", "gemma3")
-#: Chat templates that can be embedded (``TinyModelSpec.template``).
-TEMPLATES: tuple[str, ...] = ("qwen35", "qwen3", "gemma")
-_DEFAULT_TEMPLATE: dict[str, str | None] = {"llama": None, "qwen35": "qwen35", "lfm2": "qwen35", "gemma3": "gemma"}
-_TEMPLATE_FILES = {"qwen35": "qwen35.jinja", "qwen3": "qwen3.jinja", "gemma": "gemma3.jinja"}
-_TEMPLATE_FAMILY = {"qwen35": "qwen", "qwen3": "qwen", "gemma": "gemma"}
-
-#: Token ids. Bytes first (id == byte value) so a byte's token id is obvious in tests.
-N_BYTE_TOKENS = 256
-BOS_ID = 256
-EOS_ID = 257
-BOS_TEXT = "<|startoftext|>"
-EOS_TEXT = "<|endoftext|>"  # a spelling llama.cpp recognizes as end-of-generation (else it warns)
-
-# gguf TokenType values (gguf.TokenType), kept here so the vocabulary needs no gguf import.
-_TOKEN_NORMAL = 1
-_TOKEN_CONTROL = 3
-_TOKEN_USER_DEFINED = 4
-
-#: Special tokens appended after the llama vocabulary, per template family (spelling, type).
-#: Qwen marks ``<think>``/``<tool_call>``... as non-special added tokens (USER_DEFINED in GGUF).
-_FAMILY_SPECIALS: dict[str, tuple[tuple[str, int], ...]] = {
-    "qwen": (
-        ("<|im_start|>", _TOKEN_CONTROL),
-        ("<|im_end|>", _TOKEN_CONTROL),
-        ("<|vision_start|>", _TOKEN_CONTROL),
-        ("<|vision_end|>", _TOKEN_CONTROL),
-        ("<|vision_pad|>", _TOKEN_CONTROL),
-        ("<|image_pad|>", _TOKEN_CONTROL),
-        ("<|video_pad|>", _TOKEN_CONTROL),
-        ("<tool_call>", _TOKEN_USER_DEFINED),
-        ("</tool_call>", _TOKEN_USER_DEFINED),
-        ("<tool_response>", _TOKEN_USER_DEFINED),
-        ("</tool_response>", _TOKEN_USER_DEFINED),
-        ("<think>", _TOKEN_USER_DEFINED),
-        ("</think>", _TOKEN_USER_DEFINED),
-    ),
-    "gemma": (
-        ("<pad>", _TOKEN_CONTROL),
-        ("<eos>", _TOKEN_CONTROL),
-        ("<bos>", _TOKEN_CONTROL),
-        ("<start_of_turn>", _TOKEN_CONTROL),
-        ("<end_of_turn>", _TOKEN_CONTROL),
-        ("<start_of_image>", _TOKEN_CONTROL),
-        ("<end_of_image>", _TOKEN_CONTROL),
-    ),
-}
-#: (bos, eos, eot, pad, add_bos) spellings per template family.
-_FAMILY_IDS: dict[str, tuple[str, str, str, str, bool]] = {
-    "qwen": (EOS_TEXT, "<|im_end|>", "<|im_end|>", EOS_TEXT, False),
-    "gemma": ("<bos>", "<eos>", "<end_of_turn>", "<pad>", True),
-}
-
-#: Letters whose pairs get merged tokens (the most frequent English letters).
-_PAIR_LETTERS = "etaoinshrdlcumwf"
 
 # Weight scales (see the module docstring for why they are not plain 1/sqrt(fan_in)).
 _QK_SCALE = 2.5  # q and k per-component std ~2.5 -> attention logits std ~6: sharp attention
@@ -172,200 +120,6 @@ _LFM2_ATTN_EVERY = 3
 _GEMMA3_SWA_PERIOD = 6
 
 
-@dataclass(frozen=True)
-class TinyModelSpec:
-    """Shape and identity of a tiny model; equal specs give byte-identical files.
-
-    ``context_length`` is the trained context written into the file: llama-server caps
-    each slot's context at it, so it defaults to 32768 to let tests use long prompts.
-    """
-
-    n_layers: int = 2
-    width: int = 64
-    """Embedding length (``llama.embedding_length``)."""
-    n_heads: int = 4
-    n_kv_heads: int = 4
-    """Fewer KV heads than heads (GQA) shrinks the KV cache and the slot files."""
-    ff: int | None = None
-    """Feed-forward length; ``None`` means llama-style 8/3 * width rounded up to 32."""
-    f16: bool = False
-    """Matrices (embeddings, projections, output head) in f16 instead of f32; norms stay f32."""
-    seed: int = 0
-    context_length: int = 32768
-    name: str = "slotkeeper-tiny"
-    arch: str = "llama"
-    """One of :data:`ARCHS`: ``llama``, ``qwen35``, ``lfm2`` or ``gemma3``."""
-    sliding_window: int = 128
-    """Sliding-window size in tokens of gemma3's local layers (ignored by other archs)."""
-    template: str | None = None
-    """Embedded chat template, one of :data:`TEMPLATES`; ``None`` means the arch's default
-    (``qwen35`` for qwen35 and lfm2, ``gemma`` for gemma3, no template for llama)."""
-
-    def __post_init__(self) -> None:
-        problems: list[str] = []
-        if self.n_layers < 1:
-            problems.append(f"n_layers must be >= 1, got {self.n_layers}")
-        if self.width < 8:
-            problems.append(f"width must be >= 8, got {self.width}")
-        if self.n_heads < 1 or self.width % self.n_heads:
-            problems.append(f"width {self.width} must be a positive multiple of n_heads {self.n_heads}")
-        elif (self.width // self.n_heads) % 2:
-            problems.append(f"head size width/n_heads = {self.width // self.n_heads} must be even (RoPE)")
-        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
-            problems.append(f"n_heads {self.n_heads} must be a multiple of n_kv_heads {self.n_kv_heads}")
-        if self.ff is not None and self.ff < 1:
-            problems.append(f"ff must be >= 1, got {self.ff}")
-        if self.context_length < 1:
-            problems.append(f"context_length must be >= 1, got {self.context_length}")
-        if not (0 <= self.seed < 2**63):
-            problems.append(f"seed must be in [0, 2**63), got {self.seed}")
-        if not self.name:
-            problems.append("name must not be empty")
-        if self.arch not in ARCHS:
-            problems.append(f"arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
-        elif self.arch in ("qwen35", "lfm2") and self.n_layers < 2:
-            # llama.cpp b11434 aborts (GGML_ASSERT(buffer)) on a hybrid without recurrent layers
-            problems.append(f"{self.arch} needs n_layers >= 2 (a recurrent and an attention layer)")
-        if self.sliding_window < 1:
-            problems.append(f"sliding_window must be >= 1, got {self.sliding_window}")
-        if self.template is not None and self.template not in TEMPLATES:
-            problems.append(f"template must be None or one of {', '.join(TEMPLATES)}, got {self.template!r}")
-        if problems:
-            raise ValueError("invalid TinyModelSpec: " + "; ".join(problems))
-
-    @property
-    def head_dim(self) -> int:
-        return self.width // self.n_heads
-
-    @property
-    def ff_length(self) -> int:
-        """The feed-forward length actually written (``ff`` or its default)."""
-        if self.ff is not None:
-            return self.ff
-        return -(-8 * self.width // (3 * 32)) * 32
-
-    @property
-    def chat_template(self) -> str | None:
-        """The template actually embedded (``template`` or the arch's default), or ``None``."""
-        return self.template if self.template is not None else _DEFAULT_TEMPLATE[self.arch]
-
-    @property
-    def n_vocab(self) -> int:
-        return len(_family_vocab(_family(self))[0])
-
-
-#: Benchmark model "E": ~44 MB f16, 8 layers x 512 wide, GQA with one KV head (small KV
-#: cache and slot files). A ~7,500-token prompt takes several seconds to prefill on 2 CPU
-#: cores, which makes a restored slot cache clearly visible in timings.
-BENCH_MODEL_E = TinyModelSpec(n_layers=8, width=512, n_heads=8, n_kv_heads=1, f16=True, name="slotkeeper-bench-e")
-
-#: Named specs for the ``--preset`` option.
-PRESETS: dict[str, TinyModelSpec] = {
-    "tiny": TinyModelSpec(),
-    "e": BENCH_MODEL_E,
-    #: 3 delta-net layers + 1 full-attention layer, 64 wide, 4 value / 2 key heads (GQA).
-    "qwen35": TinyModelSpec(
-        arch="qwen35", n_layers=4, width=64, n_heads=4, n_kv_heads=2, name="slotkeeper-tiny-qwen35"
-    ),
-    #: conv, conv, attention, conv; 64 wide, GQA 4/2.
-    "lfm2": TinyModelSpec(arch="lfm2", n_layers=4, width=64, n_heads=4, n_kv_heads=2, name="slotkeeper-tiny-lfm2"),
-    #: 5 sliding-window layers (128 tokens) + 1 global layer, 64 wide, one KV head.
-    "gemma3": TinyModelSpec(
-        arch="gemma3", n_layers=6, width=64, n_heads=4, n_kv_heads=1, name="slotkeeper-tiny-gemma3"
-    ),
-}
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode character table.
-
-    llama.cpp's ``gpt2`` tokenizer looks byte tokens up by this spelling, so the 256 byte
-    tokens must use it for every input byte to be representable.
-    """
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
-_Vocab = tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...], tuple[bool, ...]]
-_VOCAB_CACHE: _Vocab | None = None
-
-
-def vocab_tokens() -> _Vocab:
-    """Return ``(tokens, token_types, merges, allowed)`` of the fixed tiny vocabulary.
-
-    ``allowed[i]`` says whether the output head lets token ``i`` be generated: printable
-    ASCII bytes and merged-letter tokens yes, control tokens and other bytes no. The
-    vocabulary does not depend on the spec, so every tiny model tokenizes alike.
-    (Models with a chat template append their special tokens, see ``TinyModelSpec.template``.)
-    """
-    global _VOCAB_CACHE
-    if _VOCAB_CACHE is not None:
-        return _VOCAB_CACHE
-    b2u = _bytes_to_unicode()
-    tokens = [b2u[b] for b in range(N_BYTE_TOKENS)]
-    types = [_TOKEN_NORMAL] * N_BYTE_TOKENS
-    allowed = [0x20 <= b <= 0x7E for b in range(N_BYTE_TOKENS)]
-    tokens += [BOS_TEXT, EOS_TEXT]
-    types += [_TOKEN_CONTROL, _TOKEN_CONTROL]
-    allowed += [False, False]
-
-    space = b2u[ord(" ")]  # "Ġ"
-    pairs: list[tuple[str, str]] = []
-    pairs += [(space, c) for c in "abcdefghijklmnopqrstuvwxyz"]
-    pairs += [(a, b) for a in _PAIR_LETTERS for b in _PAIR_LETTERS]
-    pairs += [(space, c) for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ"]
-    pairs += [(space, c) for c in "0123456789"]
-    merges = [f"{a} {b}" for a, b in pairs]
-    tokens += [a + b for a, b in pairs]
-    types += [_TOKEN_NORMAL] * len(pairs)
-    allowed += [True] * len(pairs)
-    assert len(set(tokens)) == len(tokens), "duplicate token spelling"
-    _VOCAB_CACHE = (tuple(tokens), tuple(types), tuple(merges), tuple(allowed))
-    return _VOCAB_CACHE
-
-
-def _family(spec: TinyModelSpec) -> str | None:
-    """The tokenizer family of the spec's chat template (``None``: plain llama vocabulary)."""
-    tmpl = spec.chat_template
-    return None if tmpl is None else _TEMPLATE_FAMILY[tmpl]
-
-
-def _family_vocab(family: str | None) -> _Vocab:
-    """The llama vocabulary plus the family's special tokens (never allowed as output)."""
-    tokens, types, merges, allowed = vocab_tokens()
-    if family is None:
-        return tokens, types, merges, allowed
-    specials = _FAMILY_SPECIALS[family]
-    out = (
-        tokens + tuple(t for t, _ in specials),
-        types + tuple(k for _, k in specials),
-        merges,
-        allowed + (False,) * len(specials),
-    )
-    assert len(set(out[0])) == len(out[0]), "duplicate token spelling"
-    return out
-
-
-def chat_template_text(name: str) -> str:
-    """The Jinja source of the named chat template (one of :data:`TEMPLATES`)."""
-    from importlib.resources import files
-
-    if name not in _TEMPLATE_FILES:
-        raise ValueError(f"unknown chat template {name!r}; expected one of {', '.join(TEMPLATES)}")
-    return (
-        files(__package__ or "slotkeeper.testing")
-        .joinpath("templates", _TEMPLATE_FILES[name])
-        .read_text(encoding="utf-8")
-    )
-
-
 def _weights(spec: TinyModelSpec) -> list[tuple[str, np.ndarray[Any, Any]]]:
     """All tensors, in file order, as numpy arrays shaped (rows=out, cols=in).
 
@@ -380,7 +134,7 @@ def _weights(spec: TinyModelSpec) -> list[tuple[str, np.ndarray[Any, Any]]]:
     mat_dtype = np.float16 if spec.f16 else np.float32
     d, ff = spec.width, spec.ff_length
     kv = spec.n_kv_heads * spec.head_dim
-    _, _, _, allowed = _family_vocab(_family(spec))
+    _, _, _, allowed = spec.vocab
     n_vocab = len(allowed)
 
     def normal(shape: tuple[int, int], std: float) -> np.ndarray[Any, Any]:
@@ -443,7 +197,7 @@ class _Init:
         self.rng = np.random.default_rng(spec.seed)
         self.mat_dtype = np.float16 if spec.f16 else np.float32
         self.d = spec.width
-        _, _, _, allowed = _family_vocab(_family(spec))
+        _, _, _, allowed = spec.vocab
         self.allowed = np.asarray(allowed)
         self.n_vocab = len(allowed)
 
@@ -629,15 +383,15 @@ def _add_metadata(w: Any, spec: TinyModelSpec) -> None:
     """Write the hyperparameters and tokenizer keys (explicit key names and types)."""
     if spec.arch != "llama":
         _add_arch_metadata(w, spec)
-        _add_tokenizer(w, spec)
+        add_tokenizer(w, spec.chat_template)
         return
     a = ARCH
-    _add_shape(w, spec, a, len(_family_vocab(_family(spec))[0]))
+    _add_shape(w, spec, a, len(spec.vocab[0]))
     w.add_uint32(f"{a}.attention.head_count_kv", spec.n_kv_heads)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_uint32(f"{a}.rope.dimension_count", spec.head_dim)
     w.add_float32(f"{a}.rope.freq_base", 10000.0)
-    _add_tokenizer(w, spec)
+    add_tokenizer(w, spec.chat_template)
 
 
 def _add_shape(w: Any, spec: TinyModelSpec, a: str, n_vocab: int) -> None:
@@ -697,33 +451,7 @@ def _add_arch_metadata(w: Any, spec: TinyModelSpec) -> None:
         raise AssertionError(a)
 
 
-def _add_tokenizer(w: Any, spec: TinyModelSpec) -> None:
-    family = _family(spec)
-    tokens, types, merges, _ = _family_vocab(family)
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", "gpt-2")
-    w.add_array("tokenizer.ggml.tokens", list(tokens))
-    w.add_array("tokenizer.ggml.token_type", list(types))  # int32 array, as llama.cpp reads it
-    w.add_array("tokenizer.ggml.merges", list(merges))
-    if family is None:
-        w.add_uint32("tokenizer.ggml.bos_token_id", BOS_ID)
-        w.add_uint32("tokenizer.ggml.eos_token_id", EOS_ID)
-        w.add_bool("tokenizer.ggml.add_bos_token", True)
-        w.add_bool("tokenizer.ggml.add_eos_token", False)
-    else:
-        bos, eos, eot, pad, add_bos = _FAMILY_IDS[family]
-        w.add_uint32("tokenizer.ggml.bos_token_id", tokens.index(bos))
-        w.add_uint32("tokenizer.ggml.eos_token_id", tokens.index(eos))
-        w.add_uint32("tokenizer.ggml.eot_token_id", tokens.index(eot))
-        w.add_uint32("tokenizer.ggml.padding_token_id", tokens.index(pad))
-        w.add_bool("tokenizer.ggml.add_bos_token", add_bos)
-        w.add_bool("tokenizer.ggml.add_eos_token", False)
-    tmpl = spec.chat_template
-    if tmpl is not None:
-        w.add_string("tokenizer.chat_template", chat_template_text(tmpl))
-
-
-def write_tiny_model(path: str | os.PathLike[str], spec: TinyModelSpec = TinyModelSpec()) -> Path:
+def write_tiny_model(path: str | os.PathLike[str], spec: TinyModelSpec = _DEFAULT_SPEC) -> Path:
     """Write the model described by ``spec`` to ``path`` and return the path.
 
     The file is written to a temporary file in the same directory and moved into place

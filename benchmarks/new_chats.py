@@ -13,19 +13,15 @@ at least as fast.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import signal
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from slotkeeper.cmdline import find_llama_server
+from benchsetup import llama_server, model_e, slotkeeper_args, stop_slotkeeper, work_dir
+
 from slotkeeper.demo import Chat, PlainServer, clean_env, fmt_s
-from slotkeeper.entries import cache_root
 from slotkeeper.testing.harness import Slotkeeper, free_port
-from slotkeeper.testing.tinymodel import BENCH_MODEL_E, write_tiny_model
 
 
 def run(side: str, model: Path, binary: str, work: Path, chats: int) -> tuple[float, float, int]:
@@ -38,7 +34,7 @@ def run(side: str, model: Path, binary: str, work: Path, chats: int) -> tuple[fl
         server = PlainServer(binary, args, port, work / "plain.log", env)
     else:
         server = Slotkeeper(
-            [*args, "--port", str(port), "--slot-save-path", str(work / "cache")],
+            slotkeeper_args(args, port, work / "cache"),
             env,
             work,
             port,
@@ -55,9 +51,7 @@ def run(side: str, model: Path, binary: str, work: Path, chats: int) -> tuple[fl
         if side == "plain":
             server.stop()
         else:
-            server.killpg(signal.SIGTERM)
-            server.wait(120)
-            server.stop()
+            stop_slotkeeper(server, 120)
     later = turns[1:]
     return (
         statistics.median(t.first_token_s for t in later),
@@ -71,13 +65,9 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=4, help="runs per side, alternating (default 4)")
     parser.add_argument("--chats", type=int, default=6, help="new chats per run (default 6, on 4 slots)")
     args = parser.parse_args()
-    binary = find_llama_server(None, os.environ)[0]
-    cache = cache_root(os.environ) / "bench"
-    cache.mkdir(parents=True, exist_ok=True)
-    model = cache / "model-e.gguf"
-    if not model.exists():
-        write_tiny_model(model, BENCH_MODEL_E)
-    work = Path(tempfile.mkdtemp(prefix="slotkeeper-bench-new-"))
+    binary = llama_server()
+    model = model_e()
+    work = work_dir("new")
     results: dict[str, list[tuple[float, float, int]]] = {"plain": [], "slotkeeper": []}
     try:
         for pair in range(args.pairs):

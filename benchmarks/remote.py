@@ -31,23 +31,21 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slotkeeper.cmdline import find_llama_server
+from benchsetup import llama_server, model_e, slotkeeper_args, stop_slotkeeper, work_dir
+
 from slotkeeper.demo import DEMO_SEED_TEXT, Turn
 from slotkeeper.demo import stream_chat as demo_stream_chat
-from slotkeeper.entries import cache_root
-from slotkeeper.placement import PREFILL_RATE_MAX_AGE_S
+from slotkeeper.placement.keeper import PREFILL_RATE_MAX_AGE_S
 from slotkeeper.prefix import BLOCK_TOKENS, block_keys, common_keys
 from slotkeeper.testing.harness import Slotkeeper, free_port, http_call, wait_until
 from slotkeeper.testing.s3server import S3Server
-from slotkeeper.testing.tinymodel import BENCH_MODEL_E, write_tiny_model
+from slotkeeper.testing.tinymodel import BENCH_MODEL_E
 
 SERVER_ARGS = ["-c", "16384", "-np", "2", "-t", "2", "--no-warmup"]
 BUCKET = "bench"
@@ -116,17 +114,7 @@ class Hosts:
         port = free_port()
         save_dir = self.work / f"host-{name}"
         own_args = [*(("--remote-store", URL) if s3 is not None else ()), *own]
-        args = [
-            *own_args,
-            "--",
-            "-m",
-            str(self.model),
-            "--port",
-            str(port),
-            "--slot-save-path",
-            str(save_dir),
-            *SERVER_ARGS,
-        ]
+        args = slotkeeper_args(["-m", str(self.model), *SERVER_ARGS], port, save_dir, own_args)
         env = {**self.env, **(s3.env() if s3 is not None else {})}
         sk = Slotkeeper(args, env, self.work, port, self.work / f"{name}-{self.count}.log").start()
         sk.wait_ready(120)
@@ -282,13 +270,9 @@ def main() -> None:
     args = parser.parse_args()
     started = time.monotonic()
 
-    binary = find_llama_server(None, os.environ)[0]
-    cache = cache_root(os.environ) / "bench"
-    cache.mkdir(parents=True, exist_ok=True)
-    model = cache / "model-e.gguf"
-    if not model.exists():
-        write_tiny_model(model, BENCH_MODEL_E)
-    work = Path(tempfile.mkdtemp(prefix="slotkeeper-bench-remote-"))
+    binary = llama_server()
+    model = model_e()
+    work = work_dir("remote")
     s3root = work / "s3"
     hosts = Hosts(work, model, binary)
     try:
@@ -301,15 +285,11 @@ def main() -> None:
         w_msgs = chat_of(W_TOKENS, per_char, "old maps", turn_tokens=W_TOKENS)
         w_reply = stream_chat(a.port, w_msgs).content
         l_first = stream_chat(a.port, l_msgs)
-        a.killpg(signal.SIGTERM)
-        assert a.wait(60) == 0, a.logs()
-        a.stop()
+        assert stop_slotkeeper(a, 60) == 0, a.logs()
         if not wait_until(lambda: len(manifests(s3root)) >= 2, 2):  # the stop's budget ended first: resume
             a = hosts.start("a", s3)
             assert wait_until(lambda: len(manifests(s3root)) >= 2, 60), a.logs()
-            a.killpg(signal.SIGTERM)
-            a.wait(60)
-            a.stop()
+            stop_slotkeeper(a, 60)
         uploads = [
             (float(m.group(2)), m.group(1))
             for m in re.finditer(

@@ -36,20 +36,17 @@ import pstats
 import random
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from slotkeeper.cmdline import find_llama_server
+from benchsetup import llama_server, model_e, slotkeeper_args, stop_slotkeeper, work_dir
+
 from slotkeeper.demo import SYSTEM_PROMPT, TOPICS, Chat, PlainServer, Turn, clean_env, fmt_s, stream_chat
-from slotkeeper.entries import cache_root
 from slotkeeper.testing.harness import Slotkeeper, free_port, wait_until
-from slotkeeper.testing.tinymodel import BENCH_MODEL_E, write_tiny_model
 
 SERVER_ARGS = ["-c", "24576", "-t", "2"]  # llama-server's default 4 slots, sharing one unified KV cache
 # Every synthesized entry counts its real one's bytes though they share one file: a cap of half the disk would
@@ -149,14 +146,6 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def stop_slotkeeper(sk: Slotkeeper) -> None:
-    sk.killpg(signal.SIGTERM)
-    try:
-        sk.wait(300)
-    finally:
-        sk.stop()
-
-
 # ---- the store ----------------------------------------------------------------------------------------------------
 
 
@@ -165,7 +154,7 @@ def seed_store(binary: str, model: Path, work: Path, chats: int) -> Path:
     save_dir = work / "seed"
     port = free_port()
     sk = Slotkeeper(
-        [*OWN_ARGS, "--", "-m", str(model), *SERVER_ARGS, "--port", str(port), "--slot-save-path", str(save_dir)],
+        slotkeeper_args(["-m", str(model), *SERVER_ARGS], port, save_dir, OWN_ARGS),
         clean_env(binary),
         work,
         port,
@@ -178,7 +167,7 @@ def seed_store(binary: str, model: Path, work: Path, chats: int) -> Path:
             chat.turn(port)
             chat.title(port)
     finally:
-        stop_slotkeeper(sk)
+        stop_slotkeeper(sk, 300)
     return save_dir
 
 
@@ -305,7 +294,7 @@ def run_slotkeeper(
 ) -> tuple[Side, float, float, list[float]]:
     port = free_port()
     sk = ProfiledSlotkeeper(
-        [*OWN_ARGS, "--", "-m", str(model), *SERVER_ARGS, "--port", str(port), "--slot-save-path", str(save_dir)],
+        slotkeeper_args(["-m", str(model), *SERVER_ARGS], port, save_dir, OWN_ARGS),
         clean_env(binary),
         work,
         port,
@@ -328,7 +317,7 @@ def run_slotkeeper(
         saving_chats(port, f"sk-saving-{tag}", saves)
         rss_after = rss_mb(sk.pid)
     finally:
-        stop_slotkeeper(sk)
+        stop_slotkeeper(sk, 300)
     return Side(ready, turns), rss_ready, rss_after, save_times(sk.logs())
 
 
@@ -419,15 +408,11 @@ def main() -> None:
         sizes = [int(s.replace("_", "")) for s in args.sizes.split(",") if s.strip()]
     except ValueError:
         parser.error(f"--sizes takes comma-separated numbers, not {args.sizes!r}")
-    binary = find_llama_server(None, os.environ)[0]
-    cache = cache_root(os.environ) / "bench"
-    cache.mkdir(parents=True, exist_ok=True)
-    model = cache / "model-e.gguf"
-    if not model.exists():
-        write_tiny_model(model, BENCH_MODEL_E)
+    binary = llama_server()
+    model = model_e()
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
-    work = args.keep or Path(tempfile.mkdtemp(prefix="slotkeeper-bench-scale-"))
+    work = args.keep or work_dir("scale")
     try:
         warm = PlainServer(binary, ["-m", str(model), *SERVER_ARGS], free_port(), work / "warm.log", clean_env(binary))
         try:  # the model and llama-server into the page cache, so that the first size's ready times compare

@@ -20,7 +20,7 @@ turn outside llama-server's own compute time and the CPU time each process used.
       end to end, the same chat's request with max_tokens 1 repeated on both servers (slotkeeper minus plain,
       paired median: the proxy and placement together); and, for comparison, what the /apply-template +
       /tokenize round trip of a 10k-token chat costs (the path that common case skips);
-  (d) an on-demand restore: `ConversationStore.restore` (and `Placement.restore_into`) of entries of several
+  (d) an on-demand restore: `ConversationStore.restore` (and `Keeper.restore_into`) of entries of several
       sizes into a slot, from the page cache and from disk (the file's pages evicted with
       posix_fadvise(DONTNEED) first), against the file size divided by the read speed measured the same two
       ways (target: + at most 20 ms), with llama-server's own `restore_ms` alongside.
@@ -40,21 +40,20 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from slotkeeper.cmdline import find_llama_server
+from benchsetup import bench_model, llama_server, slotkeeper_args, work_dir
+
 from slotkeeper.demo import Chat, clean_env, stream_chat
-from slotkeeper.entries import cache_root
 from slotkeeper.llama_client import LlamaClient
-from slotkeeper.placement import Placement, fast_key
+from slotkeeper.placement import Placement, request_key
 from slotkeeper.proxy.upstream import ChildPool
 from slotkeeper.store import ConversationStore
 from slotkeeper.testing.harness import free_port, http_call, wait_until
-from slotkeeper.testing.tinymodel import TinyModelSpec, write_tiny_model
+from slotkeeper.testing.tinymodel import TinyModelSpec
 
 TURNS_MODEL = TinyModelSpec(n_layers=8, width=512, n_heads=8, n_kv_heads=8, f16=True, name="slotkeeper-bench-turns")
 TOKENS_PER_NOTE = 48  # demo.Chat's notes, measured with the tiny models' tokenizer
@@ -174,11 +173,11 @@ async def in_process(port: int, store_root: Path, chat: Chat, long_chat: Chat, r
     placement = Placement(store, client, 2)
     previous = chat_body(chat.messages[:-2])
     body = chat_body(chat.messages)
-    previous_fast, _ = fast_key(CHAT_PATH, json.loads(previous))
+    previous_fast, _ = request_key(CHAT_PATH, json.loads(previous))
     slot = placement.slots[0]
     times = []
     for _ in range(repeat * 5):
-        slot.fast, slot.tokens, slot.dirty, slot.last_used = previous_fast, chat.last_prompt_tokens, True, 1.0
+        slot.last_request, slot.tokens, slot.dirty, slot.last_used = previous_fast, chat.last_prompt_tokens, True, 1.0
         started = time.perf_counter()
         placed = await placement.place(CHAT_PATH, body)
         times.append(time.perf_counter() - started)
@@ -192,18 +191,18 @@ async def in_process(port: int, store_root: Path, chat: Chat, long_chat: Chat, r
     # (c) for comparison: the /apply-template + /tokenize round trip for a 10k-token chat
     long_body = chat_body(long_chat.messages)
     long_data = json.loads(long_body)
-    tokens = await placement._ask_tokens(CHAT_PATH, long_body, long_data, long_data)
+    tokens = await placement.keeper.ask_tokens(CHAT_PATH, long_body, long_data, long_data)
     out["long_tokens"] = len(tokens)
     times = []
     for _ in range(repeat):
         started = time.perf_counter()
-        await placement._ask_tokens(CHAT_PATH, long_body, long_data, long_data)
+        await placement.keeper.ask_tokens(CHAT_PATH, long_body, long_data, long_data)
         times.append(time.perf_counter() - started)
     out["tokenize"] = times
     times = []
-    long_fast_prev, _ = fast_key(CHAT_PATH, json.loads(chat_body(long_chat.messages[:-2])))
+    long_fast_prev, _ = request_key(CHAT_PATH, json.loads(chat_body(long_chat.messages[:-2])))
     for _ in range(repeat * 5):  # the hook on that 10k-token chat, continuing in its slot
-        slot.fast, slot.busy = long_fast_prev, False
+        slot.last_request, slot.busy = long_fast_prev, False
         started = time.perf_counter()
         placed = await placement.place(CHAT_PATH, long_body)
         times.append(time.perf_counter() - started)
@@ -213,14 +212,14 @@ async def in_process(port: int, store_root: Path, chat: Chat, long_chat: Chat, r
     # (d) entries of several sizes: the chat as its slot holds it (llama-server chose that slot), then prefixes
     # of it (the slot truncated to them by a request for the prefix itself, so nothing is computed again)
     data = json.loads(body)
-    tokens = await placement._ask_tokens(CHAT_PATH, body, data, data)
+    tokens = await placement.keeper.ask_tokens(CHAT_PATH, body, data, data)
     slots = (await client.slots()).body
     held = max(slots, key=lambda s: s.get("n_prompt_tokens", 0))["id"]
     other = 1 - held
     entries = []
     for size in [None, *(n for n in (4096, 2048, 1024) if n < len(tokens))]:
         if size is not None:
-            reply = await client._call(
+            reply = await client.call_json(
                 "POST",
                 "/completion",
                 {"prompt": tokens[:size], "id_slot": held, "n_predict": 1, "temperature": 0, "cache_prompt": True},
@@ -258,11 +257,11 @@ async def in_process(port: int, store_root: Path, chat: Chat, long_chat: Chat, r
         times = []
         target = placement.slots[other]
         for _ in range(3):
-            placement._reserve(target)
+            placement.slots.reserve(target)
             started = time.perf_counter()
-            ok = await placement.restore_into(target, entry)
+            ok = await placement.keeper.restore_into(target, entry)
             times.append(time.perf_counter() - started)
-            placement._release(target)
+            placement.slots.release(target)
             assert ok
         row["restore_into"] = statistics.median(times)
         out["sizes"].append(row)
@@ -311,13 +310,9 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the working directory (logs, caches)")
     args = parser.parse_args()
 
-    binary = find_llama_server(None, os.environ)[0]
-    cache = cache_root(os.environ) / "bench"
-    cache.mkdir(parents=True, exist_ok=True)
-    model = cache / "model-turns.gguf"
-    if not model.exists():
-        write_tiny_model(model, TURNS_MODEL)
-    work = Path(tempfile.mkdtemp(prefix="slotkeeper-bench-turns-"))
+    binary = llama_server()
+    model = bench_model("model-turns.gguf", TURNS_MODEL)
+    work = work_dir("turns")
     env = clean_env(binary)
     server_args = [
         "-m",
@@ -359,14 +354,7 @@ def main() -> None:
             sys.executable,
             "-m",
             "slotkeeper.cli",
-            "--autosave-idle",
-            "3600",
-            "--",
-            *server_args,
-            "--port",
-            str(sk_port),
-            "--slot-save-path",
-            str(sk_dir),
+            *slotkeeper_args(server_args, sk_port, sk_dir, ["--autosave-idle", "3600"]),
         ],
         sk_port,
         work / "slotkeeper.log",
@@ -555,7 +543,7 @@ def main() -> None:
     )
     print(
         "    medians of 5; ms      file        from   size/speed   ConversationStore.restore   excess   "
-        "the slot action alone   llama-server's restore_ms   Placement.restore_into"
+        "the slot action alone   llama-server's restore_ms   Keeper.restore_into"
     )
     for row in got["sizes"]:
         for mode, speed in (("page cache", rc), ("disk", rd)):
@@ -565,7 +553,7 @@ def main() -> None:
             print(
                 f"    {row['tokens']:>6,} tokens  {row['bytes'] / MB:>6.1f} MB  {mode:>10}  {expected * 1000:>11.1f}"
                 f"  {wall * 1000:>26.1f}  {(wall - expected) * 1000:>+7.1f}  {direct * 1000:>22.1f}"
-                f"  {own * 1000:>26.1f}  {into:>23}"
+                f"  {own * 1000:>26.1f}  {into:>20}"
             )
     pr = [t * 1000 for t in got["place_restore"]]
     print(

@@ -16,7 +16,7 @@ BASE = ["-c", "16384", "-t", "2", "--no-warmup"]
 SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: answer briefly and kindly." for i in range(14))
 COLOURS = ("red", "blue", "green", "amber", "violet")
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
-PAUSE_S = 0.6  # a user reading the reply: longer than placement.SETTLE_AFTER_S
+PAUSE_S = 0.6  # a user reading the reply: longer than placement.settle.SETTLE_AFTER_S
 LOGPROB_TOLERANCE = 0.05  # batch splits differ between a warm and a cold run: f32 sums differ slightly
 TEMPLATES = Path(__file__).resolve().parent.parent / "src" / "slotkeeper" / "testing" / "templates"
 

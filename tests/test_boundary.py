@@ -11,9 +11,10 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from slotkeeper.apis import Api
 from slotkeeper.boundary import turns_of
 from slotkeeper.prefix import exact_key, extends_exactly
-from slotkeeper.replies import MAX_REPLY_BYTES, ReplyForm, ReplyReader, Usage
+from slotkeeper.replies import MAX_REPLY_BYTES, ReplyReader, Usage
 
 
 def read(*pieces: bytes) -> dict | None:
@@ -177,10 +178,10 @@ def test_a_responses_reply_is_its_output_items_in_chat_form_whole_or_streamed():
         {"type": "response.completed", "response": {"output": RESPONSE_OUTPUT, "usage": RESPONSE_USAGE}},
     )
     for body in (whole, streamed):
-        reader = read_form(ReplyForm.RESPONSES, body[:11], body[11:])
+        reader = read_form(Api.RESPONSES, body[:11], body[11:])
         assert reader.message() == expected
         assert reader.usage() == Usage(120, 100, 9)
-    assert read_form(ReplyForm.RESPONSES, streamed[: len(streamed) // 2]).message() is None  # cut off
+    assert read_form(Api.RESPONSES, streamed[: len(streamed) // 2]).message() is None  # cut off
 
 
 ANTHROPIC_CONTENT = [
@@ -224,10 +225,10 @@ def test_an_anthropic_reply_is_its_content_blocks_in_chat_form_whole_or_streamed
         {"type": "message_stop"},
     )
     for body in (whole, streamed):
-        reader = read_form(ReplyForm.ANTHROPIC, body[:5], body[5:])
+        reader = read_form(Api.MESSAGES, body[:5], body[5:])
         assert reader.message() == expected
         assert reader.usage() == Usage(120, 100, 9)
-    assert read_form(ReplyForm.ANTHROPIC, streamed[:-30]).message() is None  # no message_stop: cut off
+    assert read_form(Api.MESSAGES, streamed[:-30]).message() is None  # no message_stop: cut off
 
 
 def test_an_anthropic_thinking_block_is_sent_back_as_reasoning():
@@ -238,7 +239,7 @@ def test_an_anthropic_thinking_block_is_sent_back_as_reasoning():
             "usage": {},
         }
     ).encode()
-    assert read_form(ReplyForm.ANTHROPIC, body).message() == {
+    assert read_form(Api.MESSAGES, body).message() == {
         "role": "assistant",
         "content": [{"type": "text", "text": "Hi"}],
         "reasoning_content": "Hmm.",

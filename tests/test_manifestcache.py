@@ -35,7 +35,7 @@ def write_store(root: Path, n: int) -> list[str]:
             seq_version=2,
             layout="packed-1",
             server=dict(SERVER),
-            units=block_keys(tokens)[:3],
+            messages=block_keys(tokens)[:3],
             exact=exact_key(tokens),
             boundary=bool(i % 2),
             checksum="xxh3_128:" + "0" * 32,

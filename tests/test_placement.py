@@ -7,6 +7,7 @@ these pin down the rules so that a change to one shows up here first.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import struct
 from array import array
@@ -17,7 +18,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slotkeeper.openings import Opening
-from slotkeeper.placement import FastKey, Placement, fast_key, with_id_slot
+from slotkeeper.placement import (
+    NO_KEY,
+    Placement,
+    Plan,
+    RequestKey,
+    RequestView,
+    Rules,
+    decide,
+    request_key,
+    with_id_slot,
+)
 from slotkeeper.policy import CachePolicy
 from slotkeeper.prefix import BLOCK_TOKENS, block_keys, common_keys, exact_key
 from slotkeeper.statefile import SEQ_MAGIC, StateFileError, read_header
@@ -93,23 +104,23 @@ def chat(*contents: str, **extra) -> dict:
     return {"messages": [{"role": role, "content": c} for role, c in zip(roles, contents)], **extra}
 
 
-def test_the_next_turn_of_a_chat_continues_its_fast_key():
-    turn1, _ = fast_key("/v1/chat/completions", chat("sys", "hello"))
-    turn2, _ = fast_key("/v1/chat/completions", chat("sys", "hello", "hi!", "more", temperature=0.3))
-    other, _ = fast_key("/v1/chat/completions", chat("sys", "goodbye"))
-    tools, _ = fast_key("/v1/chat/completions", chat("sys", "hello", "hi!", "more", tools=[{"x": 1}]))
+def test_the_next_turn_of_a_chat_continues_its_request_key():
+    turn1, _ = request_key("/v1/chat/completions", chat("sys", "hello"))
+    turn2, _ = request_key("/v1/chat/completions", chat("sys", "hello", "hi!", "more", temperature=0.3))
+    other, _ = request_key("/v1/chat/completions", chat("sys", "goodbye"))
+    tools, _ = request_key("/v1/chat/completions", chat("sys", "hello", "hi!", "more", tools=[{"x": 1}]))
     assert turn1.continued_by(turn2)
     assert not turn1.continued_by(other) and not other.continued_by(turn2)
     assert not turn1.continued_by(tools), "a setting that changes the prompt makes it another prompt"
-    assert not FastKey().continued_by(turn2)
+    assert not RequestKey().continued_by(turn2)
 
 
 def test_prompt_form_continues_only_on_whole_items():
-    a, _ = fast_key("/completion", {"prompt": [1, 2, 3]})
-    assert a.continued_by(fast_key("/completion", {"prompt": [1, 2, 3, 4]})[0])
-    assert not a.continued_by(fast_key("/completion", {"prompt": [1, 2, 34]})[0])
-    text, _ = fast_key("/completion", {"prompt": "abc"})
-    assert text.continued_by(fast_key("/completion", {"prompt": "abcdef"})[0])
+    a, _ = request_key("/completion", {"prompt": [1, 2, 3]})
+    assert a.continued_by(request_key("/completion", {"prompt": [1, 2, 3, 4]})[0])
+    assert not a.continued_by(request_key("/completion", {"prompt": [1, 2, 34]})[0])
+    text, _ = request_key("/completion", {"prompt": "abc"})
+    assert text.continued_by(request_key("/completion", {"prompt": "abcdef"})[0])
 
 
 # ---- decisions ------------------------------------------------------------------------------------------
@@ -119,7 +130,19 @@ def test_prompt_form_continues_only_on_whole_items():
 def placement(tmp_path) -> Placement:
     store = ConversationStore(tmp_path, None, {"model": "m"})
     store.open()
-    return Placement(store, None, 3, min_tokens=128)  # type: ignore[arg-type]
+    return Placement(store, None, 3, Rules(min_tokens=128))  # type: ignore[arg-type]
+
+
+def choose(
+    placement: Placement, keys: list[str] | None, n_tokens: int, pinned: int | None, unpinnable: bool,
+    tokens: list[int] | None = None, opening: Opening | None = None, key: RequestKey = NO_KEY,
+) -> Plan | None:  # fmt: skip
+    """The decision for a request, its slot reserved in the same step, as the hook does."""
+    view = RequestView(keys, n_tokens, tokens, pinned, unpinnable, opening, key)
+    plan = decide(placement.slots.slots, view, placement.store, placement.rules)
+    if plan is not None:
+        placement.slots.reserve(plan.slot)
+    return plan
 
 
 def keys_of(n_tokens: int, seed: int) -> list[str]:
@@ -134,7 +157,7 @@ def held(placement: Placement, slot: int, keys: list[str], *, dirty: bool = True
 def test_a_chat_in_its_slot_goes_there_without_a_write_back(placement):
     chat_a = keys_of(640, 1)
     held(placement, 1, chat_a[:8])
-    plan = placement._decide(chat_a, 640, None, False)
+    plan = choose(placement, chat_a, 640, None, False)
     assert (plan.slot.id, plan.outcome, plan.write_back) == (1, "resident", False)
 
 
@@ -142,40 +165,54 @@ def test_a_new_chat_takes_an_empty_slot_first_then_the_least_recently_used(place
     for i in range(3):
         held(placement, i, keys_of(640, i), last_used=[3.0, 1.0, 2.0][i])
     placement.slots[2].keys, placement.slots[2].dirty, placement.slots[2].tokens = [], False, 0
-    plan = placement._decide(keys_of(640, 9), 640, None, False)
+    plan = choose(placement, keys_of(640, 9), 640, None, False)
     assert (plan.slot.id, plan.outcome) == (2, "new")
-    placement._release(plan.slot)
+    placement.slots.release(plan.slot)
     held(placement, 2, keys_of(640, 2), last_used=2.0)
-    assert placement._decide(keys_of(640, 8), 640, None, False).slot.id == 1  # LRU
+    assert choose(placement, keys_of(640, 8), 640, None, False).slot.id == 1  # LRU
 
 
 def test_a_chat_in_the_store_only_is_restored_into_a_victim(placement):
     chat_a = keys_of(640, 1)
     entry = Entry("aaaa", 640, 1, chat_a, 0, 0, {"model": "m"}, 4, "packed-1")
-    placement.store._index(entry)
+    placement.store.index(entry)
     for i in range(3):
         held(placement, i, keys_of(640, 10 + i), last_used=float(i))
-    plan = placement._decide(chat_a + keys_of(64, 5), 704, None, False)
+    plan = choose(placement, chat_a + keys_of(64, 5), 704, None, False)
     assert (plan.slot.id, plan.restore, plan.write_back, plan.outcome) == (0, entry, True, "restored")
 
 
 def test_concurrent_decisions_never_share_a_slot_and_wait_when_all_are_busy(placement):
-    plans = [placement._decide(keys_of(640, i), 640, None, False) for i in range(3)]
+    plans = [choose(placement, keys_of(640, i), 640, None, False) for i in range(3)]
     assert sorted(p.slot.id for p in plans) == [0, 1, 2]
-    assert placement._decide(keys_of(640, 7), 640, None, False) is None  # waits
-    assert placement._decide(keys_of(640, 7), 640, 1, False) is None  # the client's slot is busy: waits too
+    assert choose(placement, keys_of(640, 7), 640, None, False) is None  # waits
+    assert choose(placement, keys_of(640, 7), 640, 1, False) is None  # the client's slot is busy: waits too
+
+
+def test_a_decision_changes_nothing_until_its_slot_is_reserved(placement):
+    """decide() is a pure function: deciding again gives the same plan, and no slot or counter moved."""
+    chat_a = keys_of(640, 1)
+    held(placement, 1, chat_a[:8])
+    before = [dataclasses.replace(s) for s in placement.slots]
+    view = RequestView(chat_a, 640)
+    first = decide(placement.slots.slots, view, placement.store, placement.rules)
+    again = decide(placement.slots.slots, view, placement.store, placement.rules)
+    assert first is not None and again is not None
+    assert (first.slot.id, first.outcome) == (again.slot.id, again.outcome) == (1, "resident")
+    assert [dataclasses.replace(s) for s in placement.slots] == before, "a decision wrote slot state"
+    assert not any(placement.metrics.placements.values())
 
 
 async def test_a_waiting_request_gets_the_slot_once_it_is_freed(tmp_path):
     store = ConversationStore(tmp_path, None, {"model": "m"})
     store.open()
-    p = Placement(store, None, 1, min_tokens=128)  # type: ignore[arg-type]
-    busy = p._decide(keys_of(640, 1), 640, None, False)
-    asyncio.get_running_loop().call_later(0.05, p._release, busy.slot)
+    p = Placement(store, None, 1, Rules(min_tokens=128))  # type: ignore[arg-type]
+    busy = choose(p, keys_of(640, 1), 640, None, False)
+    asyncio.get_running_loop().call_later(0.05, p.slots.release, busy.slot)
     waited = 0
-    while (plan := p._decide(keys_of(640, 2), 640, None, False)) is None:
+    while (plan := choose(p, keys_of(640, 2), 640, None, False)) is None:
         waited += 1
-        await asyncio.wait_for(p._wait_freed(), 5)
+        await asyncio.wait_for(p.slots.wait_freed(), 5)
     assert (plan.slot.id, waited) == (0, 1)
 
 
@@ -187,7 +224,7 @@ def test_a_title_slot_goes_before_a_saved_chat_and_a_saved_chat_before_a_changed
     held(placement, 2, keys_of(640, 3), last_used=0.5)  # changed, and the least recently used
     order = []
     for _ in range(3):
-        plan = placement._decide(keys_of(640, 9), 640, None, False)
+        plan = choose(placement, keys_of(640, 9), 640, None, False)
         order.append(plan.slot.id)
     assert order == [1, 0, 2]
 
@@ -197,7 +234,7 @@ def test_a_new_chat_reuses_a_saved_slot_that_holds_its_system_prompt(placement):
     saved = Entry("cccc", 640, 1, block_keys(system + [1] * 320), 0, 0, {"model": "m"}, 4, "packed-1")
     held(placement, 0, saved.keys, dirty=False, last_used=9.0)
     placement.slots[0].entry = saved
-    plan = placement._decide(block_keys(system + [2] * 320), 640, None, False)
+    plan = choose(placement, block_keys(system + [2] * 320), 640, None, False)
     assert (plan.slot.id, plan.write_back) == (0, False)
 
 
@@ -240,13 +277,13 @@ def test_a_new_chat_reuses_its_opening_live_after_the_chat_there_is_written_back
     system = [7] * 320
     opening = opening_entry(system)
     chat = Entry("chat", 640, 9000, block_keys(system + [1] * 320), 0, 5, {"model": "m"}, 4, "packed-1")
-    placement.store._index(opening)
-    placement.store._index(chat)
+    placement.store.index(opening)
+    placement.store.index(chat)
     held(placement, 0, chat.keys, last_used=9.0)  # the chat, changed since: worth keeping
     held(placement, 1, keys_of(640, 1), last_used=2.0)
     held(placement, 2, keys_of(640, 2), last_used=1.0)
     request = system + [3] * 320
-    plan = placement._decide(block_keys(request), 640, None, False, request, Opening(system, opening.exact, []))
+    plan = choose(placement, block_keys(request), 640, None, False, request, Opening(system, opening.exact, []))
     assert (plan.slot.id, plan.restore, plan.outcome, plan.write_back) == (0, None, "new", True)
 
 
@@ -255,36 +292,36 @@ def test_on_a_hybrid_a_new_chat_gets_its_opening_restored_into_a_victim(tmp_path
     least recently used slot instead (not a chat that shares the opening, though it shares as much)."""
     store = ConversationStore(tmp_path, None, {"model": "m"})
     store.open()
-    hybrid = Placement(store, None, 3, min_tokens=128, policy=CachePolicy.EXTEND_ONLY)  # type: ignore[arg-type]
+    hybrid = Placement(store, None, 3, Rules(CachePolicy.EXTEND_ONLY, min_tokens=128))  # type: ignore[arg-type]
     system = [7] * 320
     opening = opening_entry(system)
-    store._index(opening)
+    store.index(opening)
     for i, last_used in enumerate((9.0, 2.0, 1.0)):
         held(hybrid, i, block_keys(system + [i + 1] * 320) if i == 0 else keys_of(640, i), last_used=last_used)
         hybrid.slots[i].chat = {"messages": []}  # a chat whose boundaries are known: worth keeping
     request = system + [3] * 320
-    plan = hybrid._decide(block_keys(request), 640, None, False, request, Opening(system, opening.exact, []))
+    plan = choose(hybrid, block_keys(request), 640, None, False, request, Opening(system, opening.exact, []))
     assert (plan.slot.id, plan.restore, plan.outcome, plan.write_back) == (2, opening, "opening", True)
 
 
 def test_an_opening_is_not_restored_when_prefilling_it_is_estimated_faster(placement):
     system = [7] * 320
     opening = opening_entry(system)
-    placement.store._index(opening)
+    placement.store.index(opening)
     placement.store.restore_bytes_per_s = 100.0  # 10 s to read its 1,000 bytes; 320 tokens prefill in 0.64 s
     request = system + [3] * 320
-    plan = placement._decide(block_keys(request), 640, None, False, request, Opening(system, opening.exact, []))
+    plan = choose(placement, block_keys(request), 640, None, False, request, Opening(system, opening.exact, []))
     assert (plan.restore, plan.outcome) == (None, "new")
 
 
 def test_a_slot_holding_just_the_opening_is_used_first(placement):
     system = [7] * 320
     opening = opening_entry(system)
-    placement.store._index(opening)
+    placement.store.index(opening)
     held(placement, 1, opening.keys, dirty=False, last_used=9.0)
     placement.slots[1].entry = opening
     request = system + [3] * 320
-    plan = placement._decide(block_keys(request), 640, None, False, request, Opening(system, opening.exact, []))
+    plan = choose(placement, block_keys(request), 640, None, False, request, Opening(system, opening.exact, []))
     assert (plan.slot.id, plan.restore, plan.write_back) == (1, None, False)
 
 
@@ -304,7 +341,7 @@ def test_of_the_entries_sharing_a_prefix_the_smallest_is_found(placement):
     long_chat = Entry("long", 4000, 9000, block_keys(system + [1] * 3680), 0, 9, {"model": "m"}, 4, "packed-1")
     opening = opening_entry(system)
     for entry in (long_chat, opening):
-        placement.store._index(entry)
+        placement.store.index(entry)
     assert placement.store.lookup(block_keys(system + [3] * 320)) == (opening, 5)
 
 
@@ -313,12 +350,12 @@ def test_a_slot_whose_chat_shares_only_the_opening_is_not_taken_for_continuing(p
     another chat, which must not be overwritten as if the request continued it."""
     system = [7] * 320
     opening = opening_entry(system)
-    placement.store._index(opening)
+    placement.store.index(opening)
     short_chat = system + [1] * 64  # the opening, a short first message and a reply: one block more
     held(placement, 0, block_keys(short_chat), last_used=9.0)
     request = system + [3] * 40
-    plan = placement._decide(
-        block_keys(request), len(request), None, False, request, Opening(system, opening.exact, [])
+    plan = choose(
+        placement, block_keys(request), len(request), None, False, request, Opening(system, opening.exact, [])
     )
     assert (plan.slot.id, plan.outcome) != (0, "resident"), plan
     assert plan.slot.id != 0 or plan.write_back, plan  # that chat is written back before its slot is reused
@@ -330,10 +367,10 @@ def test_a_short_chat_is_not_superseded_by_another_that_shares_its_opening():
     from slotkeeper.store import extends
 
     opening = list(range(8026))
-    first = Entry("one1", 8091, 1, block_keys(opening + [1] * 65), 0, 0, {}, 4, "packed-1", units=["s", "o", "u1"])
-    second = Entry("two2", 8093, 1, block_keys(opening + [2] * 67), 0, 0, {}, 4, "packed-1", units=["s", "o", "u2"])
+    first = Entry("one1", 8091, 1, block_keys(opening + [1] * 65), 0, 0, {}, 4, "packed-1", messages=["s", "o", "u1"])
+    second = Entry("two2", 8093, 1, block_keys(opening + [2] * 67), 0, 0, {}, 4, "packed-1", messages=["s", "o", "u2"])
     grown = Entry(
-        "one2", 8200, 1, block_keys(opening + [1] * 174), 0, 0, {}, 4, "packed-1", units=["s", "o", "u1", "a1", "u3"]
+        "one2", 8200, 1, block_keys(opening + [1] * 174), 0, 0, {}, 4, "packed-1", messages=["s", "o", "u1", "a1", "u3"]
     )
     assert not extends(second, first)
     assert extends(grown, first)
@@ -344,20 +381,34 @@ def test_a_slot_whose_chat_differs_only_in_its_last_block_is_another_chat_by_its
     re-templated reply): the messages say it is another chat, so the slot is not taken as the new one's."""
     system = [7] * 330  # 5 full blocks and a partial one
     opening = opening_entry(system)
-    placement.store._index(opening)
+    placement.store.index(opening)
     # 7 blocks; both sessions' messages open alike ("Task: ..."), so the request shares 6 of them
     held(placement, 0, block_keys(system + [1] * 54 + [5] * 70), last_used=9.0)
-    placement.slots[0].fast = FastKey(units=("s", "o", "u1"))
+    placement.slots[0].last_request = RequestKey(messages=("s", "o", "u1"))
     request = system + [1] * 54 + [6] * 70
-    new_session = FastKey(units=("s", "o", "u2"))
-    plan = placement._decide(
-        block_keys(request), len(request), None, False, request, Opening(system, opening.exact, ["s", "o"]), new_session
+    new_session = RequestKey(messages=("s", "o", "u2"))
+    plan = choose(
+        placement,
+        block_keys(request),
+        len(request),
+        None,
+        False,
+        request,
+        Opening(system, opening.exact, ["s", "o"]),
+        new_session,
     )
     assert (plan.slot.id, plan.outcome) != (0, "resident") and (plan.slot.id != 0 or plan.write_back), plan
-    placement._release(plan.slot)
-    same_chat = FastKey(units=("s", "o", "u1", "a1", "u3"))  # its messages continue the slot's: the slack holds
+    placement.slots.release(plan.slot)
+    same_chat = RequestKey(messages=("s", "o", "u1", "a1", "u3"))  # its messages continue the slot's: the slack holds
     grown = system + [1] * 54 + [5] * 70 + [3] * 10
-    plan = placement._decide(
-        block_keys(grown), len(grown), None, False, grown, Opening(system, opening.exact, ["s", "o"]), same_chat
+    plan = choose(
+        placement,
+        block_keys(grown),
+        len(grown),
+        None,
+        False,
+        grown,
+        Opening(system, opening.exact, ["s", "o"]),
+        same_chat,
     )
     assert (plan.slot.id, plan.outcome) == (0, "resident"), plan

@@ -15,7 +15,7 @@ from conftest import clean_env
 from slotkeeper.demo import PlainServer
 from slotkeeper.layout import prepare_layout
 from slotkeeper.llama_client import LlamaClient
-from slotkeeper.placement import Placement
+from slotkeeper.placement import Placement, Rules
 from slotkeeper.policy import CachePolicy
 from slotkeeper.prefix import exact_key
 from slotkeeper.proxy.upstream import ChildPool
@@ -38,7 +38,7 @@ async def hybrid(llama_server, family_models, tmp_path) -> AsyncIterator[Placeme
         client = LlamaClient(pool, None)
         store = ConversationStore(saves, client, {"model": "qwen35"})
         store.open()
-        yield Placement(store, client, 1, min_tokens=64, policy=CachePolicy.EXTEND_ONLY)
+        yield Placement(store, client, 1, Rules(CachePolicy.EXTEND_ONLY, min_tokens=64))
         pool.close()
     finally:
         server.stop()
@@ -51,10 +51,10 @@ async def test_a_slot_saved_at_its_turn_boundary_is_known_to_be_there(hybrid):
     assert tokens is not None and len(tokens) >= 128
     key = exact_key(tokens)
     slot = hybrid.slots[0]
-    hybrid._reserve(slot)
-    reached, result = await hybrid._reach_and_save(slot, tokens, key, ["s", "u"], lambda new, old: False, False)
+    hybrid.slots.reserve(slot)
+    reached, result = await hybrid.keeper.reach_and_save(slot, tokens, key, ["s", "u"], lambda new, old: False, False)
     assert reached is not None and reached.seconds > 0, "the first save brings the slot to its boundary"
     assert result is not None and result.entry is not None, result
     assert slot.exact == key, "the table forgot that the slot sits at its boundary"
-    again, _ = await hybrid._reach_and_save(slot, tokens, key, ["s", "u"], lambda new, old: False, False)
+    again, _ = await hybrid.keeper.reach_and_save(slot, tokens, key, ["s", "u"], lambda new, old: False, False)
     assert again is not None and again.seconds == 0.0, "the slot was brought again to where it already was"

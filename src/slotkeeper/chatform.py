@@ -43,12 +43,9 @@ import math
 import struct
 from typing import Any
 
-__all__ = ["anthropic_to_chat", "responses_to_chat", "to_chat_form"]
+from .apis import Api, api_of
 
-#: llama-server's routes (server.cpp) whose body is chat-completions form, by how it gets there.
-CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})
-RESPONSES_PATHS = frozenset({"/v1/responses", "/responses"})
-ANTHROPIC_PATHS = frozenset({"/v1/messages"})
+__all__ = ["anthropic_to_chat", "responses_to_chat", "to_chat_form"]
 
 
 def to_chat_form(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
@@ -61,11 +58,12 @@ def to_chat_form(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
     the prompt-form endpoints (``/completion``, ``/completions``, ``/v1/completions``,
     ``/infill``), whose prompt is not templated, and paths that run no completion.
     """
-    if path in CHAT_PATHS:
+    api = api_of(path)
+    if api is Api.CHAT:
         return body
-    if path in RESPONSES_PATHS:
+    if api is Api.RESPONSES:
         return responses_to_chat(body)
-    if path in ANTHROPIC_PATHS:
+    if api is Api.MESSAGES:
         return anthropic_to_chat(body)
     return None
 

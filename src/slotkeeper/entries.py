@@ -198,7 +198,9 @@ class Entry:
     seq_version: int
     layout: str
     server: dict[str, Any] = field(default_factory=dict)
-    units: Sequence[str] = field(default_factory=list)  # the request units that led to it (placement's fast path)
+    # the keys of the request's settings and messages that led to it (placement.request.message_keys); its
+    # manifest keeps them as "units"
+    messages: Sequence[str] = field(default_factory=list)
     save_ms: float | None = None
     exact: str = ""  # prefix.exact_key of all its tokens ("" in manifests older than this field)
     boundary: bool = False  # saved at a turn boundary: a prefix of what its chat's next request sends
@@ -220,7 +222,7 @@ class Entry:
             "llama_server": self.server,
             "block_tokens": BLOCK_TOKENS,
             "blocks": list(self.keys),
-            "units": list(self.units),
+            "units": list(self.messages),
             "exact": self.exact,
             "boundary": self.boundary,
             "opening": self.opening,
@@ -244,7 +246,7 @@ class Entry:
             seq_version=int(fmt.get("seq_version", 0)),
             layout=str(fmt.get("layout", "")),
             server=_mapping(data.get("llama_server")),
-            units=_chain(data.get("units") or []),
+            messages=_chain(data.get("units") or []),
             save_ms=data.get("save_ms"),
             exact=str(data.get("exact") or ""),
             boundary=bool(data.get("boundary", False)),

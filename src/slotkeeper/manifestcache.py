@@ -113,7 +113,7 @@ def _line(entry: Entry, shared: dict[str, list[Any]]) -> bytes | None:
     """An entry as one line of fields (a tenth of parsing its manifest); None for one whose keys are not
     digests (made-up keys in tests: read from its manifest). The objects that the entries of one
     configuration repeat are an index into `shared`, which only grows, so that old lines stay valid."""
-    keys, units = KeyChain(entry.keys).hex(), KeyChain(entry.units).hex()
+    keys, units = KeyChain(entry.keys).hex(), KeyChain(entry.messages).hex()
     if keys is None or units is None:
         return None
     refs = []
@@ -173,7 +173,7 @@ def _entry(entry_id: str, raw: bytes, shared: dict[str, list[Any]]) -> Entry:
         seq_version=int(seq_version),
         layout="" if layout == "-" else sys.intern(layout),
         server=shared["llama_server"][int(server)],
-        units=KeyChain.from_hex("" if units == "-" else units),
+        messages=KeyChain.from_hex("" if units == "-" else units),
         save_ms=float(save_ms) if save_ms else None,
         exact="" if exact == "-" else exact,
         boundary=boundary == "1",

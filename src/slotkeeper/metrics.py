@@ -55,7 +55,7 @@ class Metrics:
     prompt_tokenizations: int = 0  # placements that asked llama-server for the prompt's tokens
     prefill_tokens_saved: int = 0  # estimated: the prompt tokens placed requests found in their slot
     extend_hits: int = 0  # extend-only models: requests that extend a saved boundary exactly
-    extend_misses: collections.Counter[str] = field(default_factory=collections.Counter)  # by placement.Miss
+    extend_misses: collections.Counter[str] = field(default_factory=collections.Counter)  # by decide.Miss
     boundaries_reached: int = 0  # slots brought to a turn boundary before a save
     boundaries_settled: int = 0  # hybrid chats' idle slots brought to their boundary once a turn was over
     settle_prefill_tokens: int = 0  # tokens prefilled for those (off the turns' critical path)
@@ -104,6 +104,36 @@ class Metrics:
         self.boundaries_settled += 1
         self.settle_prefill_tokens += prefilled
         self.settle_seconds += seconds
+
+    def status(self) -> dict[str, Any]:
+        """Placement's counters, as /slotkeeper/status shows them."""
+        return {
+            "placements": dict(self.placements),
+            "on_demand_restores": self.on_demand_restores,
+            "prefill_tokens_saved": self.prefill_tokens_saved,
+            "prompt_tokenizations": self.prompt_tokenizations,
+            "slots_parked": self.slots_parked,
+            "unpinned_elsewhere": self.unpinned_elsewhere,
+            "chats_found_empty": self.chats_found_empty,
+            "extend_only": {
+                "hits": self.extend_hits,
+                "misses": dict(self.extend_misses),
+                "boundaries_reached": self.boundaries_reached,
+                "boundaries_settled": self.boundaries_settled,
+                "settle_prefill_tokens": self.settle_prefill_tokens,
+                "settle_ms": round(self.settle_seconds * 1000, 1),
+                "boundary_prefill_tokens": self.boundary_prefill_tokens,
+                "boundary_ms": round(self.boundary_seconds * 1000, 1),
+                "boundary_unknown": self.boundary_unknown,
+            },
+            "openings": {
+                "saved": self.openings_saved,
+                "hits": self.opening_hits,
+                "tokens_saved": self.opening_tokens_saved,
+                "prefill_tokens": self.opening_prefill_tokens,
+                "prefill_ms": round(self.opening_seconds * 1000, 1),
+            },
+        }
 
     def save_failed(self, reason: str) -> None:
         self.saves["failed"] += 1

@@ -24,11 +24,12 @@ REMEMBERED = 256  # distinct openings whose tokens are kept
 
 @dataclass(frozen=True)
 class Opening:
-    """A chat's opening: its exact tokens, their `prefix.exact_key`, and the request units that lead to it."""
+    """A chat's opening: its exact tokens, their `prefix.exact_key`, and the keys of the messages (with the
+    chat's settings first) that lead to it (`placement.request.message_keys`)."""
 
     tokens: list[int]
     key: str
-    units: list[str]
+    messages: list[str]
 
 
 def opening_turn(messages: list[Any]) -> Turn | None:
@@ -49,13 +50,13 @@ class Openings:
 
     def __init__(self, boundaries: Boundaries) -> None:
         self.boundaries = boundaries
-        self._tokens: OrderedDict[str, list[int]] = OrderedDict()  # the opening's last unit key -> its tokens
+        self._tokens: OrderedDict[str, list[int]] = OrderedDict()  # the opening's last message key -> its tokens
 
-    async def of(self, chat: dict[str, Any], turn: Turn, units: list[str], request: list[int]) -> Opening | None:
+    async def of(self, chat: dict[str, Any], turn: Turn, messages: list[str], request: list[int]) -> Opening | None:
         """The opening of a chat whose request has the tokens `request`; None when it cannot be rendered or the
         request does not extend it exactly (a template that renders the system part differently once a real
         message follows: then an opening entry would not be reused, and is not made)."""
-        key = units[-1]
+        key = messages[-1]
         tokens = self._tokens.get(key)
         if tokens is None:
             tokens = await self.boundaries.tokens(chat, turn)
@@ -69,4 +70,4 @@ class Openings:
         exact = exact_key(tokens)
         if not tokens or not extends_exactly(request, len(tokens), exact):
             return None
-        return Opening(tokens, exact, units)
+        return Opening(tokens, exact, messages)

@@ -22,8 +22,22 @@ class CachePolicy(enum.Enum):
     NONE = "none"  # no restored state is reused: nothing is saved
 
 
-def cache_policy(memory: ModelMemory | None, swa_full: bool) -> CachePolicy:
-    """The policy for this model; an unknown model gets the one that can never change an answer."""
+# --model-memory, and whether --swa-full is set
+FORCED_POLICIES = {
+    ("full", False): CachePolicy.PREFIX,
+    ("full", True): CachePolicy.PREFIX,
+    ("recurrent", False): CachePolicy.EXTEND_ONLY,
+    ("recurrent", True): CachePolicy.EXTEND_ONLY,
+    ("sliding-window", False): CachePolicy.NONE,
+    ("sliding-window", True): CachePolicy.EXTEND_ONLY,
+}
+
+
+def cache_policy(memory: ModelMemory | None, swa_full: bool, forced: str = "auto") -> CachePolicy:
+    """The policy for this model (`forced`: the --model-memory the user gave, "auto" when none); an unknown
+    model gets the one that can never change an answer."""
+    if forced != "auto":
+        return FORCED_POLICIES[forced, swa_full]
     if memory is None:
         return CachePolicy.EXTEND_ONLY
     if memory.kind is MemoryKind.FULL:

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import hashlib
 import os
 import time
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from .bucket import INDEX_TIMEOUT_S, Bucket, Listed, RemoteError, RemoteStats, reason
-from .entries import BIN_SUFFIX, PARTIAL_SUFFIX, fsync_path
+from .entries import BIN_SUFFIX, PARTIAL_SUFFIX, Entry, fsync_path
 from .log import fmt_bytes, log
 from .s3config import NAME_RE, RemoteConfig
 from .uploads import UploadQueue
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
 __all__ = [
     "CANCEL_GRACE_S",
     "INDEX_MAX_AGE_S",
+    "AdoptingStore",
+    "Fetched",
     "RemoteConfig",
     "RemoteError",
     "RemoteMatch",
@@ -42,6 +46,25 @@ DOWNLOAD_CHUNK_BYTES = 256 * 1024  # a download's unit of progress: a stall is n
 PROGRESS_INTERVAL_S = 2.0
 CANCEL_GRACE_S = 1.0  # close(): how long cancelled uploads get to unwind after the deadline
 SPEED_WEIGHT = 0.5  # weight of the newest download in the measured speed
+
+
+class Fetched(enum.Enum):
+    """What became of a remote entry a request asked for (`RemoteTier.fetch_into`)."""
+
+    ADOPTED = "adopted"  # downloaded, verified and taken into the local store
+    LATER = "later"  # still downloading when the request stopped waiting: taken in once it completes
+    FAILED = "failed"  # not had (its own line said why) or not taken in
+
+
+class AdoptingStore(Protocol):
+    """What the local store offers a download: its entries' folder, its entries, and taking one in."""
+
+    entries_dir: Path
+
+    @property
+    def entries(self) -> Mapping[str, Any]: ...
+
+    def adopt(self, manifest: dict[str, Any]) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -74,6 +97,8 @@ class RemoteTier:
         self.bucket = Bucket(config, request_timeout_s)
         self._uploads = UploadQueue(self.bucket, namespace, journal_dir, self.stats, concurrency=concurrency)
         self._fetches: dict[str, asyncio.Task[tuple[Path, dict[str, Any]] | None]] = {}
+        self._probe: asyncio.Future[bool] | None = None
+        self._background: set[asyncio.Future[None]] = set()  # downloads outlasting their request, taken in after
         self._index: dict[str, Listed] = {}  # entry_id -> (e_tag of its .json, manifest)
         self._index_at: float | None = None  # monotonic time of the last complete listing
         self._refresh: asyncio.Task[None] | None = None
@@ -88,6 +113,14 @@ class RemoteTier:
     async def probe(self, timeout_s: float) -> bool:
         """Whether the bucket answers a listing of this namespace within `timeout_s`; one log line either way."""
         return await self.bucket.probe(self.namespace, timeout_s)
+
+    def probe_in_background(self, timeout_s: float) -> None:
+        """Probe reachability without making anyone wait: its outcome is its log line and the stats."""
+        self._probe = asyncio.ensure_future(self.probe(timeout_s))
+
+    def upload_committed(self, entry: Entry, bin_path: Path) -> None:
+        """The local store committed a new entry: upload it, write-behind (the store's `on_commit`)."""
+        self.schedule_upload(entry.id, bin_path, entry.manifest())
 
     def schedule_upload(self, entry_id: str, bin_path: Path, manifest: dict[str, Any]) -> None:
         """Queue an upload and return at once; the journal record is written (off the loop) before it starts."""
@@ -189,6 +222,36 @@ class RemoteTier:
             )
         result: tuple[Path, dict[str, Any]] | None = await _shared(task)
         return result
+
+    async def fetch_into(self, match: RemoteMatch, store: AdoptingStore, wait_s: float | None) -> Fetched:
+        """Download an entry into the local store and take it in there. A request waits at most `wait_s` (None:
+        until it is done); past that the download goes on, and the entry is taken in once it completes, for
+        the chat's next turn."""
+        try:
+            fetched = await asyncio.wait_for(self.fetch(match, store.entries_dir), wait_s)
+        except TimeoutError:
+            self._in_background(self._adopt_later(match, store))
+            return Fetched.LATER
+        if fetched is not None and store.adopt(fetched[1]) is not None:
+            return Fetched.ADOPTED
+        return Fetched.FAILED
+
+    async def _adopt_later(self, match: RemoteMatch, store: AdoptingStore) -> None:
+        fetched = await self.fetch(match, store.entries_dir)  # (the download already under way, shared)
+        if fetched is not None and match.entry_id not in store.entries:
+            store.adopt(fetched[1])
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background_ended)
+
+    def _background_ended(self, task: asyncio.Future[None]) -> None:
+        """A background task's error is its one line: nobody awaits it (a later miss fetches the entry again),
+        and unseen it would end as a traceback when the task is collected."""
+        self._background.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("remote: taking in a downloaded entry failed (%r)", exc)
 
     async def _fetch(self, match: RemoteMatch, dest_dir: Path) -> tuple[Path, dict[str, Any]] | None:
         entry_id, manifest = match.entry_id, match.manifest

@@ -17,32 +17,14 @@ boundary, or for the token counts that tell which slot ran an unpinnable request
 
 from __future__ import annotations
 
-import enum
 import json
 from dataclasses import dataclass
 from typing import Any
 
 from . import chatform
+from .apis import Api
 
 MAX_REPLY_BYTES = 8 * 1024 * 1024  # a longer response is not kept: its chat is saved without a boundary
-
-
-class ReplyForm(enum.Enum):
-    """The API a response speaks, by the request's path."""
-
-    CHAT = "chat completions"
-    RESPONSES = "responses"
-    ANTHROPIC = "anthropic messages"
-
-    @classmethod
-    def of(cls, path: str) -> ReplyForm | None:
-        if path in chatform.CHAT_PATHS:
-            return cls.CHAT
-        if path in chatform.RESPONSES_PATHS:
-            return cls.RESPONSES
-        if path in chatform.ANTHROPIC_PATHS:
-            return cls.ANTHROPIC
-        return None
 
 
 @dataclass(frozen=True)
@@ -63,10 +45,11 @@ class _Read:
 class ReplyReader:
     """Collects one response body; `message()` parses it into the assistant message in chat form, or None."""
 
-    __slots__ = ("_form", "_parts", "_read", "_size")
+    __slots__ = ("_api", "_parts", "_read", "_size")
 
-    def __init__(self, form: ReplyForm = ReplyForm.CHAT) -> None:
-        self._form = form
+    def __init__(self, api: Api = Api.CHAT) -> None:
+        """`api`: the request's, one of the templated ones (its response is in that API's form)."""
+        self._api = api
         self._parts: list[bytes] | None = []
         self._size = 0
         self._read: _Read | None = None
@@ -97,7 +80,7 @@ class ReplyReader:
         if self._parts is not None:
             body = b"".join(self._parts)
             try:
-                read = _PARSERS[self._form](body, body.lstrip().startswith(b"{"))
+                read = _PARSERS[self._api](body, body.lstrip().startswith(b"{"))
             except (ValueError, TypeError, KeyError, IndexError, AttributeError):
                 pass
         self._read = read
@@ -255,4 +238,4 @@ def _one_assistant(chat: dict[str, Any]) -> dict[str, Any] | None:
     return message
 
 
-_PARSERS = {ReplyForm.CHAT: _chat, ReplyForm.RESPONSES: _responses, ReplyForm.ANTHROPIC: _anthropic}
+_PARSERS = {Api.CHAT: _chat, Api.RESPONSES: _responses, Api.MESSAGES: _anthropic}

@@ -6,7 +6,9 @@ the file's format version, and the prefix keys of its tokens (`prefix.block_keys
 content, not by slot: the placement policy restores one into whichever slot it chooses. The pair, its manifest
 and the rule for what an entry found on disk is good for are entries.py's (`slotkeeper ls` reads them there too).
 
-The mechanism lives here; what to save, restore or evict, and when, is the caller's (placement, daemon).
+The mechanism lives here; what to save, restore or evict, and when, is the caller's (placement, daemon). Of
+its parts, how entries are found in memory is storeindex.py's (`EntryIndex`, which the store extends), what a
+start finds on disk is storescan.py's, and the slot files' transient names and their commit are slotfiles.py's.
 
 Nothing lost, by construction:
 * llama-server never sees the store. Its `--slot-save-path` is `snapshots/` (clients' own save and restore
@@ -33,7 +35,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,8 +44,6 @@ from . import manifestcache
 from .entries import (
     BIN_SUFFIX,
     MANIFEST_SUFFIX,
-    PARTIAL_SUFFIX,
-    TRANSIENT_NAME,
     TRANSIENT_PREFIX,
     Entry,
     Status,
@@ -53,21 +53,20 @@ from .entries import (
     file_size,
     fsync_path,
     is_link,
-    is_slot_name,
-    is_state_file,
     judge,
     pair_paths,
     read_json,
-    read_manifest,
     remove_pair,
     write_json_atomic,
 )
-from .layout import ENTRIES_DIR, LOCK_NAME, QUARANTINE_DIR, SNAPSHOTS_DIR, prepare_layout
+from .layout import ENTRIES_DIR, QUARANTINE_DIR, SNAPSHOTS_DIR, prepare_layout
 from .log import fmt_bytes, log
 from .metrics import Metrics
-from .prefix import KeyChain, block_keys, common_keys, exact_key, extends_exactly
-from .prefixtree import PrefixTree
+from .prefix import exact_key
+from .slotfiles import commit, low_space, report_progress, transient_path
 from .statefile import StateFileError, read_header
+from .storeindex import EntryIndex, extends
+from .storescan import remove_transients, scan_entries, take_over_slot_files
 
 if TYPE_CHECKING:  # `slotkeeper ls` reads a store without the client
     from .llama_client import LlamaClient
@@ -94,10 +93,7 @@ __all__ = [
 ]
 
 QUARANTINE_KEEP = 8  # newest pairs kept in quarantine/
-FREE_SPACE_HEADROOM = 1.1  # a save needs the expected size plus 10% free
-SUPERSEDE_SLACK_BLOCKS = 1  # an entry whose blocks but this many a new save repeats is superseded by it
 DEFAULT_CAP_SHARE = 0.5  # without --max-cache-bytes: half of what the store could use when it opened
-PROGRESS_INTERVAL_S = 2.0
 
 
 def server_identity(binary: str | None) -> dict[str, Any]:
@@ -142,8 +138,9 @@ class RestoreResult:
     seconds: float = 0.0
 
 
-class ConversationStore:
-    """The entries of one save directory, indexed by prefix key, and the save/restore protocol around them."""
+class ConversationStore(EntryIndex):
+    """The entries of one save directory, indexed by prefix key (EntryIndex), and the save/restore protocol
+    around them."""
 
     def __init__(
         self,
@@ -156,39 +153,28 @@ class ConversationStore:
         cap_bytes: int | None = None,
         restore_unverified: bool = False,
         metrics: Metrics | None = None,
+        on_commit: Callable[[Entry, Path], None] | None = None,
     ) -> None:
+        super().__init__(fingerprint, server or {})
         self.root = root
         self.entries_dir = root / ENTRIES_DIR
         self.snapshots_dir = root / SNAPSHOTS_DIR
         self.client = client
-        self.fingerprint = fingerprint
-        self.server = server or {}
         self.fsync = fsync
         self.restore_unverified = restore_unverified
         self.metrics = metrics or Metrics()
         self.cap_bytes = cap_bytes
         self.current_format: tuple[int, str] | None = None  # (seq version, layout) this llama-server writes
-        self.entries: dict[str, Entry] = {}  # usable by this configuration
         self.skipped: dict[str, str] = {}  # entry id -> why it is kept but not used
         self._kept: dict[str, Entry] = {}  # those entries (they count against the cap, and can be evicted)
-        # Indexes, kept by _index/_unindex alone, so that no request or save scans the store (tens of thousands
-        # of entries after a few weeks of agent sessions).
-        self._tree = PrefixTree()  # entries by their block keys
-        # ... and by their request units (chained too: a chat's turns are a path), built when first asked (only
-        # hybrid and sliding-window models keep a chat's boundaries, and ask)
-        self._units: PrefixTree | None = None
-        self._keyless: set[str] = set()  # entries without a full block
-        self._by_exact: dict[str, list[str]] = {}  # exact key -> entry ids
-        self._opening_ids: set[str] = set()
-        self._totals = _Totals()  # running sums over self.entries
-        self._kept_bytes = 0  # ... and over self._kept
+        self._kept_bytes = 0  # their bytes (the usable entries' sums are EntryIndex's)
         self._pending: set[asyncio.Future[Any]] = set()  # manifest updates (last use) written in the background
         self.cache_changes = 0  # manifests written or read since the manifest cache was (manifestcache.py)
         self._cache_lock = asyncio.Lock()
         self.bytes_per_s: float | None = None  # measured save speed
         self.restore_bytes_per_s: float | None = None  # measured restore speed (the last restore's)
         self._warned_copy = False
-        self.on_commit: Callable[[Entry, Path], None] | None = None  # told of each new local save (the remote tier)
+        self.on_commit = on_commit  # told of each new local save (the remote tier's uploads)
 
     # ---- opening ------------------------------------------------------------------------------------------
 
@@ -207,64 +193,13 @@ class ConversationStore:
 
     def _open(self) -> None:
         prepare_layout(self.root)
-        self._remove_transients()
-        self._take_over_slot_files()
-        bins: dict[str, os.DirEntry[str]] = {}
-        manifests: dict[str, os.DirEntry[str]] = {}
-        with os.scandir(self.entries_dir) as listing:  # one pass; lstat answers, links never followed
-            for item in listing:
-                if item.name.endswith(PARTIAL_SUFFIX):  # manifests, downloads
-                    if item.is_file(follow_symlinks=False):
-                        discard(Path(item.path))
-                elif item.name.endswith(BIN_SUFFIX):
-                    bins[item.name.removesuffix(BIN_SUFFIX)] = item
-                elif item.name.endswith(MANIFEST_SUFFIX):
-                    manifests[item.name.removesuffix(MANIFEST_SUFFIX)] = item
-        links = 0
-        for entry_id, item in bins.items():
-            if not item.is_file(follow_symlinks=False):
-                links += 1
-            elif entry_id not in manifests:  # saved, never committed: an interrupted save
-                discard(Path(item.path))
-                log.info("removed entry %s left by an interrupted save", entry_id[:4])
-        unreadable = 0
-        stamps = {
-            entry_id: manifestcache.stamp_of(item.stat(follow_symlinks=False))
-            for entry_id, item in manifests.items()
-            if item.is_file(follow_symlinks=False)
-        }
-        cached = manifestcache.read(self.root, stamps)  # what the manifests held when last seen: most need no reading
-        self.cache_changes = 0
-        for entry_id, item in manifests.items():
-            bin_item = bins.get(entry_id)
-            if not item.is_file(follow_symlinks=False):
-                links += bin_item is None or bin_item.is_file(follow_symlinks=False)  # a link pair counts once
-                continue
-            if bin_item is not None and not bin_item.is_file(follow_symlinks=False):
-                continue  # counted with the bins
-            data: dict[str, Any] | Entry | None = cached.pop(entry_id, None)
-            if data is None:
-                data = read_manifest(item.path)
-                self.cache_changes += 1
-            if data is None:
-                unreadable += 1  # another slotkeeper version's, or damaged: kept as it is, not used
-            else:
-                self._admit(entry_id, data, None if bin_item is None else bin_item.stat(follow_symlinks=False).st_size)
-        if links:
-            log.warning(
-                "%d entr%s in %s %s a link or not a file: never followed, left as %s",
-                links,
-                "y" if links == 1 else "ies",
-                self.entries_dir,
-                "is" if links == 1 else "are",
-                "it is" if links == 1 else "they are",
-            )
-        if unreadable:
-            log.warning(
-                "%d entr%s with a manifest this slotkeeper cannot read: kept, not used",
-                unreadable,
-                "y" if unreadable == 1 else "ies",
-            )
+        remove_transients(self.snapshots_dir)
+        take_over_slot_files(self.root, self.fingerprint, restore_unverified=self.restore_unverified, fsync=self.fsync)
+        found = scan_entries(self.root)
+        self.cache_changes = found.manifests_read
+        for entry_id, data, size in found.pairs:
+            self._admit(entry_id, data, size)
+        found.warn(self.entries_dir)
         reasons: dict[str, int] = {}
         for reason in self.skipped.values():
             reasons[reason] = reasons.get(reason, 0) + 1
@@ -279,7 +214,7 @@ class ConversationStore:
             case Status.NO_BIN, _:  # a manifest whose file is gone (removed by hand): nothing to keep
                 discard(pair_paths(self.entries_dir, entry_id)[1])
             case Status.USABLE, Entry() as entry:
-                self._index(entry)
+                self.index(entry)
             case Status.WRONG_SIZE, Entry() as entry:
                 self._quarantine(entry, verdict.reason)
             case _, Entry() as entry:  # another configuration's
@@ -293,176 +228,12 @@ class ConversationStore:
             self._kept_bytes += entry.nbytes
         self._kept[entry.id] = entry
 
-    def _index(self, entry: Entry) -> None:
-        if entry.id in self.entries:
-            return
-        # What most entries repeat is shared, not copied (this configuration's fingerprint and server), and
-        # their keys are packed (prefix.KeyChain): a store of 20,000 entries is then tens of MB, not hundreds.
-        if entry.fingerprint == self.fingerprint:
-            entry.fingerprint = self.fingerprint
-        if entry.server == self.server:
-            entry.server = self.server
-        entry.keys = KeyChain(entry.keys) if not isinstance(entry.keys, KeyChain) else entry.keys
-        entry.units = KeyChain(entry.units) if not isinstance(entry.units, KeyChain) else entry.units
-        self.entries[entry.id] = entry
-        if entry.keys:
-            self._tree.add(entry.id, entry.keys)
-        else:
-            self._keyless.add(entry.id)
-        if entry.units and self._units is not None:
-            self._units.add(entry.id, entry.units)
-        if entry.exact:
-            self._by_exact.setdefault(entry.exact, []).append(entry.id)
-        if entry.opening:
-            self._opening_ids.add(entry.id)
-        self._totals.add(entry, 1)
-
-    def _unindex(self, entry: Entry) -> None:
-        if self.entries.pop(entry.id, None) is None:
-            return
-        if entry.keys:
-            self._tree.remove(entry.id)
-        else:
-            self._keyless.discard(entry.id)
-        if entry.units and self._units is not None:
-            self._units.remove(entry.id)
-        if entry.exact:
-            _drop(self._by_exact, entry.exact, entry.id)
-        self._opening_ids.discard(entry.id)
-        self._totals.add(entry, -1)
-
-    def _remove_transients(self) -> None:
-        for leftover in self.snapshots_dir.glob(f"{TRANSIENT_PREFIX}*"):
-            if TRANSIENT_NAME.fullmatch(leftover.name):  # a client's own `slotkeeper-notes.bin` stays
-                leftover.unlink(missing_ok=True)
-
-    def _take_over_slot_files(self) -> None:
-        """`<slot>.bin` + `<slot>.json` from the slot-file layout become entries; clients' own files move to snapshots/.
-
-        So an upgrade loses no cache. A slot file without a manifest is taken over only with --restore-unverified
-        (it is then trusted to match the running configuration).
-        """
-        for manifest_path in sorted(self.root.glob(f"*{MANIFEST_SUFFIX}{PARTIAL_SUFFIX}")):
-            final = manifest_path.with_name(manifest_path.name.removesuffix(PARTIAL_SUFFIX))
-            data = read_json(manifest_path)
-            bin_path = final.with_suffix(BIN_SUFFIX)
-            if data and bin_path.is_file() and bin_path.stat().st_size == data.get("bytes"):
-                os.replace(manifest_path, final)  # a save that completed its file before the stop
-            else:
-                manifest_path.unlink(missing_ok=True)
-        for partial in self.root.glob(f"*{BIN_SUFFIX}{PARTIAL_SUFFIX}"):
-            partial.unlink(missing_ok=True)
-        for path in sorted(self.root.iterdir()):
-            if not path.is_file() or path.name == LOCK_NAME:
-                continue
-            stem = path.name.removesuffix(BIN_SUFFIX)
-            if path.suffix == BIN_SUFFIX and is_slot_name(stem):
-                self._take_over_one(path, read_json(path.with_suffix(MANIFEST_SUFFIX)))
-            elif path.suffix != MANIFEST_SUFFIX and is_state_file(path):
-                os.replace(path, self.snapshots_dir / path.name)
-                log.info("moved %s (a client's own slot file) to %s/", path.name, SNAPSHOTS_DIR)
-
-    def _take_over_one(self, bin_path: Path, old: dict[str, Any] | None) -> None:
-        manifest_path = bin_path.with_suffix(MANIFEST_SUFFIX)
-        if old is None and not self.restore_unverified:
-            log.warning(
-                "%s has no slotkeeper manifest; left as it is (--restore-unverified takes it over)", bin_path.name
-            )
-            return
-        try:
-            header = read_header(bin_path)
-        except (OSError, StateFileError) as exc:
-            log.warning("%s is not a slot file slotkeeper can read (%s); left as it is", bin_path.name, exc)
-            return
-        now = time.time()
-        saved_at = float((old or {}).get("saved_at", bin_path.stat().st_mtime))
-        entry = Entry(
-            id=secrets.token_hex(8),
-            tokens=header.n_tokens,
-            nbytes=bin_path.stat().st_size,
-            keys=block_keys(header.tokens),
-            saved_at=saved_at,
-            last_used=saved_at,
-            fingerprint=(old or {}).get("fingerprint") or self.fingerprint,
-            seq_version=header.version,
-            layout=header.layout,
-            server={},
-            save_ms=(old or {}).get("save_ms"),
-            exact=exact_key(header.tokens),
-        )
-        os.replace(bin_path, self.entries_dir / f"{entry.id}{BIN_SUFFIX}")
-        write_json_atomic(self.entries_dir / f"{entry.id}{MANIFEST_SUFFIX}", entry.manifest(), self.fsync)
-        manifest_path.unlink(missing_ok=True)
-        log.info(
-            "slot file %s taken over as entry %s: %s tokens, %s (%.0f s old)",
-            bin_path.name,
-            entry.short,
-            f"{entry.tokens:,}",
-            fmt_bytes(entry.nbytes),
-            now - saved_at,
-        )
-
-    # ---- finding ------------------------------------------------------------------------------------------
-
-    def lookup(self, keys: list[str]) -> tuple[Entry | None, int]:
-        """The usable entry sharing the longest prefix with `keys`, and how many keys it shares.
-
-        Of the entries that share that many, the smallest: it gives llama-server the same prefix for the fewest
-        bytes read (a new chat gets its opening, not a long chat that happens to start with it). Those that end
-        there are smaller than any that goes on, so only they are compared when there are any.
-        """
-        found = self._tree.deepest(keys)
-        if not found.depth:
-            return None, 0
-        best = min((self.entries[i] for i in found.ends or found.holders), key=lambda e: (e.tokens, -e.last_used))
-        return best, found.depth
-
-    def lookup_extended(self, tokens: list[int], keys: list[str]) -> Entry | None:
-        """The deepest boundary entry that `tokens` extend exactly (all of its tokens, and more): the only kind
-        of entry llama-server reuses on a hybrid or sliding-window model."""
-        best: Entry | None = None
-        for entry_id in (*self._keyless, *self._tree.within(keys)):  # the entries whose blocks the request's open
-            entry = self.entries[entry_id]
-            if (
-                entry.boundary
-                and entry.exact
-                and (best is None or entry.tokens > best.tokens)
-                and extends_exactly(tokens, entry.tokens, entry.exact)
-            ):
-                best = entry
-        return best
-
-    def _units_tree(self) -> PrefixTree:
-        if self._units is None:
-            self._units = PrefixTree()
-            for entry in self.entries.values():
-                if entry.units:
-                    self._units.add(entry.id, entry.units)
-        return self._units
-
-    def units_within(self, units: Sequence[str]) -> list[Entry]:
-        """The entries whose request units `units` open with (a chat's earlier saves, its opening)."""
-        return [self.entries[i] for i in self._units_tree().within(units)]
-
-    def units_extended(self, units: Sequence[str]) -> bool:
-        """Whether some entry's request units go on past all of `units` (a later save of the same chat)."""
-        found = self._units_tree().deepest(units)
-        return found.depth == len(units) > 0 and len(found.holders) > len(found.ends)
-
-    def find_exact(self, key: str) -> Entry | None:
-        """The entry holding exactly these tokens (by `prefix.exact_key`), if one is saved."""
-        ids = self._by_exact.get(key)
-        return self.entries[ids[0]] if ids else None
-
-    def openings(self) -> list[Entry]:
-        return [self.entries[i] for i in self._opening_ids]
+    # ---- finding (the lookups are EntryIndex's) -----------------------------------------------------------
 
     def started_from(self, entry: Entry) -> None:
         """A new chat started from this entry, an opening (it is marked one if it was a chat's first boundary)."""
-        entry.opening = True
+        self.mark_opening(entry)
         entry.uses += 1
-        if entry.id in self.entries:
-            self._opening_ids.add(entry.id)
         self.touch(entry)
 
     def restore_seconds(self, entry: Entry) -> float | None:
@@ -479,20 +250,19 @@ class ConversationStore:
                 chosen.append(entry)
         return chosen
 
-    @property
-    def total_bytes(self) -> int:
-        return self._totals.nbytes
-
-    def bytes_per_token(self) -> float | None:
-        """What a token of cache costs on disk here, from the entries (None before the first one)."""
-        totals = self._totals
-        return totals.nbytes / totals.tokens if totals.tokens else None
-
     def save_rate(self) -> float | None:
         """Bytes per second the saves achieved, from llama-server's own save times in the manifests."""
-        totals = self._totals
-        seconds = totals.save_ms / 1000
-        return totals.timed_bytes / seconds if seconds > 0 else self.bytes_per_s
+        rate = self.timed_save_rate()
+        return self.bytes_per_s if rate is None else rate
+
+    async def check_format(self) -> None:
+        """When some entry was written by another llama-server than this one, learn the state format this one
+        writes (a save of slot 0, empty at start) and set aside the entries it cannot read."""
+        if not self.needs_format_probe():
+            return
+        self.current_format = await self.probe_format(0)
+        if self.current_format is not None:
+            self.check_formats()
 
     def needs_format_probe(self) -> bool:
         """True when some entry was written by another llama-server than this one (its format may differ)."""
@@ -505,7 +275,7 @@ class ConversationStore:
             return
         unreadable = [e for e in self.entries.values() if not compatible_format(e, current)]
         for entry in unreadable:
-            self._unindex(entry)
+            self.unindex(entry)
             self._keep_unused(
                 entry,
                 f"format v{entry.seq_version} ({entry.layout}); this llama-server writes v{current[0]} ({current[1]})",
@@ -522,13 +292,10 @@ class ConversationStore:
 
     # ---- the slot-action protocol -------------------------------------------------------------------------
 
-    def _transient(self) -> Path:
-        return self.snapshots_dir / f"{TRANSIENT_PREFIX}{secrets.token_hex(16)}{BIN_SUFFIX}"
-
     async def probe_format(self, slot_id: int) -> tuple[int, str] | None:
         """Save an (empty) slot to learn the state format this llama-server writes; None if it cannot say."""
         assert self.client is not None
-        transient = self._transient()
+        transient = transient_path(self.snapshots_dir)
         try:
             reply = await self.client.slot_action(slot_id, "save", transient.name)
             if not reply.ok:
@@ -540,28 +307,11 @@ class ConversationStore:
         finally:
             transient.unlink(missing_ok=True)
 
-    def _check_free_space(self, expected: int) -> str | None:
-        try:
-            free = shutil.disk_usage(self.root).free
-        except OSError:
-            return None  # the save itself will say what is wrong
-        if free < expected * FREE_SPACE_HEADROOM:
-            return f"only {fmt_bytes(free)} free in {self.root}, ~{fmt_bytes(expected)} needed"
-        return None
-
-    async def _report_progress(self, label: str, path: Path, expected: int) -> None:
-        """For long saves: `slot 0 saving: 1.2 GB of ~3.4 GB` every couple of seconds."""
-        of_expected = f" of ~{fmt_bytes(expected)}" if expected else ""
-        while True:
-            await asyncio.sleep(PROGRESS_INTERVAL_S)
-            with contextlib.suppress(OSError):
-                log.info("%s saving: %s%s", label, fmt_bytes(path.stat().st_size), of_expected)
-
     async def save_slot(
         self,
         slot_id: int,
         expected_bytes: int = 0,
-        units: list[str] | None = None,
+        messages: list[str] | None = None,
         *,
         boundary: list[int] | None = None,
         supersedes: Callable[[Entry, Entry], bool] | None = None,
@@ -576,12 +326,12 @@ class ConversationStore:
         """
         assert self.client is not None
         started = time.monotonic()
-        low_space = self._check_free_space(expected_bytes)
-        if low_space:
+        no_room = low_space(self.root, expected_bytes)
+        if no_room:
             self.metrics.save_failed(SaveFailure.DISK_SPACE.value)
-            return SaveResult(None, SaveFailure.DISK_SPACE, low_space)
-        transient = self._transient()
-        progress = asyncio.ensure_future(self._report_progress(f"slot {slot_id}", transient, expected_bytes))
+            return SaveResult(None, SaveFailure.DISK_SPACE, no_room)
+        transient = transient_path(self.snapshots_dir)
+        progress = asyncio.ensure_future(report_progress(f"slot {slot_id}", transient, expected_bytes))
         committed = False
         try:
             reply = await self.client.slot_action(slot_id, "save", transient.name)
@@ -613,7 +363,7 @@ class ConversationStore:
                 seq_version=0,
                 layout="",
                 server=self.server,
-                units=list(units or []),
+                messages=list(messages or []),
                 save_ms=reply.body.get("timings", {}).get("save_ms"),
                 boundary=boundary is not None,
                 opening=opening,
@@ -652,42 +402,17 @@ class ConversationStore:
         """A committed save joins the index; the entries it supersedes go. Returns how many went."""
         self.current_format = (entry.seq_version, entry.layout)
         rule = supersedes or extends
-        # An entry a save supersedes shares all its blocks with the save, or all but its last (the slack of
-        # `extends`), or has none: only those are asked, not every chat that shares a system prompt.
-        candidates = {*self._keyless, *self._tree.near(entry.keys)}
-        superseded = [old for i in candidates if i != entry.id and rule(entry, old := self.entries[i])]
-        self._index(entry)
+        superseded = [old for i in self.near(entry.keys) if i != entry.id and rule(entry, old := self.entries[i])]
+        self.index(entry)
         for old in superseded:
             self._remove(old)
         return len(superseded)
 
     def _commit(self, transient: Path, entry: Entry, expected_key: str | None = None) -> None:
-        """In a thread: read the tokens from the file, checksum and fsync it, rename it into entries/, write its
-        manifest last. Whatever fails, nothing it made is left: not the file, not a partial manifest (the
-        caller may have stopped waiting: a budget ran out)."""
-        bin_path, manifest_path = pair_paths(self.entries_dir, entry.id)
-        renamed = False
-        try:
-            header = read_header(transient)
-            entry.exact = exact_key(header.tokens)
-            if expected_key is not None and entry.exact != expected_key:
-                raise StateFileError(f"the slot holds {header.n_tokens:,} tokens that are not its turn boundary")
-            entry.keys = block_keys(header.tokens)
-            entry.tokens = header.n_tokens
-            entry.seq_version, entry.layout = header.version, header.layout
-            entry.checksum = file_checksum(transient)
-            if self.fsync:
-                fsync_path(transient)
-            os.replace(transient, bin_path)
-            renamed = True
-            write_json_atomic(manifest_path, entry.manifest(), self.fsync)
-            self.cache_changes += 1
-        except BaseException:
-            discard(transient)
-            if renamed:
-                discard(manifest_path)  # manifest first, as remove_pair: never a manifest without its file
-                discard(bin_path)
-            raise
+        """In a thread: commit a saved file as `entry` (slotfiles.commit). Whatever fails, nothing it made is
+        left (the caller may have stopped waiting: a budget ran out)."""
+        commit(transient, entry, self.entries_dir, fsync=self.fsync, expected_key=expected_key)
+        self.cache_changes += 1
 
     def adopt(self, manifest: dict[str, Any]) -> Entry | None:
         """Take in an entry whose file was just downloaded to entries/<id>.bin (the shared tier): it joins the
@@ -707,7 +432,7 @@ class ConversationStore:
             entry.last_used = time.time()
             write_json_atomic(manifest_path, entry.manifest(), self.fsync)
             self.cache_changes += 1
-            self._index(entry)
+            self.index(entry)
             return entry
         if entry is None or verdict.status is Status.NO_BIN:
             log.warning("remote entry not used: %s", verdict.reason)
@@ -727,7 +452,7 @@ class ConversationStore:
         changed on disk is quarantined and the slot erased: no request ever runs on that state.
         """
         assert self.client is not None
-        link = self._transient()
+        link = transient_path(self.snapshots_dir)
         source = pair_paths(self.entries_dir, entry.id)[0]
         started = time.monotonic()
         check: asyncio.Future[str] | None = None
@@ -827,7 +552,7 @@ class ConversationStore:
     def _remove(self, entry: Entry) -> None:
         """Forget an entry and remove its pair; a pair that cannot be removed now (a read-only remount) stays
         on disk, out of the index, and is judged again at the next start: nothing is lost either way."""
-        self._unindex(entry)
+        self.unindex(entry)
         if self._kept.pop(entry.id, None) is not None:
             self._kept_bytes -= entry.nbytes
         self.skipped.pop(entry.id, None)
@@ -868,7 +593,7 @@ class ConversationStore:
 
     def _quarantine(self, entry: Entry, reason: str) -> None:
         """Move a bad pair aside (never delete it outright) and keep only the newest few."""
-        self._unindex(entry)
+        self.unindex(entry)
         self.metrics.quarantines += 1
         self.metrics.restores["quarantined"] += 1
         qdir = self.root / QUARANTINE_DIR
@@ -892,53 +617,6 @@ class ConversationStore:
             )
             return
         log.warning("entry %s quarantined (%s)", entry.short, reason)
-
-
-@dataclass
-class _Totals:
-    """Running sums over the usable entries (kept by _index/_unindex): a save asks for them, and summing
-    20,000 entries each time cost more than the save's own bookkeeping."""
-
-    nbytes: int = 0
-    tokens: int = 0
-    timed_bytes: int = 0  # of the entries with llama-server's save time ...
-    save_ms: float = 0.0  # ... and those times
-
-    def add(self, entry: Entry, sign: int) -> None:
-        self.nbytes += sign * entry.nbytes
-        self.tokens += sign * entry.tokens
-        if entry.save_ms:
-            self.timed_bytes += sign * entry.nbytes
-            self.save_ms += sign * entry.save_ms
-
-
-def _drop(index: dict[str, list[str]], key: str, entry_id: str) -> None:
-    ids = index.get(key)
-    if ids is not None:
-        with contextlib.suppress(ValueError):
-            ids.remove(entry_id)
-        if not ids:
-            del index[key]
-
-
-def extends(new: Entry, old: Entry) -> bool:
-    """`new` holds `old`'s conversation and more (a chat that grew): `old` is superseded.
-
-    All of it but at most the last SUPERSEDE_SLACK_BLOCKS: the end of the answer `old` generated, which the
-    next prompt carries re-templated (a longer answer's blocks differ further back, and the older entry stays
-    until the cap evicts it: the slack is kept small because a chat sharing only a system prompt must never
-    supersede another).
-    An opening is never superseded: the chats that start from it all extend it. Nor is another chat: when both
-    were saved from chat requests, `old`'s request units (its settings and messages) must open `new`'s, or a new
-    chat whose opening is all but the last block of a short chat (an agent session after its tools) would
-    supersede it.
-    """
-    if old.id == new.id or old.opening or not old.keys or old.tokens > new.tokens:
-        return False
-    if old.units and new.units and new.units[: len(old.units)] != old.units:
-        return False
-    shared = common_keys(old.keys, new.keys)
-    return shared >= len(old.keys) - SUPERSEDE_SLACK_BLOCKS and shared * 2 >= len(old.keys)
 
 
 def default_cap(root: Path, store_bytes: int) -> int:

@@ -1,0 +1,241 @@
+"""One model's state: what slotkeeper keeps for the model one llama-server serves, built in one place.
+
+Why one object: the fingerprint, the memory kind and its cache policy, the store, placement, the shared tier
+and the counters belong together and live as long as the model is loaded. Built by `open_model` from that
+model's file and its server's /props, and handed to the daemon, a process can hold several of them (one per
+model a router serves) without globals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import RunConfig
+from .fingerprint import build_fingerprint, kv_flags, model_identity, namespace_key
+from .llama_client import LlamaClient
+from .log import fmt_bytes, log
+from .metrics import Metrics
+from .modelinfo import MemoryKind, ModelInfoError, ModelMemory, kv_cache_bytes, llama_server_slots, read_model_memory
+from .placement import Placement, Rules
+from .policy import CachePolicy, cache_policy
+from .remote import RemoteConfig, RemoteTier
+from .store import ConversationStore, default_cap, server_identity
+
+REMOTE_JOURNAL_DIR = "remote-pending"  # in the save directory: uploads not finished yet
+REMOTE_PROBE_TIMEOUT_S = 5.0  # the shared tier's reachability probe at start (in the background)
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    """What a model's llama-server says of itself at start (its /props), and what the model file says."""
+
+    n_slots: int
+    n_ctx_slot: int | None  # context tokens per slot
+    identity: dict[str, Any]  # the model file's identity (fingerprint.model_identity)
+    memory: ModelMemory | None  # its memory kind, from its GGUF header (None: unreadable)
+
+
+@dataclass
+class Model:
+    """Everything slotkeeper keeps for one model."""
+
+    facts: ServerFacts
+    fingerprint: dict[str, Any]
+    policy: CachePolicy
+    store: ConversationStore
+    placement: Placement
+    metrics: Metrics
+    remote: RemoteTier | None
+    forced_memory: str  # --model-memory ("auto": read from the model's header)
+
+    def describe_memory(self) -> dict[str, Any]:
+        memory = self.facts.memory
+        return {
+            "architecture": memory.architecture if memory else None,
+            "kind": self.forced_memory if self.forced_memory != "auto" else memory.kind.value if memory else None,
+            "sliding_window": memory.sliding_window if memory else None,
+            "policy": self.policy.value,
+        }
+
+    def status(self) -> dict[str, Any]:
+        """This model's part of /slotkeeper/status."""
+        store, metrics = self.store, self.metrics.status()
+        return {
+            "model_memory": self.describe_memory(),
+            "fingerprint": store.fingerprint,
+            "slots": self.placement.describe(),
+            "store": {
+                "entries": len(store.entries),
+                "bytes": store.total_bytes,
+                "cap_bytes": store.cap_bytes,
+                "kept_unused": len(store.skipped),
+            },
+            **metrics,
+            "openings": {"entries": len(store.openings()), **metrics["openings"]},
+            "remote": None if self.remote is None else {"url": self.remote.config.url, **vars(self.remote.stats)},
+        }
+
+    def save_estimate(self, served: bool, budget_s: float) -> dict[str, float] | None:
+        """What a stop-time save must write: the changed slots (`served`: once requests were placed; before, at
+        most one entry per slot, the largest), at the speed the saves measured."""
+        store = self.store
+        rate = store.save_rate()
+        if not rate:
+            return None
+        per_token = store.bytes_per_token() or 0.0
+        largest = max((e.nbytes for e in store.entries.values()), default=0)
+        if served:
+            nbytes = sum(int(s.tokens * per_token) if s.tokens else largest for s in self.placement.dirty_slots())
+        else:  # before any request: what the slots could hold, the largest entries' sizes
+            nbytes = sum(sorted((e.nbytes for e in store.entries.values()), reverse=True)[: self.facts.n_slots])
+        return {"bytes": nbytes, "bytes_per_s": rate, "seconds": nbytes / rate, "budget_s": budget_s}
+
+
+async def read_server_facts(
+    config: RunConfig, client: LlamaClient, identity: Awaitable[dict[str, Any]],
+    memory: Awaitable[ModelMemory | None],
+) -> ServerFacts:  # fmt: skip
+    """The slot count and context from /props (never address a slot beyond it); the model file's identity and
+    memory kind (`identity` and `memory` were started at the spawn, read while llama-server loaded the model),
+    read again from the file /props names when that is another one (e.g. -hf)."""
+    props = await client.props()
+    body = props.body if props.ok and isinstance(props.body, dict) else {}
+    if "total_slots" in body:
+        n_slots = int(body["total_slots"])
+    else:
+        hint = config.total_slots_hint or 0
+        n_slots = hint if hint > 0 else 1
+        log.warning("GET /props answered %d (%s); assuming %d slot(s)", props.status, props.error, n_slots)
+    n_ctx = body.get("default_generation_settings", {}).get("n_ctx")
+    model = body.get("model_path") or config.model
+    found = await identity
+    if model and found.get("model") != str(Path(model).resolve()):  # e.g. -hf: /props names the file
+        found = await asyncio.to_thread(model_identity, model)
+    kind = await memory
+    if model and model != config.model:
+        kind = await asyncio.to_thread(model_memory, model)
+    return ServerFacts(n_slots, n_ctx, found, kind)
+
+
+def model_memory(path: str | None) -> ModelMemory | None:
+    """The model's memory kind from its GGUF header, or None (one line) when it cannot be read."""
+    if not path:
+        return None
+    try:
+        return read_model_memory(path)
+    except (ModelInfoError, OSError) as exc:
+        log.debug("model memory of %s unknown: %s", path, exc)
+        return None
+
+
+async def open_model(config: RunConfig, client: LlamaClient, facts: ServerFacts, metrics: Metrics) -> Model:
+    """The model's store opened (its entries indexed, its format checked against this llama-server's), its
+    placement and its shared tier: ready for the restore at start."""
+    options = config.options
+    swa_full = "swa_full" in kv_flags(config.child_args)
+    policy = cache_policy(facts.memory, swa_full, options.model_memory)
+    _say_memory(config, facts, policy)
+    fingerprint = build_fingerprint(facts.identity, config.child_args, facts.n_slots, facts.n_ctx_slot)
+    cap = int(options.max_cache_bytes) if options.max_cache_bytes else None
+    remote = _remote_tier(options.remote_store, fingerprint, config.save_dir)
+    store = ConversationStore(
+        config.save_dir, client, fingerprint, server_identity(config.llama_binary), fsync=options.fsync,
+        cap_bytes=cap, restore_unverified=options.restore_unverified, metrics=metrics,
+        on_commit=None if remote is None else remote.upload_committed,
+    )  # fmt: skip
+    await asyncio.to_thread(store.open)
+    if store.cap_bytes is None:
+        store.cap_bytes = default_cap(config.save_dir, store.total_bytes)
+    await store.check_format()
+    if remote is not None:
+        _start_remote(remote)
+    metrics.store_entries = lambda: len(store.entries)
+    metrics.store_bytes = lambda: store.total_bytes
+    memory = facts.memory
+    settle = memory is None or memory.kind is MemoryKind.RECURRENT
+    placement = Placement(
+        store, client, facts.n_slots, Rules(policy, options.min_save_tokens, settle=settle), metrics, remote
+    )
+    model = Model(facts, fingerprint, policy, store, placement, metrics, remote, options.model_memory)
+    metrics.memory = model.describe_memory
+    if remote is not None:
+        metrics.remote = lambda: remote.stats
+    other = f"; {len(store.skipped)} kept but not used (see above)" if store.skipped else ""
+    log.info(
+        "%d slot(s); %d conversation(s) in %s (%s of a %s cap)%s", facts.n_slots, len(store.entries), config.save_dir,
+        fmt_bytes(store.total_bytes), fmt_bytes(store.cap_bytes or 0), other,
+    )  # fmt: skip
+    return model
+
+
+def _say_memory(config: RunConfig, facts: ServerFacts, policy: CachePolicy) -> None:
+    """The model's memory decides what llama-server reuses, and so what is worth saving: one line."""
+    memory, forced = facts.memory, config.options.model_memory
+    if forced != "auto":
+        log.info("model memory: %s (--model-memory): cache policy %s", forced, policy.value)
+    elif memory is None:
+        log.warning(
+            "model memory unknown (its GGUF header could not be read): chats are saved at turn boundaries and "
+            "restored only into requests that extend them"
+        )
+    elif policy is CachePolicy.NONE:
+        swa_kv = swa_full_cost(memory, facts, config)
+        cost = f" (KV {fmt_bytes(swa_kv[0])} -> {fmt_bytes(swa_kv[1])})" if swa_kv else ""
+        log.warning(
+            "%s uses a %s-token sliding window: llama-server reuses no restored chat of it unless --swa-full%s; "
+            "nothing is saved, and each chat keeps its own slot", memory.architecture, f"{memory.sliding_window:,}",
+            cost,
+        )  # fmt: skip
+    elif policy is CachePolicy.EXTEND_ONLY:
+        log.info(
+            "model: %s, %s: chats are saved at turn boundaries and restored only into requests that extend them",
+            memory.architecture, memory.describe(),
+        )  # fmt: skip
+    else:
+        log.info("model: %s, %s", memory.architecture, memory.describe())
+
+
+def swa_full_cost(memory: ModelMemory, facts: ServerFacts, config: RunConfig) -> tuple[int, int] | None:
+    """llama-server's KV cache for this model as it runs, and with --swa-full (from the model's shape)."""
+    if not facts.n_ctx_slot:
+        return None
+    unified_flag = kv_flags(config.child_args).get("kv_unified")
+    slots, unified = llama_server_slots(
+        config.total_slots_hint, None if unified_flag is None else not unified_flag.startswith("no")
+    )
+    n_seq = max(facts.n_slots or slots, 1)
+    n_ctx = facts.n_ctx_slot if unified else facts.n_ctx_slot * n_seq
+    try:
+        return (
+            kv_cache_bytes(memory, n_ctx, n_seq, swa_full=False, unified=unified),
+            kv_cache_bytes(memory, n_ctx, n_seq, swa_full=True, unified=unified),
+        )
+    except ValueError:
+        return None
+
+
+def _remote_tier(url: str | None, fingerprint: dict[str, Any], save_dir: Path) -> RemoteTier | None:
+    """The shared tier (--remote-store): uploads after each local commit, lookups on a miss. Nothing here waits
+    on the network: reachability is probed in the background, so an unreachable server never delays readiness."""
+    if not url:
+        return None
+    try:
+        config = RemoteConfig.from_url(url, os.environ)
+        tier = RemoteTier(config, namespace_key(fingerprint), save_dir / REMOTE_JOURNAL_DIR)
+    except ValueError as exc:
+        log.warning("remote store not used: %s", exc)
+        return None
+    return tier
+
+
+def _start_remote(tier: RemoteTier) -> None:
+    """Once the local store is open: the uploads the last run left resume, and reachability is probed."""
+    resumed = tier.resume()
+    if resumed:
+        log.info("remote: %d upload(s) left by the last run resume", resumed)
+    tier.probe_in_background(REMOTE_PROBE_TIMEOUT_S)

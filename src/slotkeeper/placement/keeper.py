@@ -1,0 +1,378 @@
+"""The keeper: the one part of placement that talks to llama-server, the turn boundaries and the store.
+
+It carries out what a plan says (save a slot, restore an entry into it, erase it, bring it to a turn
+boundary) and tells the slot table what llama-server did. Which slot and why is `decide.py`'s; when is the
+hook's. Every method here runs on a slot the caller has reserved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..apis import api_of
+from ..boundary import Boundaries, Reached, Turn, turns_of
+from ..llama_client import LlamaClient
+from ..log import fmt_bytes, fmt_ms, log
+from ..metrics import Metrics
+from ..openings import Opening, Openings, is_opening, opening_turn
+from ..policy import CachePolicy
+from ..prefix import BLOCK_TOKENS, block_keys, exact_key
+from ..replies import ReplyReader, Usage
+from ..store import ConversationStore, Entry, SaveFailure, SaveResult
+from .decide import DEFAULT_PREFILL_TOKENS_PER_S, Rules, worth_keeping
+from .request import message_keys
+from .slots import Slot, SlotTable
+
+TOKENIZE_TIMEOUT_S = 30.0
+PREFILL_RATE_MAX_AGE_S = 10.0
+PREFILL_RATE_TIMEOUT_S = 1.0
+
+Supersedes = Callable[[Entry, Entry], bool]  # (new, old): the new entry makes the old one redundant
+
+
+def supersedes_nothing(new: Entry, old: Entry) -> bool:
+    """An opening's save supersedes nothing: chats share it."""
+    return False
+
+
+class Keeper:
+    """Slot actions and saves for one llama-server's slots."""
+
+    def __init__(
+        self, table: SlotTable, store: ConversationStore, client: LlamaClient, rules: Rules, metrics: Metrics
+    ) -> None:
+        self.table = table
+        self.store = store
+        self.client = client
+        self.rules = rules
+        self.metrics = metrics
+        self.boundaries = Boundaries(client)
+        self.openings = Openings(self.boundaries)
+        self._prefill: tuple[float, float | None] = (-PREFILL_RATE_MAX_AGE_S, None)  # (when, tokens/s) of /metrics
+        self._measured_prefill: float | None = None  # tokens/s of slotkeeper's own last boundary prefill
+
+    # ---- what llama-server says ---------------------------------------------------------------------------
+
+    async def tokens(
+        self, path: str, body: bytes, data: dict[str, Any], chat: dict[str, Any] | None
+    ) -> list[int] | None:
+        """The prompt's tokens, as llama-server will see them (template applied); None when it cannot say."""
+        try:
+            return await asyncio.wait_for(self.ask_tokens(path, body, data, chat), TOKENIZE_TIMEOUT_S)
+        except (TimeoutError, ConnectionError, ValueError, KeyError, TypeError) as exc:
+            log.debug("tokens of a %s request unknown: %r", path, exc)
+            return None
+
+    async def ask_tokens(
+        self, path: str, body: bytes, data: dict[str, Any], chat: dict[str, Any] | None
+    ) -> list[int] | None:
+        """`tokens()` without its timeout: /apply-template and /tokenize, or /tokenize of the prompt."""
+        self.metrics.prompt_tokenizations += 1
+        api = api_of(path)
+        if api is not None and api.templated:
+            if chat is None:
+                return None
+            return await self.client.chat_tokens(
+                body if chat is data else json.dumps(chat, separators=(",", ":")).encode()
+            )
+        prompt = data.get("prompt")
+        if path == "/infill" or prompt is None:
+            return None
+        return await self.client.tokenize(prompt)
+
+    async def opening(self, chat: dict[str, Any], tokens: list[int]) -> Opening | None:
+        """The chat's opening, when the request extends it (None when it is unknown)."""
+        messages = chat.get("messages")
+        turn = (
+            opening_turn(messages) if isinstance(messages, list) and self.rules.policy is not CachePolicy.NONE else None
+        )
+        if turn is None:
+            return None
+        try:
+            return await asyncio.wait_for(
+                self.openings.of(chat, turn, message_keys(chat, turn.history), tokens), TOKENIZE_TIMEOUT_S
+            )
+        except (TimeoutError, ConnectionError, ValueError, KeyError, TypeError) as exc:
+            log.debug("the opening of a chat is unknown: %r", exc)
+            return None
+
+    def known_prefill_rate(self) -> float:
+        """llama-server's prompt tokens per second as last seen (its /metrics, else slotkeeper's own prefill)."""
+        return self._prefill[1] or self._measured_prefill or DEFAULT_PREFILL_TOKENS_PER_S
+
+    async def prefill_rate(self) -> float | None:
+        """This server's prompt tokens per second from its /metrics, refreshed at most every
+        PREFILL_RATE_MAX_AGE_S."""
+        at, rate = self._prefill
+        if time.monotonic() - at >= PREFILL_RATE_MAX_AGE_S:
+            try:
+                rate = await asyncio.wait_for(self.client.prompt_rate(), PREFILL_RATE_TIMEOUT_S)
+            except (TimeoutError, ConnectionError, ValueError):
+                rate = None
+            self._prefill = (time.monotonic(), rate or self._prefill[1])
+        return self._prefill[1]
+
+    def _measured(self, reached: Reached) -> None:
+        """llama-server's prompt speed, from a prefill slotkeeper asked for (used when /metrics is off)."""
+        if reached.prefilled >= BLOCK_TOKENS and reached.seconds > 0:
+            self._measured_prefill = reached.prefilled / reached.seconds
+
+    async def ran_on(self, predicted: Slot, usage: Usage | None) -> Slot | None:
+        """The slot llama-server ran a request on, read from /slots once it is over: the idle slot holding as
+        many tokens as its prompt and reply (llama-server keeps all but the last token it generated); the
+        predicted one among equals, else the latest task's. None when the response did not say its counts."""
+        if usage is None:
+            return None
+        reply = await asyncio.wait_for(self.client.slots(), TOKENIZE_TIMEOUT_S)
+        if not reply.ok or not isinstance(reply.body, list):
+            return None
+        held = {usage.prompt + usage.generated - 1, usage.prompt + usage.generated, usage.prompt}
+        found = [
+            info for info in reply.body
+            if isinstance(info, dict) and not info.get("is_processing") and info.get("n_prompt_tokens") in held
+            and isinstance(info.get("id"), int) and 0 <= info["id"] < len(self.table)
+        ]  # fmt: skip
+        if not found:
+            return None
+        if any(info["id"] == predicted.id for info in found):
+            return predicted
+        return self.table[max(found, key=lambda info: info.get("id_task") or -1)["id"]]
+
+    # ---- changing a slot ----------------------------------------------------------------------------------
+
+    async def erase(self, slot: Slot, why: str) -> None:
+        """Empty a slot: one whose restored state the request does not extend (llama-server would reuse a state
+        it cannot roll back, a wasted prefill, or with sliding-window attention answer wrongly), or an idle one
+        parked before a long prefill. `why` ends the log line."""
+        reply = await self.client.slot_action(slot.id, "erase")
+        if not reply.ok:
+            raise ConnectionError(f"erasing slot {slot.id} failed: {reply.status} {reply.error}")
+        self.table.cleared(slot)
+        log.info("slot %d %s", slot.id, why)
+
+    async def restore_into(self, slot: Slot, entry: Entry, *, on_demand: bool = True) -> bool:
+        """Restore an entry into the slot; the slot then holds it, unchanged since saved."""
+        result = await self.store.restore(entry, slot.id)
+        if not result.ok:
+            self.table.cleared(slot)
+            if not result.quarantined:  # (a quarantine has its own line)
+                log.warning(
+                    "chat %s not restored into slot %d (%s); the request starts cold",
+                    entry.short,
+                    slot.id,
+                    result.reason,
+                )
+            return False
+        self.table.restored(slot, entry, extend_only=self.rules.extend_only)
+        self.metrics.on_demand_restores += on_demand
+        log.info(
+            "%s %s restored into slot %d: %s tokens, %s in %s", "opening" if entry.opening else "chat", entry.short,
+            slot.id, f"{result.tokens:,}", fmt_bytes(result.nbytes), fmt_ms(result.seconds),
+        )  # fmt: skip
+        return True
+
+    async def save_and_erase(self, slot: Slot, saved_why: str, erased_why: Callable[[Slot], str]) -> bool:
+        """Save the slot if it changed, then erase it; False when the save failed and it was kept. (`erased_why`
+        is asked after the save, which names the slot's chat.)"""
+        if worth_keeping(slot, self.rules):
+            await self.write_back(slot, saved_why)
+        if worth_keeping(slot, self.rules):
+            return False
+        await self.erase(slot, erased_why(slot))
+        return True
+
+    async def write_back(self, slot: Slot, why: str, deadline: float | None = None, *, live: bool = False) -> bool:
+        """Save the slot's content as an entry (extend-only models: at its turn boundaries); True when something
+        was saved. `live`: the slot goes on serving its chat afterwards (an idle save)."""
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if self.rules.extend_only:
+            return await asyncio.wait_for(self._save_boundaries(slot, why, live), timeout)
+        result = await asyncio.wait_for(self._save_whole(slot), timeout)
+        if result.entry is None:
+            if result.failure is SaveFailure.EMPTY:
+                if slot.tokens:
+                    log.warning(
+                        "slot %d held nothing to save (%s), though chat %s was placed there: %s tokens of it are "
+                        "not kept", slot.id, why, slot.label or "-", f"{slot.tokens:,}",
+                    )  # fmt: skip
+                    self.metrics.chats_found_empty += 1
+                self.table.saved(slot, complete=True)
+                return False
+            log.warning("slot %d not saved (%s): %s; its previous entries are kept", slot.id, why, result.reason)
+            return False
+        entry = result.entry
+        self.table.held(slot, entry, entry.keys, entry.tokens)
+        superseding = f", superseding {result.superseded}" if result.superseded else ""
+        log.info(
+            "chat %s saved from slot %d (%s): %s tokens, %s in %s%s", entry.short, slot.id, why, f"{entry.tokens:,}",
+            fmt_bytes(entry.nbytes), fmt_ms(result.seconds), superseding,
+        )  # fmt: skip
+        return True
+
+    async def _save_whole(self, slot: Slot) -> SaveResult:
+        """Save all the slot holds. The free-space check needs its size: llama-server's own count of the slot's
+        tokens (`n_prompt_tokens` of /slots: the prompt and what it generated), not slotkeeper's (the prompt it
+        placed), which a chat of long replies exceeds many times over."""
+        held = slot.tokens
+        try:
+            reply = await self.client.slots()
+            if reply.ok and isinstance(reply.body, list):
+                info = next((s for s in reply.body if isinstance(s, dict) and s.get("id") == slot.id), {})
+                held = max(held, int(info.get("n_prompt_tokens") or 0))
+        except (ConnectionError, TypeError, ValueError):
+            pass  # the save itself will say what is wrong
+        return await self.store.save_slot(slot.id, self._expected_bytes(held), list(slot.last_request.messages))
+
+    def _expected_bytes(self, tokens: int) -> int:
+        rate = self.store.bytes_per_token()
+        return int(rate * tokens) if rate else 0
+
+    async def _save_boundaries(self, slot: Slot, why: str, live: bool) -> bool:
+        """Bring the slot to its chat's turn boundaries and save each one not saved yet: the latest first (one
+        step back from the reply), then the fallback (back to the checkpoint at the last request's new
+        messages). A live slot gets the latest back from its file."""
+        chat, message = slot.chat, (slot.reply.message() if slot.reply is not None else None)
+        if chat is None:
+            self.table.saved(slot, complete=True)
+            return False
+        current, previous = turns_of(chat.get("messages") or [], message)
+        if current is None:
+            self.metrics.boundary_unknown += 1
+            log.info(
+                "chat %s in slot %d: its reply is unknown (cut off, or not a chat completion), so only its earlier "
+                "boundary can be saved", slot.label, slot.id,
+            )  # fmt: skip
+        saved = moved = failed = False
+        latest: Entry | None = None
+        for turn in (current, previous):
+            if turn is None:
+                continue
+            entry, reached = await self._save_boundary(slot, chat, turn, why)
+            moved = moved or reached
+            saved = saved or (reached and entry is not None)
+            failed = failed or (reached and entry is None)  # a full disk, a read-only remount: tried again
+            latest = latest or (entry if turn is current else None)
+        self.table.saved(slot, complete=not failed)
+        if live and moved and latest is not None and slot.entry is not latest:
+            await self.restore_into(slot, latest, on_demand=False)  # back to the end of the chat, from its file
+        return saved
+
+    async def _save_boundary(self, slot: Slot, chat: dict[str, Any], turn: Turn, why: str) -> tuple[Entry | None, bool]:
+        """One boundary of the slot's chat as an entry, found saved already or reached and saved now; and
+        whether the slot was moved to it."""
+        tokens = await self.boundaries.tokens(chat, turn)
+        if tokens is None or len(tokens) < self.rules.min_tokens:
+            return None, False
+        if not slot.may_reach(tokens):
+            return None, False  # before the restored state: the slot cannot go back there
+        key = exact_key(tokens)
+        existing = self.store.find_exact(key)
+        if existing is not None:
+            self.store.touch(existing)
+            return existing, False
+        reached, result = await self.reach_and_save(
+            slot, tokens, key, message_keys(chat, turn.history), self._older_boundary, is_opening(turn)
+        )
+        if reached is None or result is None:
+            log.warning("slot %d not saved (%s): llama-server did not take it to its turn boundary", slot.id, why)
+            return None, False
+        if reached.seconds:
+            self.metrics.boundary_reached(reached.prefilled, reached.seconds)
+        if result.entry is None:
+            log.warning("slot %d not saved (%s): %s; its previous entries are kept", slot.id, why, result.reason)
+            return None, True
+        entry = result.entry
+        superseding = f", superseding {result.superseded}" if result.superseded else ""
+        how = (
+            f"{reached.prefilled:,} prefilled to reach it in {fmt_ms(reached.seconds)}" if reached.seconds
+            else "the slot was there already"
+        )  # fmt: skip
+        log.info(
+            "chat %s saved from slot %d at its turn boundary (%s): %s tokens (%s), %s in %s%s", entry.short, slot.id,
+            why, f"{entry.tokens:,}", how, fmt_bytes(entry.nbytes), fmt_ms(result.seconds), superseding,
+        )  # fmt: skip
+        return entry, True
+
+    async def reach_and_save(
+        self, slot: Slot, tokens: list[int], key: str, messages: list[str], supersedes: Supersedes, opening: bool
+    ) -> tuple[Reached | None, SaveResult | None]:
+        """Bring the slot to exactly `tokens` (`key`), unless it is there already (`Reached` with no time spent),
+        and save it as a boundary entry, which the slot then holds; (None, None) when llama-server did not take
+        it there. Turn boundaries and openings are saved alike."""
+        if slot.exact == key:  # brought there once its turn was over, or by the last save
+            reached = Reached(len(tokens), 0, 0.0)
+        else:
+            moved = await self.boundaries.reach(slot.id, tokens)
+            self.table.task_ran(slot)  # (a task ran there, taken or not)
+            if moved is None:
+                return None, None
+            reached = moved
+            self._measured(reached)
+        keys = block_keys(tokens)
+        self.table.held(slot, None, keys, len(tokens), key)
+        result = await self.store.save_slot(
+            slot.id, self._expected_bytes(len(tokens)), messages, boundary=tokens, supersedes=supersedes,
+            opening=opening,
+        )  # fmt: skip
+        if result.entry is not None:
+            self.table.held(slot, result.entry, result.entry.keys, result.entry.tokens, key)
+        return reached, result
+
+    def _older_boundary(self, new: Entry, old: Entry) -> bool:
+        """A chat keeps its latest boundary and the one before it: a new boundary supersedes the chat's
+        boundaries that another one lies between (never an opening: a system prompt that chats share)."""
+        if old.opening or not (old.boundary and len(old.messages) >= 3 and _strict_prefix(old.messages, new.messages)):
+            return False
+        return any(
+            mid.boundary and _strict_prefix(old.messages, mid.messages) and _strict_prefix(mid.messages, new.messages)
+            for mid in self.store.saved_within(new.messages)
+        )
+
+    async def save_opening(self, slot: Slot, opening: Opening) -> None:
+        """Bring the slot to a new chat's opening and save it there, for the chats that share it; the request
+        then extends it, so nothing is prefilled twice. A failure costs only the entry."""
+        if not slot.may_reach(opening.tokens):
+            return  # a restored state that goes past it: this slot cannot go back there
+        try:
+            reached, result = await self.reach_and_save(
+                slot, opening.tokens, opening.key, opening.messages, supersedes_nothing, True
+            )
+        except (ConnectionError, ValueError) as exc:
+            reached = result = None
+            log.debug("reaching an opening failed: %r", exc)
+        if reached is None or result is None:
+            self.table.unseen(slot)
+            log.warning("opening not saved: llama-server did not take slot %d to it", slot.id)
+            return
+        self.metrics.opening_reached(reached.prefilled, reached.seconds)
+        if result.entry is None:
+            log.warning("opening not saved from slot %d: %s", slot.id, result.reason)
+            return
+        entry = result.entry
+        self.metrics.openings_saved += 1
+        log.info(
+            "opening %s saved from slot %d at its turn boundary (before the first user message, for the chats that "
+            "share it): %s tokens (%s prefilled in %s), %s in %s", entry.short, slot.id, f"{entry.tokens:,}",
+            f"{reached.prefilled:,}", fmt_ms(reached.seconds), fmt_bytes(entry.nbytes), fmt_ms(result.seconds),
+        )  # fmt: skip
+
+    async def settle(self, slot: Slot, chat: dict[str, Any], reply: ReplyReader) -> None:
+        """Bring an idle slot to its chat's latest turn boundary, nothing written (see `Placement.settle_later`)."""
+        current, _ = turns_of(chat.get("messages") or [], reply.message())
+        tokens = None if current is None else await self.boundaries.tokens(chat, current)
+        if tokens is None or not slot.may_reach(tokens):
+            return
+        reached = await self.boundaries.reach(slot.id, tokens)
+        self.table.task_ran(slot)
+        if reached is not None:
+            self._measured(reached)
+            self.table.reached(slot, tokens)
+            self.metrics.boundary_settled(reached.prefilled, reached.seconds)
+
+
+def _strict_prefix(a: Sequence[str], b: Sequence[str]) -> bool:
+    return len(a) < len(b) and b[: len(a)] == a

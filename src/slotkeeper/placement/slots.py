@@ -1,0 +1,183 @@
+"""What each llama-server slot holds, as far as slotkeeper placed it there: the slot table.
+
+The table is the one writer of slot state. Every change is one named event (reserved, released, held,
+restored, ran, reached, cleared, unseen), so that fields that belong together change together: no caller sets
+one field and forgets the one beside it. It does no I/O and makes no policy (that is `decide.py`); the keeper
+and the hook call it once llama-server has done what the event says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..prefix import BLOCK_TOKENS, block_keys, common_keys, exact_key, extends_exactly
+from ..replies import ReplyReader
+from ..store import Entry
+from .request import NO_KEY, RequestKey
+
+
+@dataclass
+class Slot:
+    """One slot's record. Read anywhere; written only by `SlotTable`."""
+
+    id: int
+    keys: Sequence[str] = field(default_factory=list)  # block keys of a prefix of what it holds
+    last_request: RequestKey = NO_KEY  # the key of the last request placed here
+    tokens: int = 0  # tokens known to be there (a lower bound after a turn that was not tokenized)
+    entry: Entry | None = None  # the entry its content is saved as, while it has not changed since
+    dirty: bool = False  # changed since its content was last saved
+    busy: bool = False  # reserved: a request or a slot action runs on it
+    last_used: float = 0.0
+    task_ended: float = -1.0  # when llama-server's last task on it ended (its `t_last_used`: its own LRU order)
+    label: str = ""  # the chat it holds, for log lines
+    chat: dict[str, Any] | None = None  # extend-only models: the chat-form body of its last request ...
+    reply: ReplyReader | None = None  # ... and that request's response (together: its turn boundaries)
+    restored: Entry | None = None  # extend-only models: the restored state it holds; requests must extend it
+    restored_extended: bool = False  # a request's tokens were seen to extend it (its continuations need not)
+    exact: str = ""  # prefix.exact_key of its tokens, when they are known to the token (a boundary it reached)
+
+    def may_reach(self, tokens: Sequence[int]) -> bool:
+        """The slot may be brought to hold exactly these tokens: they do not go back before its restored state."""
+        restored = self.restored
+        return restored is None or (
+            len(tokens) >= restored.tokens and exact_key(tokens, restored.tokens) == restored.exact
+        )
+
+    def extended_by(self, tokens: Sequence[int]) -> bool:
+        """A request with these tokens may run here: it extends the restored state, if there is one."""
+        restored = self.restored
+        return restored is None or extends_exactly(tokens, restored.tokens, restored.exact)
+
+
+class SlotTable:
+    """The slots of one llama-server, and the events that change them."""
+
+    def __init__(self, n_slots: int) -> None:
+        self.slots = [Slot(i) for i in range(n_slots)]
+        self._freed = asyncio.Event()
+        self._clock = 0.0
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __iter__(self) -> Iterator[Slot]:
+        return iter(self.slots)
+
+    def __getitem__(self, slot_id: int) -> Slot:
+        return self.slots[slot_id]
+
+    def tick(self) -> float:
+        """A strictly increasing time: two events never share one (least-recently-used order needs that)."""
+        self._clock = max(self._clock + 1e-6, time.monotonic())
+        return self._clock
+
+    # ---- reservation ----------------------------------------------------------------------------------------
+
+    def reserve(self, slot: Slot) -> Slot:
+        slot.busy = True
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        slot.busy = False
+        self._freed.set()
+
+    async def wait_freed(self) -> None:
+        """Until some slot is released."""
+        self._freed.clear()
+        await self._freed.wait()
+
+    # ---- what llama-server did to a slot --------------------------------------------------------------------
+
+    def held(self, slot: Slot, entry: Entry | None, keys: Sequence[str], tokens: int, exact: str = "") -> None:
+        """It now holds exactly `keys`/`tokens`, saved as `entry` (when that is not None); `exact`: the exact key
+        of those tokens, when they are known to the token."""
+        slot.entry, slot.keys, slot.tokens, slot.dirty, slot.exact = entry, keys, tokens, False, exact
+        if entry is not None:
+            slot.label = entry.short
+
+    def restored(self, slot: Slot, entry: Entry, *, extend_only: bool) -> None:
+        """The entry was restored into it: it holds that, unchanged since saved; on an extend-only model,
+        requests must extend it."""
+        self.held(slot, entry, entry.keys, entry.tokens, entry.exact)
+        slot.last_request = RequestKey(messages=tuple(entry.messages))
+        slot.chat = slot.reply = None
+        if extend_only:
+            slot.restored, slot.restored_extended = entry, False
+        slot.last_used = self.tick()
+
+    def reached(self, slot: Slot, tokens: Sequence[int]) -> None:
+        """llama-server brought it to exactly these tokens (a turn boundary), its content otherwise unchanged."""
+        slot.keys, slot.tokens, slot.exact = block_keys(tokens), len(tokens), exact_key(tokens)
+
+    def task_ran(self, slot: Slot) -> None:
+        """llama-server ran a task of slotkeeper's there, taken or not: its LRU clock moved."""
+        slot.task_ended = self.tick()
+
+    def saved(self, slot: Slot, *, complete: bool) -> None:
+        """A save of its content ended without a new entry for it to hold: nothing to keep, or (not `complete`)
+        a change still unsaved."""
+        slot.dirty = not complete
+
+    def cleared(self, slot: Slot) -> None:
+        """It holds nothing known (erased, or a restore into it failed)."""
+        slot.keys, slot.last_request, slot.tokens, slot.entry, slot.dirty = [], NO_KEY, 0, None, False
+        slot.label, slot.restored, slot.restored_extended, slot.chat, slot.reply, slot.exact = (
+            "",
+            None,
+            False,
+            None,
+            None,
+            "",
+        )
+
+    def unseen(self, slot: Slot) -> None:
+        """A request slotkeeper did not place ran here: what it holds is unknown, and worth a save to find out."""
+        slot.dirty, slot.keys, slot.tokens = True, [], 0
+
+    def lost_restored(self, slot: Slot) -> None:
+        """A request that does not extend its restored state ran there all the same: that state is gone."""
+        slot.restored, slot.restored_extended = None, False
+
+    def ran(
+        self, slot: Slot, request: RequestKey, keys: Sequence[str] | None, *, resident: bool,
+        chat: dict[str, Any] | None, reply: ReplyReader | None,
+    ) -> int:  # fmt: skip
+        """A request placed there ended with an answer (or the client left while it ran): the slot holds its
+        prompt and (part of) what was generated. `keys`: the prompt's block keys, when it was tokenized;
+        `resident`: it continued the chat there. Returns the prompt tokens llama-server is taken to have reused."""
+        slot.chat, slot.reply = chat, reply
+        slot.restored_extended = slot.restored_extended or keys is not None
+        if keys is not None:
+            reused = common_keys(slot.keys, keys) * BLOCK_TOKENS
+            slot.keys, slot.tokens = keys, len(keys) * BLOCK_TOKENS
+        elif resident:
+            reused = slot.tokens
+        else:  # unplaced: what it holds is unknown
+            reused = 0
+            slot.keys, slot.tokens = [], 0
+        slot.last_request, slot.entry, slot.dirty, slot.last_used = request, None, True, self.tick()
+        slot.task_ended = slot.last_used
+        if not resident or not slot.label:
+            slot.label = request.messages[-1][:4] if request.messages else f"s{slot.id}"
+        slot.exact = ""
+        return reused
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Per slot, for /slotkeeper/status."""
+        return [
+            {
+                "slot": s.id,
+                "chat": s.label or None,
+                "entry": s.entry.id if s.entry else None,
+                "tokens_known": s.tokens,
+                "dirty": s.dirty,
+                "busy": s.busy,
+                "restored_state": s.restored.id if s.restored else None,
+                "opening": s.entry.id if s.entry is not None and s.entry.opening and not s.dirty else None,
+            }
+            for s in self.slots
+        ]

@@ -1,0 +1,87 @@
+"""The slot files on their way between llama-server and entries/: transient names, space, progress, commit.
+
+Why apart from store.py: llama-server never sees the store. It writes a save into snapshots/ (its
+--slot-save-path) under a random transient name, and this module makes such names, says whether the disk has
+room for a save, reports a long save's progress, and commits a saved file into entries/ (checksum, fsync,
+rename, manifest last), leaving nothing behind when any of it fails. What to save, and what becomes of the
+entry, is the store's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+from .entries import (
+    BIN_SUFFIX,
+    TRANSIENT_PREFIX,
+    Entry,
+    discard,
+    file_checksum,
+    fsync_path,
+    pair_paths,
+    write_json_atomic,
+)
+from .log import fmt_bytes, log
+from .prefix import block_keys, exact_key
+from .statefile import StateFileError, read_header
+
+FREE_SPACE_HEADROOM = 1.1  # a save needs the expected size plus 10% free
+PROGRESS_INTERVAL_S = 2.0
+
+
+def transient_path(snapshots_dir: Path) -> Path:
+    """A new unguessable name in snapshots/ (entries.TRANSIENT_NAME), for one save or one restore."""
+    return snapshots_dir / f"{TRANSIENT_PREFIX}{secrets.token_hex(16)}{BIN_SUFFIX}"
+
+
+def low_space(root: Path, expected: int) -> str | None:
+    """Why a save of about `expected` bytes should not start (too little free space), or None."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return None  # the save itself will say what is wrong
+    if free < expected * FREE_SPACE_HEADROOM:
+        return f"only {fmt_bytes(free)} free in {root}, ~{fmt_bytes(expected)} needed"
+    return None
+
+
+async def report_progress(label: str, path: Path, expected: int) -> None:
+    """For long saves: `slot 0 saving: 1.2 GB of ~3.4 GB` every couple of seconds, until cancelled."""
+    of_expected = f" of ~{fmt_bytes(expected)}" if expected else ""
+    while True:
+        await asyncio.sleep(PROGRESS_INTERVAL_S)
+        with contextlib.suppress(OSError):
+            log.info("%s saving: %s%s", label, fmt_bytes(path.stat().st_size), of_expected)
+
+
+def commit(transient: Path, entry: Entry, entries_dir: Path, *, fsync: bool, expected_key: str | None = None) -> None:
+    """Read the tokens from a saved file into `entry`, checksum and fsync the file, rename it into entries/,
+    write its manifest last. Whatever fails, nothing it made is left: not the file, not a partial manifest.
+    With `expected_key`, the file must hold exactly the tokens of that `prefix.exact_key`."""
+    bin_path, manifest_path = pair_paths(entries_dir, entry.id)
+    renamed = False
+    try:
+        header = read_header(transient)
+        entry.exact = exact_key(header.tokens)
+        if expected_key is not None and entry.exact != expected_key:
+            raise StateFileError(f"the slot holds {header.n_tokens:,} tokens that are not its turn boundary")
+        entry.keys = block_keys(header.tokens)
+        entry.tokens = header.n_tokens
+        entry.seq_version, entry.layout = header.version, header.layout
+        entry.checksum = file_checksum(transient)
+        if fsync:
+            fsync_path(transient)
+        os.replace(transient, bin_path)
+        renamed = True
+        write_json_atomic(manifest_path, entry.manifest(), fsync)
+    except BaseException:
+        discard(transient)
+        if renamed:
+            discard(manifest_path)  # manifest first, as remove_pair: never a manifest without its file
+            discard(bin_path)
+        raise

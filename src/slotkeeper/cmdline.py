@@ -141,7 +141,7 @@ def _env_bool(value: str) -> bool:
     return value.strip().lower() in TRUE_WORDS
 
 
-def parse_llama_args(argv: list[str], env: Env) -> LlamaArgs:
+def parse_llama_args(argv: list[str], env: Env) -> LlamaArgs:  # noqa: C901 - one branch per kind of flag
     """Split llama-server's argv into what slotkeeper takes over and what the child keeps.
 
     Both `--flag value` and `--flag=value` are understood for the flags slotkeeper reads; llama-server itself

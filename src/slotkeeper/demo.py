@@ -243,7 +243,7 @@ def clean_env(binary: str) -> dict[str, str]:
 # ---- the demo -----------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:  # noqa: C901 - the demo's run, step by step
     import argparse
 
     parser = argparse.ArgumentParser(

@@ -183,7 +183,7 @@ def _set_swa_pattern(n_pattern: int, dense_first: bool, n_layer: int, n_layer_al
     return flags + [False] * (n_layer_all - n_layer)
 
 
-def model_memory_from_metadata(meta: dict[str, Any]) -> ModelMemory:
+def model_memory_from_metadata(meta: dict[str, Any]) -> ModelMemory:  # noqa: C901 - llama.cpp's rules, in its order
     """Classify a model from its GGUF metadata (as :func:`read_gguf_metadata` returns it)."""
     arch = meta.get("general.architecture")
     if not isinstance(arch, str) or not arch:
@@ -386,7 +386,7 @@ def llama_server_slots(parallel: int | None, kv_unified: bool | None = None) -> 
     return parallel, bool(kv_unified)
 
 
-def kv_cache_bytes(
+def kv_cache_bytes(  # noqa: PLR0913 - llama-server's KV-cache settings, one keyword each
     memory: ModelMemory,
     n_ctx: int,
     n_seq: int,

@@ -142,7 +142,7 @@ class ConversationStore(EntryIndex):
     """The entries of one save directory, indexed by prefix key (EntryIndex), and the save/restore protocol
     around them."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - the settings are keyword-only, each with the default a test or `ls` wants
         self,
         root: Path,
         client: LlamaClient | None,

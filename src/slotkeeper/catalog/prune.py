@@ -55,7 +55,7 @@ def model_missing(row: Listed) -> bool:
     return bool(model and os.path.isabs(model) and "model_sha256" in row.fingerprint and not os.path.exists(model))
 
 
-def plan_prune(
+def plan_prune(  # noqa: PLR0913 - one keyword per `slotkeeper prune` option
     dirs: Sequence[SaveDir],
     now: float,
     *,
@@ -85,7 +85,7 @@ def plan_prune(
     return removals
 
 
-def plan_rows(
+def plan_rows(  # noqa: PLR0913 - one keyword per `slotkeeper prune` option
     rows: Iterable[Listed],
     now: float,
     *,

@@ -47,7 +47,7 @@ class TinyModelSpec:
     """Embedded chat template, one of :data:`TEMPLATES`; ``None`` means the arch's default
     (``qwen35`` for qwen35 and lfm2, ``gemma`` for gemma3, no template for llama)."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # noqa: C901 - one check per constraint, all reported at once
         problems: list[str] = []
         if self.n_layers < 1:
             problems.append(f"n_layers must be >= 1, got {self.n_layers}")

@@ -26,6 +26,10 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from ..supervisor import ChildEndpoint
     from .hook import CompletionHook
 
+# GET requests llama-server answers without a task that moves its idle clock (b11434: /slots and /metrics post a
+# METRICS task, which does not): a monitor polling them does not keep slotkeeper from being idle, as it does not
+# keep llama-server from sleeping.
+STATUS_PATHS = frozenset({"/health", "/v1/health", "/props", "/models", "/v1/models", "/metrics", "/slots"})
 CLIENT_IDLE_S = 75.0  # a client's idle keep-alive connection is closed after this long (aiohttp's default)
 CLIENT_SWEEP_S = 15.0
 CLOSE_GRACE_S = 1.0  # at exit, how long requests still running get to end (the child is gone: they fail fast)
@@ -81,7 +85,7 @@ class Proxy:
         self.accepting = True
         self.in_flight: set[ClientConnection] = set()  # connections with a forwarded request under way
         self.connections: set[ClientConnection] = set()
-        self.last_activity = time.monotonic()
+        self.last_activity = time.monotonic()  # when the last request that made llama-server work ended
         self.requests_total = 0
         self.status_counts: collections.Counter[int] = collections.Counter()  # 499: the client went away
         self.own_routes: dict[str, OwnRoute] = {}  # path -> handler
@@ -156,7 +160,9 @@ class Proxy:
     def leave(self, conn: ClientConnection, status: int) -> None:
         self.status_counts[status] += 1
         self.in_flight.discard(conn)
-        self.last_activity = time.monotonic()
+        req = conn.active
+        if req is None or req.method != b"GET" or req.path not in STATUS_PATHS:
+            self.last_activity = time.monotonic()
         if not self.in_flight:
             self._idle.set()
 

@@ -152,3 +152,22 @@ def test_dotenv_in_the_working_directory_is_read(tmp_path):
         proc.stderr.strip() == "slotkeeper: error: invalid --drain-timeout: input should be a valid number, "
         "unable to parse string as a number (got 'soon')"
     )
+
+
+@pytest.mark.parametrize(
+    ("given", "sleeps_after"), [(["--sleep-idle-seconds", "30"], 30), (["--sleep-idle-seconds=-1"], None), ([], None)]
+)
+def test_llama_servers_own_sleep_is_read_and_left_to_it(tmp_path, given, sleeps_after):
+    """--sleep-idle-seconds is llama-server's: slotkeeper reads it (its idle save must come first) and passes it on."""
+    config = build_run_config(["-m", "m.gguf", *given], env_for(tmp_path))
+    assert config.child_sleeps_after == sleeps_after
+    assert ("--sleep-idle-seconds" in config.child_args) == bool(given)
+
+
+@pytest.mark.parametrize(
+    ("sleep_s", "autosave", "after"), [(3, 5.0, 1.5), (60, 5.0, 5.0), (60, 0.0, 58.0), (300, 600.0, 298.0)]
+)
+def test_the_idle_save_comes_before_llama_servers_sleep(sleep_s, autosave, after):
+    from slotkeeper.childsleep import save_after
+
+    assert save_after(sleep_s, autosave) == after

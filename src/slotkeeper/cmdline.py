@@ -66,6 +66,7 @@ API_KEY_FLAGS = frozenset({"--api-key"})
 API_KEY_FILE_FLAGS = frozenset({"--api-key-file"})
 MODEL_FLAGS = frozenset({"-m", "--model"})
 HF_REPO_FLAGS = frozenset({"-hf", "-hfr", "--hf-repo"})
+SLEEP_FLAGS = frozenset({"--sleep-idle-seconds"})
 SLOTS_ENDPOINT_FLAGS = {"--slots": True, "--no-slots": False}
 IDLE_SLOT_CACHE_FLAGS = {"--cache-idle-slots": True, "--no-cache-idle-slots": False}
 
@@ -78,6 +79,7 @@ _VALUE_FLAGS = (
     | API_KEY_FILE_FLAGS
     | MODEL_FLAGS
     | HF_REPO_FLAGS
+    | SLEEP_FLAGS
 )
 _REMOVED_FLAGS = HOST_FLAGS | PORT_FLAGS | SAVE_PATH_FLAGS
 # The LlamaArgs field each value flag sets (--api-key, which may repeat and split, aside).
@@ -89,6 +91,7 @@ _FIELD_OF_FLAG = {
     **dict.fromkeys(API_KEY_FILE_FLAGS, "api_key_file"),
     **dict.fromkeys(MODEL_FLAGS, "model"),
     **dict.fromkeys(HF_REPO_FLAGS, "hf_repo"),
+    **dict.fromkeys(SLEEP_FLAGS, "sleep_idle_seconds"),
 }
 
 # Environment variables llama-server reads for the same settings; the command line wins, as in llama-server.
@@ -119,6 +122,7 @@ class LlamaArgs:
     api_key_file: str | None = None
     model: str | None = None
     hf_repo: str | None = None
+    sleep_idle_seconds: str | None = None  # llama-server unloads the model (and every KV cache) when idle this long
     slots_endpoint: bool = True
     idle_slot_cache: bool | None = None  # None: the user did not choose
 

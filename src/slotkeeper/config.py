@@ -79,6 +79,11 @@ class RunConfig(BaseModel):
         """The key slotkeeper's own calls to llama-server send."""
         return self.api_keys[0] if self.api_keys else None
 
+    @property
+    def child_sleeps_after(self) -> int | None:
+        """The idle seconds after which llama-server sleeps by itself (--sleep-idle-seconds), or None."""
+        return self.sleep_idle_s if self.sleep_idle_s is not None and self.sleep_idle_s > 0 else None
+
     options: Options
     hosts: list[str] = Field(min_length=1)
     port: int = Field(ge=0, le=65535)
@@ -86,13 +91,20 @@ class RunConfig(BaseModel):
     api_keys: list[str]  # what llama-server accepts; slotkeeper's own paths accept the same
     total_slots_hint: int | None = Field(None, ge=-1)
     slots_endpoint: bool
+    sleep_idle_s: int | None = Field(None, ge=-1)  # llama-server's --sleep-idle-seconds (-1 or None: it never sleeps)
     child_args: list[str]
     model: str | None = None
     llama_binary: str | None = None  # the child's executable, whose identity entries record
 
 
 # How RunConfig's fields are spelled on llama-server's command line, for error messages.
-LLAMA_FLAG_NAMES = {"hosts": "--host", "port": "--port", "total_slots_hint": "-np", "save_dir": "--slot-save-path"}
+LLAMA_FLAG_NAMES = {
+    "hosts": "--host",
+    "port": "--port",
+    "total_slots_hint": "-np",
+    "save_dir": "--slot-save-path",
+    "sleep_idle_s": "--sleep-idle-seconds",
+}
 
 
 def describe_validation_error(exc: ValidationError, names: dict[str, str] | None = None) -> str:
@@ -120,6 +132,7 @@ def validate(plan: LaunchPlan) -> RunConfig:
                 "api_keys": plan.api_keys,
                 "total_slots_hint": llama.parallel,
                 "slots_endpoint": llama.slots_endpoint,
+                "sleep_idle_s": llama.sleep_idle_seconds,
                 "child_args": plan.child_args,
                 "model": llama.model or llama.hf_repo,
                 "llama_binary": plan.binary[0] if plan.binary else None,

@@ -14,6 +14,7 @@ import signal
 import time
 from typing import Any
 
+from .childsleep import ChildSleep, SleepWatch, save_after
 from .config import RunConfig
 from .fingerprint import model_identity
 from .llama_client import LlamaClient
@@ -77,7 +78,9 @@ class Daemon:
         self.force_requested = asyncio.Event()
         self.metrics = Metrics(state=lambda: self.state.value)
         self.model: Model | None = None  # once restore() opened it
+        self.sleep: SleepWatch | None = None  # with --sleep-idle-seconds, once serving
         self._autosave: asyncio.Future[None] | None = None
+        self._sleep_watch: asyncio.Future[None] | None = None
 
     def set_state(self, state: State) -> None:
         if state is not self.state:
@@ -119,6 +122,7 @@ class Daemon:
             "save_dir": str(self.config.save_dir),
             "total_slots": 0 if model is None else model.facts.n_slots,
             "placement": self.options.placement,
+            "child_sleep": None if self.sleep is None else self.sleep.state.value,
             **(self._starting_status() if model is None else model.status()),
             "save_estimate": self.save_estimate(),
         })  # fmt: skip
@@ -174,15 +178,16 @@ class Daemon:
                 fmt_ms(now - (self.healthy_at or now)),
             )  # fmt: skip
             self.warn_if_save_exceeds_budget()
-            code = await self.serve(proxy, child_exited)
+            code = await self.serve(proxy, client, child_exited)
             if code is not None:
                 proxy.accepting = False
                 return code
             return await self.shutdown(proxy, client, child_exited)
         finally:
             proxy.accepting = False
-            if self._autosave is not None:
-                self._autosave.cancel()
+            for background in (self._autosave, self._sleep_watch):
+                if background is not None:
+                    background.cancel()
             if not child_exited.done():
                 await self.child.stop(self.options.stop_timeout)
             self.set_state(State.STOPPED)
@@ -281,9 +286,22 @@ class Daemon:
         else:  # nothing would keep a request that diverges inside a restored state off its slot
             log.warning("--no-placement on a model whose restored states only extend: nothing is restored or saved")
 
-    async def serve(self, proxy: Proxy, child_exited: asyncio.Future[int]) -> int | None:
-        """Until a stop request, autosaving when idle; returns the child's exit code if it dies first."""
-        autosave = asyncio.ensure_future(self.autosave_loop(proxy)) if self.options.autosave_idle > 0 else None
+    async def serve(self, proxy: Proxy, client: LlamaClient, child_exited: asyncio.Future[int]) -> int | None:
+        """Until a stop request, autosaving when idle (and watching llama-server's own sleep, with
+        --sleep-idle-seconds); returns the child's exit code if it dies first."""
+        sleep_s = self.config.child_sleeps_after
+        if sleep_s is not None and self.model is not None:
+            placement = self.model.placement
+            self.sleep = SleepWatch(
+                sleep_s, client, lambda: not proxy.in_flight and not client.running and not placement.busy(),
+                placement.cache_dropped,
+            )  # fmt: skip
+            self._sleep_watch = asyncio.ensure_future(self.sleep.run())
+            log.info(
+                "llama-server sleeps after %d s idle (--sleep-idle-seconds): changed chats are saved after %g s idle, "
+                "and come back from the store once it has slept", sleep_s, self.idle_save_after(),
+            )  # fmt: skip
+        autosave = asyncio.ensure_future(self.autosave_loop(proxy)) if self.idle_save_after() > 0 else None
         self._autosave = autosave
         outcome, _ = await self._race(asyncio.Event().wait(), self.stop_requested, child_exited)
         if outcome is Race.CHILD_EXITED:
@@ -302,7 +320,7 @@ class Daemon:
         slots changed, and is tried again while idle, after --autosave-idle, then twice as long each time up to
         AUTOSAVE_RETRY_MAX_S: such failures pass, and this loop ends only with the run.
         """
-        idle_s = self.options.autosave_idle
+        idle_s = self.idle_save_after()
         seen = proxy.requests_total
         retry_s = 0.0  # after a failed save: wait this long, then try again without waiting for a request
         while not self.stop_requested.is_set():
@@ -324,6 +342,12 @@ class Daemon:
                 log.warning("idle autosave failed: %s; retrying in %g s", failed, retry_s)
             await asyncio.sleep(retry_s)
 
+    def idle_save_after(self) -> float:
+        """The idle seconds after which changed slots are saved (0: never): --autosave-idle, but always before
+        llama-server's own sleep."""
+        sleep_s = self.config.child_sleeps_after
+        return self.options.autosave_idle if sleep_s is None else save_after(sleep_s, self.options.autosave_idle)
+
     def unsaved(self) -> bool:
         """Some idle slot still holds a change that no entry has (its save failed)."""
         assert self.model is not None
@@ -333,6 +357,8 @@ class Daemon:
         """Write every changed slot back into the store, then keep the store within its cap."""
         assert self.model is not None
         placement = self.model.placement
+        if self.sleep is not None and await self.sleep.asleep_now():
+            return 0, 0  # every slot is empty, and a slot read or a save would wake it
         if not self.options.placement:
             await placement.note_unplaced_changes(self.config.slots_endpoint)
         outcome = await placement.save_dirty(why, deadline, live=live)
@@ -418,7 +444,9 @@ class Daemon:
                 "saving at stop failed: %s; slots not saved yet keep their previous entries", describe_error(exc)
             )
             return None
-        if not counts[1]:
+        if not counts[1] and self.sleep is not None and self.sleep.state is ChildSleep.ASLEEP:
+            log.info("llama-server is asleep, its slots empty: nothing to save")
+        elif not counts[1]:
             log.info("no slot changed since its cache was written; nothing to save")
         return counts
 

@@ -332,6 +332,28 @@ class Placement:
         for slot in await self.prep.unplaced_changes(slots_endpoint):
             self.slots.unseen(slot)
 
+    def busy(self) -> bool:
+        """Some slot is reserved: a request, a save, a restore or a settle is under way."""
+        return any(slot.busy for slot in self.slots)
+
+    def cache_dropped(self) -> int:
+        """llama-server dropped every slot's KV cache by itself (its sleep): the idle slots hold nothing now.
+        Returns how many held a chat, which its entry brings back; a chat changed since its last save is lost
+        (one line each: the save before the sleep failed)."""
+        chats = 0
+        for slot in self.slots:
+            if slot.busy:
+                continue  # a request placed since: what it leaves there is recorded when it ends
+            if worth_keeping(slot, self.rules):
+                log.warning(
+                    "chat %s in slot %d had changed since its last save: lost with llama-server's cache",
+                    slot.label or "-", slot.id,
+                )  # fmt: skip
+            elif slot.entry is not None or slot.keys:
+                chats += 1
+            self.slots.cleared(slot)
+        return chats
+
     def held_entries(self) -> set[str]:
         """Entries a slot holds unchanged: evicting one would lose what only that slot still has."""
         return {s.entry.id for s in self.slots if s.entry is not None}

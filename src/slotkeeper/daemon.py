@@ -78,6 +78,7 @@ class Daemon:
         self.force_requested = asyncio.Event()
         self.metrics = Metrics(state=lambda: self.state.value)
         self.model: Model | None = None  # once restore() opened it
+        self.router = False  # llama-server runs as a router: requests pass through, nothing is kept
         self.sleep: SleepWatch | None = None  # with --sleep-idle-seconds, once serving
         self._autosave: asyncio.Future[None] | None = None
         self._sleep_watch: asyncio.Future[None] | None = None
@@ -122,6 +123,7 @@ class Daemon:
             "save_dir": str(self.config.save_dir),
             "total_slots": 0 if model is None else model.facts.n_slots,
             "placement": self.options.placement,
+            "router": self.router,
             "child_sleep": None if self.sleep is None else self.sleep.state.value,
             **(self._starting_status() if model is None else model.status()),
             "save_estimate": self.save_estimate(),
@@ -280,6 +282,13 @@ class Daemon:
     ) -> None:
         """Open the model's state (its store, placement, shared tier), then restore its most recent chats."""
         facts = await read_server_facts(self.config, client, identity, memory)
+        if facts.router:
+            self.router = True
+            log.info(
+                "llama-server runs as a router (a child per model: --models-dir or --models-preset): slotkeeper "
+                "passes every request through and keeps no chats in this mode"
+            )
+            return
         model = self.model = await open_model(self.config, client, facts, self.metrics)
         if self.options.placement or model.policy is CachePolicy.PREFIX:
             await model.placement.restore_recent()
@@ -301,7 +310,8 @@ class Daemon:
                 "llama-server sleeps after %d s idle (--sleep-idle-seconds): changed chats are saved after %g s idle, "
                 "and come back from the store once it has slept", sleep_s, self.idle_save_after(),
             )  # fmt: skip
-        autosave = asyncio.ensure_future(self.autosave_loop(proxy)) if self.idle_save_after() > 0 else None
+        saving = self.model is not None and self.idle_save_after() > 0
+        autosave = asyncio.ensure_future(self.autosave_loop(proxy)) if saving else None
         self._autosave = autosave
         outcome, _ = await self._race(asyncio.Event().wait(), self.stop_requested, child_exited)
         if outcome is Race.CHILD_EXITED:
@@ -371,17 +381,14 @@ class Daemon:
         self.set_state(State.DRAINING)
         proxy.accepting = False
         model = self.model
-        assert model is not None
-        model.placement.stop_settling()
-        drain = min(self.options.drain_timeout, self.options.save_timeout)
-        outcome, idle = await self._race(proxy.wait_idle(drain), self.force_requested)
-        if not idle:
-            cancelled = proxy.cancel_in_flight()
-            if outcome is not Race.INTERRUPTED:
-                log.warning("%d request(s) still running after %.1f s (--drain-timeout); cancelled", cancelled, drain)
-            await proxy.wait_idle(1.0)
-        if outcome is Race.INTERRUPTED:
+        if model is not None:
+            model.placement.stop_settling()
+        if await self.drain(proxy) is Race.INTERRUPTED:
             return await self.stop_forced()
+        if model is None:  # a router: nothing of it is kept
+            self.set_state(State.STOPPING)
+            await self.child.stop(self.options.stop_timeout)
+            return EXIT_OK
         self.set_state(State.SAVING)
         if self._autosave is not None:
             self._autosave.cancel()
@@ -411,6 +418,18 @@ class Daemon:
                     "remote: closing failed: %s; the uploads not done resume at the next start", describe_error(exc)
                 )
         return EXIT_OK
+
+    async def drain(self, proxy: Proxy) -> Race:
+        """Let running requests finish (--drain-timeout, inside --save-timeout), then cancel what is left;
+        INTERRUPTED when a second signal came meanwhile."""
+        drain = min(self.options.drain_timeout, self.options.save_timeout)
+        outcome, idle = await self._race(proxy.wait_idle(drain), self.force_requested)
+        if not idle:
+            cancelled = proxy.cancel_in_flight()
+            if outcome is not Race.INTERRUPTED:
+                log.warning("%d request(s) still running after %.1f s (--drain-timeout); cancelled", cancelled, drain)
+            await proxy.wait_idle(1.0)
+        return outcome
 
     async def settle_store(self, model: Model) -> None:
         """The store's files as the run leaves them: manifest updates written, then the manifest cache (while

@@ -38,6 +38,7 @@ class ServerFacts:
     n_ctx_slot: int | None  # context tokens per slot
     identity: dict[str, Any]  # the model file's identity (fingerprint.model_identity)
     memory: ModelMemory | None  # its memory kind, from its GGUF header (None: unreadable)
+    router: bool = False  # llama-server runs as a router (a child per model): it has no slots of its own
 
 
 @dataclass
@@ -105,6 +106,8 @@ async def read_server_facts(
     read again from the file /props names when that is another one (e.g. -hf)."""
     props = await client.props()
     body = props.body if props.ok and isinstance(props.body, dict) else {}
+    if body.get("role") == "router":
+        return ServerFacts(0, None, await identity, None, router=True)
     if "total_slots" in body:
         n_slots = int(body["total_slots"])
     else:

@@ -43,9 +43,24 @@ class LlamaClient:
         self.pool = pool
         self._auth = f"Authorization: Bearer {api_key}\r\n".encode() if api_key else b""
         self.running: dict[asyncio.Future[ChildReply], str] = {}  # each slot action under way -> its name
+        self.model: str | None = None  # router mode: the model every call is for
+        self._model_member = b""
+
+    def for_model(self, name: str) -> LlamaClient:
+        """A client whose calls all go to one model of a router (llama-server routes a POST by its body's
+        "model", a GET by `?model=`), over the same pool; its slot actions count as this client's."""
+        client = LlamaClient(self.pool, None)
+        client._auth, client.running, client.model = self._auth, self.running, name
+        client._model_member = b'"model":' + json.dumps(name).encode()
+        return client
 
     async def call_raw(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
-        """Status and raw body; `body` goes as JSON, byte for byte."""
+        """Status and raw body; `body` goes as JSON, byte for byte (with the model added, for a router)."""
+        if self.model is not None:
+            if method == "GET":
+                path += ("&" if "?" in path else "?") + urlencode({"model": self.model})
+            else:
+                body = with_member(body or b"{}", self._model_member)
         head = b"%s %s HTTP/1.1\r\nHost: localhost\r\n%s" % (method.encode(), path.encode(), self._auth)
         if body is not None:
             head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
@@ -139,3 +154,14 @@ class LlamaClient:
                 return False
             await asyncio.wait(list(self.running), timeout=timeout)
         return True
+
+
+def with_member(body: bytes, member: bytes) -> bytes:
+    """A JSON object's bytes with `member` (`"key":value`) added as its last member, the rest unchanged (the
+    last of duplicate keys wins in llama-server's parser)."""
+    close = body.rstrip().rfind(b"}")
+    if close < 0:
+        return body
+    last = len(body[:close].rstrip())
+    separator = b"" if body[last - 1 : last] == b"{" else b","
+    return b"%s%s%s%s" % (body[:last], separator, member, body[last:])

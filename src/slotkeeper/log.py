@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import sys
@@ -9,13 +10,21 @@ import time
 
 LOGGER_NAME = "slotkeeper"
 log = logging.getLogger(LOGGER_NAME)
+# Router mode: the model the work in this context is for (set where a request or a save for it starts, and
+# inherited by the tasks that work starts); its lines read `model qwen: chat 3f2a restored ...`.
+MODEL = contextvars.ContextVar("slotkeeper_model", default="")
+
+
+def _with_model(message: str) -> str:
+    model = MODEL.get()
+    return f"model {model}: {message}" if model else message
 
 
 class PlainFormatter(logging.Formatter):
     """`slotkeeper: slot 0 restored: ...`, with the level named only when it is not plain info."""
 
     def format(self, record: logging.LogRecord) -> str:
-        message = record.getMessage().replace("\n", " ")
+        message = _with_model(record.getMessage().replace("\n", " "))
         if record.levelno == logging.INFO:
             return f"slotkeeper: {message}"
         return f"slotkeeper: {record.levelname.lower()}: {message}"
@@ -31,6 +40,7 @@ class JsonFormatter(logging.Formatter):
                 "level": record.levelname.lower(),
                 "logger": LOGGER_NAME,
                 "msg": record.getMessage(),
+                **({"model": MODEL.get()} if MODEL.get() else {}),
             },
             ensure_ascii=False,
         )

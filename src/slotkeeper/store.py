@@ -154,11 +154,15 @@ class ConversationStore(EntryIndex):
         restore_unverified: bool = False,
         metrics: Metrics | None = None,
         on_commit: Callable[[Entry, Path], None] | None = None,
+        snapshots: Path | None = None,
     ) -> None:
         super().__init__(fingerprint, server or {})
         self.root = root
         self.entries_dir = root / ENTRIES_DIR
-        self.snapshots_dir = root / SNAPSHOTS_DIR
+        # llama-server's --slot-save-path; shared by the models of a router (their stores lie below the save
+        # directory), which clears it of transient files once, at start
+        self.snapshots_dir = snapshots or root / SNAPSHOTS_DIR
+        self._own_snapshots = snapshots is None
         self.client = client
         self.fsync = fsync
         self.restore_unverified = restore_unverified
@@ -193,7 +197,8 @@ class ConversationStore(EntryIndex):
 
     def _open(self) -> None:
         prepare_layout(self.root)
-        remove_transients(self.snapshots_dir)
+        if self._own_snapshots:
+            remove_transients(self.snapshots_dir)
         take_over_slot_files(self.root, self.fingerprint, restore_unverified=self.restore_unverified, fsync=self.fsync)
         found = scan_entries(self.root)
         self.cache_changes = found.manifests_read

@@ -13,6 +13,7 @@ from typing import Any
 
 from .. import chatform
 from ..apis import Api, api_of
+from ..llama_client import with_member
 from ..openings import Opening
 from ..prefix import common_keys, unit_keys
 
@@ -103,12 +104,7 @@ def with_id_slot(body: bytes, slot_id: int) -> bytes:
     Last, because llama-server's JSON parser keeps the last of duplicate keys: an `"id_slot": -1` the client
     sent earlier in the object is overridden.
     """
-    close = body.rstrip().rfind(b"}")
-    if close < 0:
-        return body
-    last = len(body[:close].rstrip())  # just after the last member (or the opening brace)
-    separator = b"" if body[last - 1 : last] == b"{" else b","
-    return b'%s%s"id_slot":%d%s' % (body[:last], separator, slot_id, body[last:])
+    return with_member(body, b'"id_slot":%d' % slot_id)
 
 
 def is_multi_prompt(data: dict[str, Any]) -> bool:

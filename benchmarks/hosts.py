@@ -1,13 +1,18 @@
-"""When llama-server drops the chats itself: its own sleep (`--sleep-idle-seconds`), slotkeeper vs plain, in one run.
+"""When llama-server drops the chats itself, slotkeeper vs plain llama-server side by side in one run: its own
+sleep (`--sleep-idle-seconds`) and its router mode (`--models-dir`, `--models-max 1`).
 
-Plain llama-server and slotkeeper run side by side with the same arguments (`--sleep-idle-seconds 3`, the
-bench-sized full-attention model and the hybrid): --chats chats take a turn on each, both servers are left
-idle until each says it sleeps (`GET /props`: `is_sleeping`, which wakes neither), then each chat's next turn
-goes to both, the order of the sides alternating per chat. Prints per family the first token of a returning
-chat after the sleep, cold (plain) vs warm (slotkeeper), the prompt tokens reused, and how often each child
-fell asleep and woke (its log).
+Sleep: both run with the same arguments (`--sleep-idle-seconds 3`, the bench-sized full-attention model and
+the hybrid): --chats chats take a turn on each, both are left idle until each says it sleeps (`GET /props`:
+`is_sleeping`, which wakes neither), then each chat's next turn goes to both, the order of the sides
+alternating per chat. Prints per family the first token of a returning chat after the sleep, cold (plain) vs
+warm (slotkeeper), the prompt tokens reused, and how often each child fell asleep and woke (its log).
 
-    uv run python benchmarks/hosts.py [--chats 4] [--families llama,qwen35] [--sleep 3]
+Router: both run `--models-dir` with the two bench models and `--models-max 1`: --chats chats on the llama
+model, one request for the hybrid (the llama model is unloaded), then each llama chat's next turn. Prints the
+switch (the first request for the other model: its load, and through slotkeeper the save and unload before it,
+and the restore after) and the returning chats' first token, both sides.
+
+    uv run python benchmarks/hosts.py [--chats 4] [--families llama,qwen35] [--sleep 3] [--parts sleep,router]
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ import shutil
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 from benchsetup import bench_model, llama_server, model_e, slotkeeper_args, stop_slotkeeper, work_dir
 from families import bench_spec
 
-from slotkeeper.demo import Chat, PlainServer, Turn, clean_env, fmt_s
+from slotkeeper.demo import Chat, PlainServer, Turn, clean_env, fmt_s, stream_chat
 from slotkeeper.testing.harness import Slotkeeper, free_port, http_call, wait_until
 
 REQUESTS = {"llama": {}, "qwen35": {"chat_template_kwargs": {"enable_thinking": False}}}
@@ -68,14 +74,62 @@ def sleep_round(family: str, model: Path, chats_n: int, sleep_s: int, work: Path
         stop_slotkeeper(sk, 60)
 
 
+def router_round(chats_n: int, work: Path) -> dict[str, dict[str, Any]]:
+    binary = llama_server()
+    env = clean_env(binary)
+    models = work / "models"
+    models.mkdir()
+    (models / "a.gguf").symlink_to(model_e())
+    (models / "b.gguf").symlink_to(bench_model("model-qwen35.gguf", bench_spec("qwen35")))
+    args = ["--models-dir", str(models), "--models-max", "1", *BASE]
+    plain = PlainServer(binary, args, free_port(), work / "plain.log", env)
+    port = free_port()
+    sk = Slotkeeper(slotkeeper_args(args, port, work / "cache"), env, work, port, work / "slotkeeper.log").start()
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        plain.wait_ready(300)
+        sk.wait_ready(300)
+        for side, side_port in (("plain", plain.port), ("slotkeeper", sk.port)):
+            chats = [Chat(i, request={"model": "a"}) for i in range(chats_n)]
+            for chat in chats:
+                chat.turn(side_port)
+            other = {"model": "b", **REQUESTS["qwen35"]}
+            started = time.monotonic()
+            stream_chat(side_port, [{"role": "user", "content": "Say hello."}], 1, request=other)
+            switch = time.monotonic() - started
+            turns = [chat.turn(side_port)[0] for chat in chats]
+            out[side] = {"switch": switch, "turns": turns}
+        return out
+    finally:
+        plain.stop()
+        stop_slotkeeper(sk, 60)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chats", type=int, default=4)
     parser.add_argument("--families", default="llama,qwen35")
     parser.add_argument("--sleep", type=int, default=3, help="--sleep-idle-seconds of both servers")
+    parser.add_argument("--parts", default="sleep,router")
     args = parser.parse_args()
+    parts = args.parts.split(",")
     work = work_dir("hosts")
     try:
+        if "router" in parts:
+            (work / "router").mkdir()
+            got = router_round(args.chats, work / "router")
+            print("a router (--models-dir, --models-max 1): chats on model a, a request for b, a's chats again:")
+            for side in ("plain", "slotkeeper"):
+                turns = got[side]["turns"]
+                first = statistics.median(t.first_token_s for t in turns)
+                reused = statistics.median(t.cache_n for t in turns)
+                prompt = statistics.median(t.prompt_tokens for t in turns)
+                print(
+                    f"    {side:10}  switch to b {fmt_s(got[side]['switch']):>8}   a's returning chats: first token "
+                    f"{fmt_s(first):>8}, reused {reused:,.0f} of {prompt:,.0f}"
+                )
+        if "sleep" not in parts:
+            return
         print(f"a returning chat's next turn after llama-server slept (--sleep-idle-seconds {args.sleep}):")
         rows = []
         for family in args.families.split(","):

@@ -1,28 +1,144 @@
-"""llama-server as a router (`--models-dir`, a child per model), on the real llama-server: today slotkeeper
-passes it through whole and says so in one line; requests are answered as the router answers them."""
+"""llama-server as a router (`--models-dir`, a child per model), on the real llama-server: every model's chats
+are kept across the router's unloads and across a swap, and what slotkeeper cannot do is the router's answer.
+
+slotkeeper runs the router with `--models-max 0 --no-models-autoload` and applies the user's `--models-max`
+itself: a load that would exceed it first saves the least recently used model's changed slots and unloads it.
+"""
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
-from slotkeeper.testing.harness import http_call
+from family_helpers import NO_THINKING, Chat, cold_ones, converse, swap_out
+
+from slotkeeper.testing.harness import http_call, wait_until
+
+ROUTER = ["-c", "8192", "-t", "2", "--no-warmup"]
 
 
-def test_a_router_is_passed_through_and_says_so(starter, llama_server, family_models, tmp_path):
+def models_dir(tmp_path, family_models):
+    """A (the tiny llama, full attention) and b (the tiny qwen35 hybrid)."""
     models = tmp_path / "models"
     models.mkdir()
-    for name in ("a", "b"):
-        shutil.copy(family_models["llama"], models / f"{name}.gguf")
-    sk = starter(llama_server, ["--models-dir", str(models), "--models-max", "1", "-c", "4096", "-t", "2"])()
+    shutil.copy(family_models["llama"], models / "a.gguf")
+    shutil.copy(family_models["qwen35"], models / "b.gguf")
+    return models
+
+
+def statuses(port: int) -> dict[str, str]:
+    return {m["id"]: m["status"]["value"] for m in http_call(port, "GET", "/models").body["data"]}
+
+
+def test_each_models_chats_are_warm_after_the_router_unloads_it_and_after_a_swap(
+    starter, llama_server, family_models, tmp_path
+):
+    """--models-max 1: chats on a, a chat on b (slotkeeper saves a, then unloads it), a's next turns warm; b's
+    too; after a swap, both models' chats warm."""
+    start = starter(
+        llama_server, ["--models-dir", str(models_dir(tmp_path, family_models)), "--models-max", "1", *ROUTER]
+    )
+    sk = start()
+    on_a = [Chat(i, {"model": "a"}) for i in range(2)]
+    on_b = Chat(5, {"model": "b", **NO_THINKING})
+    for chat in on_a:
+        chat.turn(sk.port)
+    on_b.turn(sk.port)
+    assert statuses(sk.port) == {"a": "unloaded", "b": "loaded"}, sk.logs()[-3000:]
+    for chat in on_a:
+        timings = chat.turn(sk.port)
+        assert chat.reused_enough(timings), (timings, chat.previous_prompt_tokens, sk.logs()[-4000:])
+    timings = on_b.turn(sk.port)
+    assert on_b.reused_enough(timings), (timings, on_b.previous_prompt_tokens, sk.logs()[-4000:])
+    logs = sk.logs()
+    assert "model a: unloading (model b loads): saved" in logs, logs[-4000:]
+    swap_out(sk)
+    sk2 = start()
+    for chat in (*on_a, on_b):
+        timings = chat.turn(sk2.port)
+        assert chat.reused_enough(timings), (chat.n, timings, chat.previous_prompt_tokens, sk2.logs()[-4000:])
+    status = http_call(sk2.port, "GET", "/slotkeeper/status").body
+    assert status["router"] is True and set(status["models"]) == {"b"}, status["models"]  # (a unloaded for b)
+    own = [line for line in sk2.logs().splitlines() if line.startswith("slotkeeper: ")]
+    assert not [line for line in own if "warning" in line or "error" in line], own
+    listed = subprocess.run(
+        [sys.executable, "-m", "slotkeeper.cli", "ls", str(sk2.extra["save_dir"]), "--json"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    stores = {Path(r["dir"]).name: r["entries"] for r in json.loads(listed.stdout) if r["kind"] == "directory"}
+    assert stores.get("a", 0) >= 2 and stores.get("b", 0) >= 1, stores  # `ls` shows each model's store
+
+
+def test_what_slotkeeper_cannot_place_gets_the_routers_own_answer(starter, llama_server, family_models, tmp_path):
+    sk = starter(llama_server, ["--models-dir", str(models_dir(tmp_path, family_models)), *ROUTER])()
     ask = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4, "temperature": 0}
-    for name in ("a", "b", "a"):
-        reply = http_call(sk.port, "POST", "/v1/chat/completions", {"model": name, **ask})
-        assert reply.status == 200, (reply.body, sk.logs()[-3000:])
     unknown = http_call(sk.port, "POST", "/v1/chat/completions", {"model": "zzz", **ask})
     assert unknown.status == 400 and "not found" in str(unknown.body), unknown.body
-    status = http_call(sk.port, "GET", "/slotkeeper/status").body
-    assert status["router"] is True and status["slots"] == [], status
+    missing = http_call(sk.port, "POST", "/v1/chat/completions", ask)
+    assert missing.status == 400 and "model name is missing" in str(missing.body), missing.body
+    assert http_call(sk.port, "POST", "/v1/chat/completions", {"model": "a", **ask}).status == 200
+    assert "runs as a router" in sk.logs(), sk.logs()[-3000:]
+
+
+def test_six_chats_per_model_with_title_requests_stay_warm_as_the_models_take_turns(
+    starter, llama_server, family_models, tmp_path
+):
+    """A chat front end's traffic on both models, --models-max 1: six chats each (more than the four slots),
+    a title request after every turn, the models taking turns (each switch unloads the other): from the
+    second round on, every chat reuses at least 90% of its previous prompt."""
+    sk = starter(
+        llama_server, ["--models-dir", str(models_dir(tmp_path, family_models)), "--models-max", "1", *ROUTER]
+    )()
+    chats = {
+        "a": [Chat(i, {"model": "a"}) for i in range(6)],
+        "b": [Chat(i, {"model": "b", **NO_THINKING}) for i in range(6)],
+    }
+    for round_n in range(2):
+        for name in ("a", "b"):
+            results = converse(chats[name], sk.port)
+            if round_n:
+                assert not cold_ones(chats[name], results), (name, cold_ones(chats[name], results), sk.logs()[-5000:])
+
+
+def test_a_preset_files_models_are_kept_too(starter, llama_server, family_models, tmp_path):
+    """--models-preset: one chat per model, a swap, both warm."""
+    preset = tmp_path / "models.ini"
+    preset.write_text(
+        f"[a]\nmodel = {family_models['llama']}\n\n[b]\nmodel = {family_models['qwen35']}\n", encoding="utf-8"
+    )
+    start = starter(llama_server, ["--models-preset", str(preset), "--models-max", "1", *ROUTER])
+    sk = start()
+    chats = [Chat(0, {"model": "a"}), Chat(1, {"model": "b", **NO_THINKING})]
+    for chat in chats:
+        chat.turn(sk.port)
+    swap_out(sk)
+    sk2 = start()
+    for chat in chats:
+        timings = chat.turn(sk2.port)
+        assert chat.reused_enough(timings), (chat.n, timings, chat.previous_prompt_tokens, sk2.logs()[-4000:])
+
+
+def test_in_router_mode_a_childs_own_sleep_keeps_its_chats(starter, llama_server, family_models, tmp_path):
+    """Children inherit --sleep-idle-seconds: a chat on a, its child asleep (not woken by slotkeeper), the
+    chat's next turn warm."""
+    sk = starter(
+        llama_server, ["--models-dir", str(models_dir(tmp_path, family_models)), *ROUTER, "--sleep-idle-seconds", "3"]
+    )()
+    chat = Chat(0, {"model": "a"})
+    chat.turn(sk.port)
+
+    def asleep() -> bool:
+        return http_call(sk.port, "GET", "/props?model=a").body.get("is_sleeping") is True
+
+    assert wait_until(asleep, 15, interval=0.2), sk.logs()[-3000:]
+    time.sleep(3)
+    assert asleep(), "something woke model a's llama-server:\n" + sk.logs()[-3000:]
     logs = sk.logs()
-    assert "runs as a router" in logs, logs[-3000:]
-    own = [line for line in logs.splitlines() if line.startswith("slotkeeper: ")]
-    assert not [line for line in own if "warning" in line or "error" in line], own
+    assert logs.count("server is entering sleeping state") == 1 and "exiting sleeping state" not in logs, logs[-3000:]
+    assert "model a: llama-server is asleep" in logs, logs[-3000:]
+    timings = chat.turn(sk.port)
+    assert chat.reused_enough(timings), (timings, chat.previous_prompt_tokens, sk.logs()[-4000:])

@@ -9,8 +9,8 @@ freed taken again. So:
   resets llama-server's idle clock, and slotkeeper's quiet time never exceeds the child's, so a save started
   by then always runs while it is awake;
 * `GET /props` tells whether it sleeps (`is_sleeping`) without waking it. slotkeeper asks it once a second while
-  nothing runs, and before any save; while the child sleeps it sends nothing else (a slot read, a save or a
-  tokenize would wake it);
+  nothing runs (`POLL_S`, the daemon's loop), and before any save; while the child sleeps it sends nothing else
+  (a slot read, a save or a tokenize would wake it);
 * once it has slept, every slot is empty: each chat comes back from the store on its next turn, as after a
   swap. A stop while it sleeps writes nothing.
 """
@@ -42,14 +42,11 @@ def save_after(sleep_idle_s: float, autosave_idle: float) -> float:
 
 
 class SleepWatch:
-    """The one owner of what slotkeeper knows of the child's sleep."""
+    """The one owner of what slotkeeper knows of one llama-server's sleep (a router's model: its child's)."""
 
-    def __init__(
-        self, sleep_idle_s: int, client: LlamaClient, quiet: Callable[[], bool], on_sleep: Callable[[], int]
-    ) -> None:
+    def __init__(self, sleep_idle_s: int, client: LlamaClient, on_sleep: Callable[[], int]) -> None:
         self.sleep_idle_s = sleep_idle_s
-        self.client = client
-        self.quiet = quiet  # nothing runs: no request in flight, no slot action, no slot reserved
+        self.client = client  # (a router's model: /props?model= answers for its child)
         self.on_sleep = on_sleep  # every slot is empty now; returns how many chats wait in the store
         self.state = ChildSleep.AWAKE
         self.sleeps = 0
@@ -67,15 +64,8 @@ class SleepWatch:
         else:
             log.info("llama-server woke up for a request (it reloaded its model)")
 
-    async def run(self) -> None:
-        """Until cancelled: learn when the child falls asleep and when it wakes."""
-        while True:
-            await asyncio.sleep(POLL_S)
-            if self.quiet():
-                await self.asleep_now()
-
     async def asleep_now(self) -> bool:
-        """Whether the child sleeps, asked now (without waking it); False when it cannot say."""
+        """Whether the child sleeps, asked now (without waking it); the last known state when it cannot say."""
         try:
             reply = await asyncio.wait_for(self.client.props(), PROPS_TIMEOUT_S)
         except (TimeoutError, ConnectionError):

@@ -67,6 +67,10 @@ API_KEY_FILE_FLAGS = frozenset({"--api-key-file"})
 MODEL_FLAGS = frozenset({"-m", "--model"})
 HF_REPO_FLAGS = frozenset({"-hf", "-hfr", "--hf-repo"})
 SLEEP_FLAGS = frozenset({"--sleep-idle-seconds"})
+MODELS_DIR_FLAGS = frozenset({"--models-dir"})  # with no model: llama-server runs as a router
+MODELS_PRESET_FLAGS = frozenset({"--models-preset"})
+MODELS_MAX_FLAGS = frozenset({"--models-max"})  # taken over in router mode: slotkeeper decides the unloads
+MODELS_AUTOLOAD_FLAGS = {"--models-autoload": True, "--no-models-autoload": False}
 SLOTS_ENDPOINT_FLAGS = {"--slots": True, "--no-slots": False}
 IDLE_SLOT_CACHE_FLAGS = {"--cache-idle-slots": True, "--no-cache-idle-slots": False}
 
@@ -80,8 +84,11 @@ _VALUE_FLAGS = (
     | MODEL_FLAGS
     | HF_REPO_FLAGS
     | SLEEP_FLAGS
+    | MODELS_DIR_FLAGS
+    | MODELS_PRESET_FLAGS
+    | MODELS_MAX_FLAGS
 )
-_REMOVED_FLAGS = HOST_FLAGS | PORT_FLAGS | SAVE_PATH_FLAGS
+_REMOVED_FLAGS = HOST_FLAGS | PORT_FLAGS | SAVE_PATH_FLAGS | MODELS_MAX_FLAGS
 # The LlamaArgs field each value flag sets (--api-key, which may repeat and split, aside).
 _FIELD_OF_FLAG = {
     **dict.fromkeys(HOST_FLAGS, "host"),
@@ -92,6 +99,9 @@ _FIELD_OF_FLAG = {
     **dict.fromkeys(MODEL_FLAGS, "model"),
     **dict.fromkeys(HF_REPO_FLAGS, "hf_repo"),
     **dict.fromkeys(SLEEP_FLAGS, "sleep_idle_seconds"),
+    **dict.fromkeys(MODELS_DIR_FLAGS, "models_dir"),
+    **dict.fromkeys(MODELS_PRESET_FLAGS, "models_preset"),
+    **dict.fromkeys(MODELS_MAX_FLAGS, "models_max"),
 }
 
 # Environment variables llama-server reads for the same settings; the command line wins, as in llama-server.
@@ -102,6 +112,11 @@ ENV_MODEL = "LLAMA_ARG_MODEL"
 ENV_PARALLEL = "LLAMA_ARG_N_PARALLEL"
 ENV_SLOTS_ENDPOINT = "LLAMA_ARG_ENDPOINT_SLOTS"
 ENV_IDLE_SLOT_CACHE = "LLAMA_ARG_CACHE_IDLE_SLOTS"
+ENV_MODELS_DIR = "LLAMA_ARG_MODELS_DIR"
+ENV_MODELS_PRESET = "LLAMA_ARG_MODELS_PRESET"
+ENV_MODELS_MAX = "LLAMA_ARG_MODELS_MAX"
+ENV_MODELS_AUTOLOAD = "LLAMA_ARG_MODELS_AUTOLOAD"
+DEFAULT_MODELS_MAX = "4"  # llama-server's
 # Never inherited by the child: slotkeeper gives it a private address on the command line instead.
 CHILD_ENV_REMOVED = (ENV_HOST, ENV_PORT)
 
@@ -125,6 +140,15 @@ class LlamaArgs:
     sleep_idle_seconds: str | None = None  # llama-server unloads the model (and every KV cache) when idle this long
     slots_endpoint: bool = True
     idle_slot_cache: bool | None = None  # None: the user did not choose
+    models_dir: str | None = None
+    models_preset: str | None = None
+    models_max: str | None = None  # None: llama-server's default
+    models_autoload: bool = True
+
+    @property
+    def router(self) -> bool:
+        """llama-server runs as a router: no model of its own, a child per model of a directory or preset."""
+        return not (self.model or self.hf_repo) and bool(self.models_dir or self.models_preset)
 
     @property
     def model_label(self) -> str:
@@ -162,6 +186,11 @@ def parse_llama_args(argv: list[str], env: Env) -> LlamaArgs:  # noqa: C901 - on
         args.slots_endpoint = _env_bool(env[ENV_SLOTS_ENDPOINT])
     if ENV_IDLE_SLOT_CACHE in env:
         args.idle_slot_cache = _env_bool(env[ENV_IDLE_SLOT_CACHE])
+    args.models_dir = env.get(ENV_MODELS_DIR) or None
+    args.models_preset = env.get(ENV_MODELS_PRESET) or None
+    args.models_max = env.get(ENV_MODELS_MAX) or None
+    if ENV_MODELS_AUTOLOAD in env:
+        args.models_autoload = _env_bool(env[ENV_MODELS_AUTOLOAD])
 
     cli_api_keys: list[str] | None = None
     i = 0
@@ -173,6 +202,8 @@ def parse_llama_args(argv: list[str], env: Env) -> LlamaArgs:  # noqa: C901 - on
             args.slots_endpoint = SLOTS_ENDPOINT_FLAGS[name]
         elif name in IDLE_SLOT_CACHE_FLAGS and not has_inline:
             args.idle_slot_cache = IDLE_SLOT_CACHE_FLAGS[name]
+        elif name in MODELS_AUTOLOAD_FLAGS and not has_inline:
+            args.models_autoload = MODELS_AUTOLOAD_FLAGS[name]
         if name not in _VALUE_FLAGS:
             args.passthrough.append(token)
             i += 1
@@ -363,6 +394,10 @@ def plan_launch(argv: list[str], env: Env) -> LaunchPlan:
         # With llama-server's default, idle slots are moved out of the KV cache when a new task starts, and a
         # stop-time save would find them empty. Keep them resident unless the user chose otherwise.
         child_args.append("--no-cache-idle-slots")
+    if llama.router:  # slotkeeper loads and unloads the models itself, after saving their chats
+        child_args += ["--models-max", "0", "--no-models-autoload"]
+    elif llama.models_max is not None:
+        child_args += ["--models-max", llama.models_max]
     if own.get("remote_store") and "--metrics" not in child_args:
         child_args.append("--metrics")  # its prompt speed tells whether a download beats a prefill
     raw_flag(own, "child_tcp")

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
 
-from .cmdline import ConfigError, Env, LaunchPlan
+from .cmdline import DEFAULT_MODELS_MAX, ConfigError, Env, LaunchPlan
 
 
 class Options(BaseModel):
@@ -92,6 +92,9 @@ class RunConfig(BaseModel):
     total_slots_hint: int | None = Field(None, ge=-1)
     slots_endpoint: bool
     sleep_idle_s: int | None = Field(None, ge=-1)  # llama-server's --sleep-idle-seconds (-1 or None: it never sleeps)
+    router: bool = False  # llama-server runs as a router (--models-dir or --models-preset, no model)
+    models_max: int = Field(4, ge=0)  # router mode: models loaded at once (0: no limit), as the user gave it
+    models_autoload: bool = True  # router mode: a request for a model not loaded loads it
     child_args: list[str]
     model: str | None = None
     llama_binary: str | None = None  # the child's executable, whose identity entries record
@@ -104,6 +107,7 @@ LLAMA_FLAG_NAMES = {
     "total_slots_hint": "-np",
     "save_dir": "--slot-save-path",
     "sleep_idle_s": "--sleep-idle-seconds",
+    "models_max": "--models-max",
 }
 
 
@@ -133,6 +137,9 @@ def validate(plan: LaunchPlan) -> RunConfig:
                 "total_slots_hint": llama.parallel,
                 "slots_endpoint": llama.slots_endpoint,
                 "sleep_idle_s": llama.sleep_idle_seconds,
+                "router": llama.router,
+                "models_max": llama.models_max or DEFAULT_MODELS_MAX,
+                "models_autoload": llama.models_autoload,
                 "child_args": plan.child_args,
                 "model": llama.model or llama.hf_repo,
                 "llama_binary": plan.binary[0] if plan.binary else None,

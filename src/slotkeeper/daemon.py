@@ -14,16 +14,19 @@ import signal
 import time
 from typing import Any
 
-from .childsleep import ChildSleep, SleepWatch, save_after
+from .childsleep import POLL_S, ChildSleep, save_after
 from .config import RunConfig
 from .fingerprint import model_identity
+from .layout import SNAPSHOTS_DIR
 from .llama_client import LlamaClient
-from .log import fmt_bytes, fmt_ms, log
+from .log import MODEL, fmt_bytes, fmt_ms, log
 from .metrics import Metrics
 from .model import Model, model_memory, open_model, read_server_facts
 from .policy import CachePolicy
 from .proxy.messages import Reply
 from .proxy.server import Gate, Proxy
+from .router import Router
+from .storescan import remove_transients
 from .supervisor import ChildProcess
 
 HEALTH_POLL_S = 0.01
@@ -78,8 +81,7 @@ class Daemon:
         self.force_requested = asyncio.Event()
         self.metrics = Metrics(state=lambda: self.state.value)
         self.model: Model | None = None  # once restore() opened it
-        self.router = False  # llama-server runs as a router: requests pass through, nothing is kept
-        self.sleep: SleepWatch | None = None  # with --sleep-idle-seconds, once serving
+        self.router: Router | None = None  # llama-server runs as a router: a Model per model it loads
         self._autosave: asyncio.Future[None] | None = None
         self._sleep_watch: asyncio.Future[None] | None = None
 
@@ -123,8 +125,8 @@ class Daemon:
             "save_dir": str(self.config.save_dir),
             "total_slots": 0 if model is None else model.facts.n_slots,
             "placement": self.options.placement,
-            "router": self.router,
-            "child_sleep": None if self.sleep is None else self.sleep.state.value,
+            "router": self.router is not None,
+            "models": None if self.router is None else self.router.status(),
             **(self._starting_status() if model is None else model.status()),
             "save_estimate": self.save_estimate(),
         })  # fmt: skip
@@ -166,7 +168,9 @@ class Daemon:
             if code is not None:
                 gate.close()
                 return code
-            if self.options.placement and self.model is not None:
+            if self.router is not None:
+                proxy.hook = self.router
+            elif self.options.placement and self.model is not None:
                 proxy.hook = self.model.placement
             gate.open()
             # What start-up built (modules, pydantic models, the loop) lives as long as the process: moved out
@@ -283,10 +287,12 @@ class Daemon:
         """Open the model's state (its store, placement, shared tier), then restore its most recent chats."""
         facts = await read_server_facts(self.config, client, identity, memory)
         if facts.router:
-            self.router = True
+            self.router = Router(self.config, client, self.metrics)
+            remove_transients(self.config.save_dir / SNAPSHOTS_DIR)  # (the models' stores share it)
             log.info(
                 "llama-server runs as a router (a child per model: --models-dir or --models-preset): slotkeeper "
-                "passes every request through and keeps no chats in this mode"
+                "loads and unloads the models itself (--models-max %d), saving each one's chats first",
+                self.config.models_max,
             )
             return
         model = self.model = await open_model(self.config, client, facts, self.metrics)
@@ -299,18 +305,13 @@ class Daemon:
         """Until a stop request, autosaving when idle (and watching llama-server's own sleep, with
         --sleep-idle-seconds); returns the child's exit code if it dies first."""
         sleep_s = self.config.child_sleeps_after
-        if sleep_s is not None and self.model is not None:
-            placement = self.model.placement
-            self.sleep = SleepWatch(
-                sleep_s, client, lambda: not proxy.in_flight and not client.running and not placement.busy(),
-                placement.cache_dropped,
-            )  # fmt: skip
-            self._sleep_watch = asyncio.ensure_future(self.sleep.run())
+        if sleep_s is not None:
+            self._sleep_watch = asyncio.ensure_future(self.watch_sleep(proxy, client))
             log.info(
                 "llama-server sleeps after %d s idle (--sleep-idle-seconds): changed chats are saved after %g s idle, "
                 "and come back from the store once it has slept", sleep_s, self.idle_save_after(),
             )  # fmt: skip
-        saving = self.model is not None and self.idle_save_after() > 0
+        saving = (self.model is not None or self.router is not None) and self.idle_save_after() > 0
         autosave = asyncio.ensure_future(self.autosave_loop(proxy)) if saving else None
         self._autosave = autosave
         outcome, _ = await self._race(asyncio.Event().wait(), self.stop_requested, child_exited)
@@ -352,43 +353,63 @@ class Daemon:
                 log.warning("idle autosave failed: %s; retrying in %g s", failed, retry_s)
             await asyncio.sleep(retry_s)
 
+    async def watch_sleep(self, proxy: Proxy, client: LlamaClient) -> None:
+        """Until cancelled: learn when each model's llama-server falls asleep and wakes (childsleep.py), asking
+        once a second while nothing runs."""
+        while True:
+            await asyncio.sleep(POLL_S)
+            for model in self.kept():
+                if proxy.in_flight or client.running or model.placement.busy() or model.sleep is None:
+                    continue
+                token = MODEL.set(model.name)
+                try:
+                    await model.sleep.asleep_now()
+                finally:
+                    MODEL.reset(token)
+
     def idle_save_after(self) -> float:
         """The idle seconds after which changed slots are saved (0: never): --autosave-idle, but always before
         llama-server's own sleep."""
         sleep_s = self.config.child_sleeps_after
         return self.options.autosave_idle if sleep_s is None else save_after(sleep_s, self.options.autosave_idle)
 
+    def kept(self) -> list[Model]:
+        """The models whose chats slotkeeper keeps: the one, or each one a router has loaded."""
+        if self.router is not None:
+            return list(self.router.models.values())
+        return [] if self.model is None else [self.model]
+
     def unsaved(self) -> bool:
         """Some idle slot still holds a change that no entry has (its save failed)."""
-        assert self.model is not None
-        return any(not slot.busy for slot in self.model.placement.dirty_slots())
+        return any(not slot.busy for model in self.kept() for slot in model.placement.dirty_slots())
 
     async def save_changed(self, why: str, deadline: float | None, *, live: bool = False) -> tuple[int, int]:
-        """Write every changed slot back into the store, then keep the store within its cap."""
-        assert self.model is not None
-        placement = self.model.placement
-        if self.sleep is not None and await self.sleep.asleep_now():
-            return 0, 0  # every slot is empty, and a slot read or a save would wake it
-        if not self.options.placement:
-            await placement.note_unplaced_changes(self.config.slots_endpoint)
-        outcome = await placement.save_dirty(why, deadline, live=live)
-        self.model.store.evict_over_cap(placement.held_entries())
-        return outcome
+        """Write every changed slot back into its model's store, then keep each store within its cap."""
+        saved = attempted = 0
+        for model in self.kept():
+            token = MODEL.set(model.name)
+            try:
+                if model.sleep is not None and await model.sleep.asleep_now():
+                    continue  # every slot is empty, and a slot read or a save would wake it
+                placement = model.placement
+                if not self.options.placement:
+                    await placement.note_unplaced_changes(self.config.slots_endpoint)
+                one, tried = await placement.save_dirty(why, deadline, live=live)
+                model.store.evict_over_cap(placement.held_entries())
+            finally:
+                MODEL.reset(token)
+            saved, attempted = saved + one, attempted + tried
+        return saved, attempted
 
     async def shutdown(self, proxy: Proxy, client: LlamaClient, child_exited: asyncio.Future[int]) -> int:
         """Drain, save what changed inside the budget, stop the child. A second signal skips the rest of the save."""
         budget_end = time.monotonic() + self.options.save_timeout
         self.set_state(State.DRAINING)
         proxy.accepting = False
-        model = self.model
-        if model is not None:
+        for model in self.kept():
             model.placement.stop_settling()
         if await self.drain(proxy) is Race.INTERRUPTED:
             return await self.stop_forced()
-        if model is None:  # a router: nothing of it is kept
-            self.set_state(State.STOPPING)
-            await self.child.stop(self.options.stop_timeout)
-            return EXIT_OK
         self.set_state(State.SAVING)
         if self._autosave is not None:
             self._autosave.cancel()
@@ -407,11 +428,14 @@ class Daemon:
             if outcome is Race.INTERRUPTED:
                 return await self.stop_forced()
         self.set_state(State.STOPPING)
-        await asyncio.gather(self.settle_store(model), self.child.stop(self.options.stop_timeout))
+        kept = self.kept()
+        await asyncio.gather(*(self.settle_store(model) for model in kept), self.child.stop(self.options.stop_timeout))
         if counts and counts[1]:
             log.info("saved %d of %d changed slot(s)", *counts)
-        if model.remote is not None:  # uploads may use what is left of the budget, never more
-            try:
+        for model in kept:
+            if model.remote is None:
+                continue
+            try:  # uploads may use what is left of the budget, never more
                 await model.remote.close(budget_end)
             except Exception as exc:  # noqa: BLE001 - the journal keeps what was not uploaded; the stop goes on
                 log.warning(
@@ -442,8 +466,8 @@ class Daemon:
         """A second signal: no (more) saving; the child gets FORCED_STOP_TIMEOUT_S after SIGTERM."""
         self.set_state(State.STOPPING)
         await self.child.stop(min(self.options.stop_timeout, FORCED_STOP_TIMEOUT_S))
-        if self.model is not None:
-            await self.model.store.flush()
+        for model in self.kept():
+            await model.store.flush()
         return EXIT_FORCED
 
     async def save_at_stop(self, budget_end: float) -> tuple[int, int] | None:
@@ -463,7 +487,8 @@ class Daemon:
                 "saving at stop failed: %s; slots not saved yet keep their previous entries", describe_error(exc)
             )
             return None
-        if not counts[1] and self.sleep is not None and self.sleep.state is ChildSleep.ASLEEP:
+        asleep = [m for m in self.kept() if m.sleep is not None and m.sleep.state is ChildSleep.ASLEEP]
+        if not counts[1] and asleep and len(asleep) == len(self.kept()):
             log.info("llama-server is asleep, its slots empty: nothing to save")
         elif not counts[1]:
             log.info("no slot changed since its cache was written; nothing to save")

@@ -6,6 +6,7 @@
   entries/     the conversation store: <id>.bin (llama-server's slot file) and <id>.json (its manifest)
   snapshots/   llama-server's --slot-save-path: clients' own save/restore names, and slotkeeper's transient ones
   quarantine/  entries llama-server refused
+  models/      router mode: a store per model (<name>/ with its own entries/), sharing snapshots/ above
 ```
 """
 
@@ -18,6 +19,7 @@ ENTRIES_DIR = "entries"
 SNAPSHOTS_DIR = "snapshots"
 QUARANTINE_DIR = "quarantine"
 LOCK_NAME = ".lock"
+MODELS_DIR = "models"
 
 
 class StoreLockedError(Exception):

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .childsleep import SleepWatch
 from .config import RunConfig
 from .fingerprint import build_fingerprint, kv_flags, model_identity, namespace_key
+from .layout import SNAPSHOTS_DIR
 from .llama_client import LlamaClient
 from .log import fmt_bytes, log
 from .metrics import Metrics
@@ -53,6 +55,8 @@ class Model:
     metrics: Metrics
     remote: RemoteTier | None
     forced_memory: str  # --model-memory ("auto": read from the model's header)
+    name: str = ""  # a router's model: its id (log lines and status name it)
+    sleep: SleepWatch | None = None  # with --sleep-idle-seconds: what is known of its llama-server's sleep
 
     def describe_memory(self) -> dict[str, Any]:
         memory = self.facts.memory
@@ -68,6 +72,7 @@ class Model:
         store, metrics = self.store, self.metrics.status()
         return {
             "model_memory": self.describe_memory(),
+            "child_sleep": None if self.sleep is None else self.sleep.state.value,
             "fingerprint": store.fingerprint,
             "slots": self.placement.describe(),
             "store": {
@@ -136,24 +141,29 @@ def model_memory(path: str | None) -> ModelMemory | None:
         return None
 
 
-async def open_model(config: RunConfig, client: LlamaClient, facts: ServerFacts, metrics: Metrics) -> Model:
+async def open_model(
+    config: RunConfig, client: LlamaClient, facts: ServerFacts, metrics: Metrics, root: Path | None = None
+) -> Model:
     """The model's store opened (its entries indexed, its format checked against this llama-server's), its
-    placement and its shared tier: ready for the restore at start."""
+    placement and its shared tier: ready for the restore at start. `root`: the store's directory, when it is
+    not the save directory (a router's models each have one below it, and share its snapshots/)."""
     options = config.options
+    store_root = root or config.save_dir
     swa_full = "swa_full" in kv_flags(config.child_args)
     policy = cache_policy(facts.memory, swa_full, options.model_memory)
     _say_memory(config, facts, policy)
     fingerprint = build_fingerprint(facts.identity, config.child_args, facts.n_slots, facts.n_ctx_slot)
     cap = int(options.max_cache_bytes) if options.max_cache_bytes else None
-    remote = _remote_tier(options.remote_store, fingerprint, config.save_dir)
+    remote = _remote_tier(options.remote_store, fingerprint, store_root)
     store = ConversationStore(
-        config.save_dir, client, fingerprint, server_identity(config.llama_binary), fsync=options.fsync,
+        store_root, client, fingerprint, server_identity(config.llama_binary), fsync=options.fsync,
         cap_bytes=cap, restore_unverified=options.restore_unverified, metrics=metrics,
         on_commit=None if remote is None else remote.upload_committed,
+        snapshots=None if root is None else config.save_dir / SNAPSHOTS_DIR,
     )  # fmt: skip
     await asyncio.to_thread(store.open)
     if store.cap_bytes is None:
-        store.cap_bytes = default_cap(config.save_dir, store.total_bytes)
+        store.cap_bytes = default_cap(store_root, store.total_bytes)
     await store.check_format()
     if remote is not None:
         _start_remote(remote)
@@ -165,12 +175,15 @@ async def open_model(config: RunConfig, client: LlamaClient, facts: ServerFacts,
         store, client, facts.n_slots, Rules(policy, options.min_save_tokens, settle=settle), metrics, remote
     )
     model = Model(facts, fingerprint, policy, store, placement, metrics, remote, options.model_memory)
+    sleep_s = config.child_sleeps_after
+    if sleep_s is not None:
+        model.sleep = SleepWatch(sleep_s, client, placement.cache_dropped)
     metrics.memory = model.describe_memory
     if remote is not None:
         metrics.remote = lambda: remote.stats
     other = f"; {len(store.skipped)} kept but not used (see above)" if store.skipped else ""
     log.info(
-        "%d slot(s); %d conversation(s) in %s (%s of a %s cap)%s", facts.n_slots, len(store.entries), config.save_dir,
+        "%d slot(s); %d conversation(s) in %s (%s of a %s cap)%s", facts.n_slots, len(store.entries), store_root,
         fmt_bytes(store.total_bytes), fmt_bytes(store.cap_bytes or 0), other,
     )  # fmt: skip
     return model

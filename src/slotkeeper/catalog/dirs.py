@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..entries import cache_root, is_slot_name
-from ..layout import ENTRIES_DIR, LOCK_NAME, QUARANTINE_DIR
+from ..layout import ENTRIES_DIR, LOCK_NAME, MODELS_DIR, QUARANTINE_DIR
 from .formats import CatalogError
 
 SLOT_FILE_SUFFIXES = ("bin", "json", "bin.partial", "json.partial")
@@ -105,9 +105,14 @@ def save_dirs_under(root: Path) -> list[Path]:
     return [p for p in children if p.is_dir() and not p.is_symlink() and holds_caches(p)]
 
 
+def with_model_stores(save_dir: Path) -> list[Path]:
+    """A save directory, and the stores of a router's models below it (`models/<name>/`)."""
+    return [save_dir, *save_dirs_under(save_dir / MODELS_DIR)]
+
+
 def find_save_dirs(env: Mapping[str, str]) -> list[Path]:
     """Every default (per-model) save directory under $XDG_CACHE_HOME/slotkeeper or ~/.cache/slotkeeper."""
-    return save_dirs_under(cache_root(env))
+    return [found for save_dir in save_dirs_under(cache_root(env)) for found in with_model_stores(save_dir)]
 
 
 def resolve_dirs(given: Sequence[str], env: Mapping[str, str]) -> list[Path]:
@@ -126,7 +131,8 @@ def resolve_dirs(given: Sequence[str], env: Mapping[str, str]) -> list[Path]:
             raise CatalogError(f"no such directory: {text}")
         if not path.is_dir():
             raise CatalogError(f"not a directory: {text}")
-        for found in [path] if holds_caches(path) else save_dirs_under(path) or [path]:
+        below = [found for save_dir in save_dirs_under(path) for found in with_model_stores(save_dir)]
+        for found in with_model_stores(path) if holds_caches(path) else below or [path]:
             if found.resolve() not in seen:
                 seen.add(found.resolve())
                 dirs.append(found)

@@ -1,0 +1,231 @@
+"""Router mode: llama-server with no model of its own starts a child per model (`--models-dir`,
+`--models-preset`), and slotkeeper keeps every model's chats as it does for one.
+
+Why slotkeeper decides the loads and unloads: at `--models-max` the router unloads its least recently used
+model by itself, and that model's KV caches go unsaved. So slotkeeper runs the router with `--models-max 0
+--no-models-autoload`, loads a model itself when a request needs it (as the user's own autoload setting
+says), and before a load that would exceed the user's `--models-max` it saves the least recently used model's
+changed slots and unloads it. A client's own `POST /models/unload` goes on after the save. Once a model is
+loaded, its most recent chats are restored before its first request goes, as at start.
+
+Each model has its own `model.Model` (fingerprint, store below the save directory, placement); the children
+share the router's `--slot-save-path`, so their stores share its snapshots/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from .apis import api_of
+from .config import RunConfig
+from .layout import MODELS_DIR
+from .llama_client import LlamaClient
+from .log import MODEL, fmt_ms, log
+from .metrics import Metrics
+from .model import Model, ServerFacts, open_model, read_server_facts
+from .policy import CachePolicy
+from .proxy.hook import Placed
+
+MODEL_ACTIONS = frozenset({"/models/load", "/models/unload"})
+STATUS_POLL_S = 0.05
+UNLOAD_TIMEOUT_S = 60.0
+
+
+def store_dir(save_dir: Path, name: str) -> Path:
+    """The model's store directory: its name, made safe as one path component."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name).strip(".") or "_"
+    return save_dir / MODELS_DIR / safe
+
+
+class Router:
+    """The completion hook in router mode, and the one owner of the models slotkeeper keeps."""
+
+    def __init__(self, config: RunConfig, client: LlamaClient, metrics: Metrics) -> None:
+        self.config = config
+        self.client = client
+        self.metrics = metrics
+        self.models: OrderedDict[str, Model] = OrderedDict()  # loaded and opened, least recently used first
+        self._aliases: dict[str, str] = {}  # a name a request may use -> the model's id
+        self._lock = asyncio.Lock()  # one load or unload at a time
+        self._opening: set[asyncio.Future[Model | None]] = set()  # models a client loaded, opened when loaded
+
+    # ---- the proxy's hook ---------------------------------------------------------------------------------
+
+    def wants(self, method: bytes, path: str) -> bool:
+        return method == b"POST" and (api_of(path) is not None or path in MODEL_ACTIONS)
+
+    async def place(self, path: str, body: bytes) -> Placed:
+        """The request's model made ready (loaded, its chats restored), then its placement. Never raises: what
+        cannot be done here is left to the router's own answer."""
+        try:
+            data = json.loads(body)
+            name = data.get("model") if isinstance(data, dict) else None
+        except (ValueError, RecursionError):
+            return Placed(body)
+        if not isinstance(name, str) or not name:
+            return Placed(body)  # the router says "model name is missing from the request"
+        try:
+            if path in MODEL_ACTIONS:
+                return await self._model_action(path, name, body)
+            model = await self.ready(name)
+        except Exception as exc:  # noqa: BLE001 - the request goes on as it came; the router answers it
+            log.warning("model %s: not made ready (%r); the request goes on as it came", name, exc)
+            return Placed(body)
+        if model is None:
+            return Placed(body)
+        token = MODEL.set(model.name)
+        try:
+            return await model.placement.place(path, body)
+        finally:
+            MODEL.reset(token)
+
+    async def _model_action(self, path: str, name: str, body: bytes) -> Placed:
+        """A client's own load or unload: the model it unloads is saved first; room is made for the one it
+        loads (the least recently used saved and unloaded), and that one is opened once it has loaded."""
+        model_id = await self._model_id(name)
+        if model_id is None:
+            return Placed(body)
+        if path == "/models/unload":
+            async with self._lock:
+                if model_id in self.models:
+                    await self._put_away(model_id, "a client unloads it", unload=False)
+            return Placed(body)
+        async with self._lock:
+            await self._make_room(model_id)
+
+        def loaded(status: int) -> None:
+            if status == 200:  # opened (and its chats restored) once it has loaded
+                task = asyncio.ensure_future(self._ready_quietly(model_id))
+                self._opening.add(task)
+                task.add_done_callback(self._opening.discard)
+
+        return Placed(body, loaded)
+
+    # ---- models -------------------------------------------------------------------------------------------
+
+    async def ready(self, name: str) -> Model | None:
+        """The model a request names, loaded and opened; None when the router should answer it itself (a
+        model it does not know, or one not loaded while autoload is off)."""
+        model_id = self._aliases.get(name) or await self._model_id(name)
+        if model_id is None:
+            return None
+        if model_id in self.models:
+            self.models.move_to_end(model_id)
+            return self.models[model_id]
+        async with self._lock:
+            if model_id in self.models:
+                return self.models[model_id]
+            status = (await self._statuses()).get(model_id)
+            if status != "loaded":
+                if status != "loading" and not self.config.models_autoload:
+                    return None
+                await self._make_room(model_id)
+                if status != "loading":
+                    await self._load(model_id)
+                await self._until(model_id, {"loaded"}, self.config.options.startup_timeout)
+            model = await self._open(model_id)
+            self.models[model_id] = model
+            return model
+
+    async def _ready_quietly(self, model_id: str) -> Model | None:
+        """`ready()` for a load a client asked for: nobody awaits it, so its failure is its one line."""
+        try:
+            return await self.ready(model_id)
+        except Exception as exc:  # noqa: BLE001 - the model's first request tries again
+            log.warning("model %s: not opened after its load (%r)", model_id, exc)
+            return None
+
+    async def _open(self, model_id: str) -> Model:
+        """The loaded model's state: its child's /props and its file, its store; its recent chats restored."""
+        token = MODEL.set(model_id)
+        try:
+            started = time.monotonic()
+            client = self.client.for_model(model_id)
+            facts: ServerFacts = await read_server_facts(self.config, client, _done({"model": None}), _done(None))
+            root = store_dir(self.config.save_dir, model_id)
+            root.mkdir(parents=True, exist_ok=True)
+            model = await open_model(self.config, client, facts, self.metrics, root)
+            model.name = model_id
+            if self.config.options.placement or model.policy is CachePolicy.PREFIX:
+                await model.placement.restore_recent()
+            log.info("ready for its first request %s after the router loaded it", fmt_ms(time.monotonic() - started))
+            return model
+        finally:
+            MODEL.reset(token)
+
+    async def _make_room(self, incoming: str) -> None:
+        """Before `incoming` loads: while the user's --models-max is reached, the least recently used model's
+        changed slots are saved and it is unloaded."""
+        limit = self.config.models_max
+        while limit > 0 and len([m for m in self.models if m != incoming]) >= limit:
+            await self._put_away(next(m for m in self.models if m != incoming), f"model {incoming} loads")
+
+    async def _put_away(self, model_id: str, why: str, *, unload: bool = True) -> None:
+        """Save the model's changed slots and its store's state, then (`unload`) have the router unload it."""
+        model = self.models.pop(model_id)
+        token = MODEL.set(model_id)
+        try:
+            model.placement.stop_settling()
+            saved, attempted = await model.placement.save_dirty(f"before it is unloaded: {why}")
+            model.store.evict_over_cap(model.placement.held_entries())
+            await model.store.flush()
+            await model.store.write_cache()
+            log.info("unloading (%s): saved %d of %d changed slot(s)", why, saved, attempted)
+        finally:
+            MODEL.reset(token)
+        if unload:
+            reply = await self.client.call_json("POST", "/models/unload", {"model": model_id})
+            if not reply.ok:
+                log.warning("model %s: the router did not unload it: %s", model_id, reply.error)
+                return
+            await self._until(model_id, {"unloaded", "failed"}, UNLOAD_TIMEOUT_S)
+
+    async def _load(self, model_id: str) -> None:
+        reply = await self.client.call_json("POST", "/models/load", {"model": model_id})
+        if not reply.ok:
+            raise ConnectionError(f"the router did not load {model_id}: {reply.error}")
+
+    async def _until(self, model_id: str, states: set[str], timeout: float) -> None:
+        """Until the router reports the model in one of `states`."""
+        deadline = time.monotonic() + timeout
+        while (await self._statuses()).get(model_id) not in states:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"model {model_id} not {' or '.join(sorted(states))} after {timeout:g} s")
+            await asyncio.sleep(STATUS_POLL_S)
+
+    async def _statuses(self) -> dict[str, str]:
+        """Each model's id -> its status (`loaded`, `loading`, `unloaded`, ...), from the router's GET /models;
+        the aliases are learnt on the way."""
+        reply = await self.client.call_json("GET", "/models")
+        data = reply.body.get("data") if reply.ok and isinstance(reply.body, dict) else None
+        statuses: dict[str, str] = {}
+        for item in data if isinstance(data, list) else ():
+            model_id, status = item.get("id"), (item.get("status") or {}).get("value")
+            if isinstance(model_id, str):
+                statuses[model_id] = str(status)
+                self._aliases[model_id] = model_id
+                for alias in item.get("aliases") or ():
+                    if isinstance(alias, str):
+                        self._aliases[alias] = model_id
+        return statuses
+
+    async def _model_id(self, name: str) -> str | None:
+        if name not in self._aliases:
+            await self._statuses()
+        return self._aliases.get(name)
+
+    def status(self) -> dict[str, Any]:
+        """Each model slotkeeper keeps, for /slotkeeper/status."""
+        return {name: model.status() for name, model in self.models.items()}
+
+
+def _done(value: Any) -> asyncio.Future[Any]:
+    future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future

@@ -11,11 +11,13 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from family_helpers import NO_THINKING, Chat, cold_ones, converse, swap_out
 
+from slotkeeper.demo import stream_chat
 from slotkeeper.testing.harness import http_call, wait_until
 
 ROUTER = ["-c", "8192", "-t", "2", "--no-warmup"]
@@ -142,3 +144,27 @@ def test_in_router_mode_a_childs_own_sleep_keeps_its_chats(starter, llama_server
     assert "model a: llama-server is asleep" in logs, logs[-3000:]
     timings = chat.turn(sk.port)
     assert chat.reused_enough(timings), (timings, chat.previous_prompt_tokens, sk.logs()[-4000:])
+
+
+def test_a_model_is_unloaded_only_once_its_requests_have_ended(starter, llama_server, family_models, tmp_path):
+    """--models-max 1: a long answer streams from a while a request for b comes. b waits for it (as the router
+    itself waits for a model's requests before it unloads it); both complete, and a's chat is saved."""
+    sk = starter(
+        llama_server, ["--models-dir", str(models_dir(tmp_path, family_models)), "--models-max", "1", *ROUTER]
+    )()
+    chat = Chat(0, {"model": "a"})
+    chat.turn(sk.port)
+    long_answer: dict = {}
+
+    def stream_a() -> None:
+        long_answer["turn"] = stream_chat(sk.port, chat.messages, 3000, request={"model": "a", "ignore_eos": True})
+
+    streaming = threading.Thread(target=stream_a)
+    streaming.start()
+    time.sleep(0.3)  # a's answer is under way
+    on_b = Chat(1, {"model": "b", **NO_THINKING})
+    on_b.turn(sk.port)
+    streaming.join(60)
+    turn = long_answer.get("turn")
+    assert turn is not None and turn.timings.get("predicted_n") == 3000, (long_answer, sk.logs()[-4000:])
+    assert "model a: unloading (model b loads): saved 1 of 1" in sk.logs(), sk.logs()[-4000:]

@@ -15,6 +15,7 @@ share the router's `--slot-save-path`, so their stores share its snapshots/.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import re
 import time
@@ -53,6 +54,7 @@ class Router:
         self.models: OrderedDict[str, Model] = OrderedDict()  # loaded and opened, least recently used first
         self._aliases: dict[str, str] = {}  # a name a request may use -> the model's id
         self._lock = asyncio.Lock()  # one load or unload at a time
+        self._using: collections.Counter[str] = collections.Counter()  # per model: its requests not ended yet
         self._opening: set[asyncio.Future[Model | None]] = set()  # models a client loaded, opened when loaded
 
     # ---- the proxy's hook ---------------------------------------------------------------------------------
@@ -79,11 +81,30 @@ class Router:
             return Placed(body)
         if model is None:
             return Placed(body)
+        self._using[model.name] += 1  # (in the step ready() returned it: it is not unloaded until this ends)
         token = MODEL.set(model.name)
         try:
-            return await model.placement.place(path, body)
+            placed = await model.placement.place(path, body)
+        except BaseException:
+            self._ended(model.name)
+            raise
         finally:
             MODEL.reset(token)
+        inner = placed.done
+
+        def done(status: int) -> None:
+            try:
+                if inner is not None:
+                    inner(status)
+            finally:
+                self._ended(model.name)
+
+        return Placed(placed.body, done, placed.observe)
+
+    def _ended(self, model_id: str) -> None:
+        self._using[model_id] -= 1
+        if self._using[model_id] <= 0:
+            del self._using[model_id]
 
     async def _model_action(self, path: str, name: str, body: bytes) -> Placed:
         """A client's own load or unload: the model it unloads is saved first; room is made for the one it
@@ -167,10 +188,19 @@ class Router:
             await self._put_away(next(m for m in self.models if m != incoming), f"model {incoming} loads")
 
     async def _put_away(self, model_id: str, why: str, *, unload: bool = True) -> None:
-        """Save the model's changed slots and its store's state, then (`unload`) have the router unload it."""
+        """Once the model's requests have ended (new ones wait for the lock), save its changed slots and its
+        store's state, then (`unload`) have the router unload it."""
         model = self.models.pop(model_id)
         token = MODEL.set(model_id)
         try:
+            deadline = time.monotonic() + self.config.options.drain_timeout
+            while (self._using[model_id] or model.placement.busy()) and time.monotonic() < deadline:
+                await asyncio.sleep(STATUS_POLL_S)
+            if self._using[model_id]:
+                log.warning(
+                    "%d request(s) still running after %g s (--drain-timeout): unloading it all the same",
+                    self._using[model_id], self.config.options.drain_timeout,
+                )  # fmt: skip
             model.placement.stop_settling()
             saved, attempted = await model.placement.save_dirty(f"before it is unloaded: {why}")
             model.store.evict_over_cap(model.placement.held_entries())

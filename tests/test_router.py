@@ -1,8 +1,8 @@
 """llama-server as a router (`--models-dir`, a child per model), on the real llama-server: every model's chats
 are kept across the router's unloads and across a swap, and what slotkeeper cannot do is the router's answer.
 
-slotkeeper runs the router with `--models-max 0 --no-models-autoload` and applies the user's `--models-max`
-itself: a load that would exceed it first saves the least recently used model's changed slots and unloads it.
+slotkeeper runs the router with `--models-max 0` and applies the user's `--models-max` itself: a load that
+would exceed it first saves the least recently used model's changed slots and unloads it.
 """
 
 from __future__ import annotations
@@ -168,3 +168,42 @@ def test_a_model_is_unloaded_only_once_its_requests_have_ended(starter, llama_se
     turn = long_answer.get("turn")
     assert turn is not None and turn.timings.get("predicted_n") == 3000, (long_answer, sk.logs()[-4000:])
     assert "model a: unloading (model b loads): saved 1 of 1" in sk.logs(), sk.logs()[-4000:]
+
+
+def test_a_clients_own_unload_and_a_get_that_loads_a_model_keep_the_chats(
+    starter, llama_server, family_models, tmp_path
+):
+    """A client's POST /models/unload goes on after slotkeeper saved the model; a GET for a model not loaded
+    loads it as the router would (autoload), and --models-max 1 holds again at the next request for it."""
+    sk = starter(
+        llama_server, ["--models-dir", str(models_dir(tmp_path, family_models)), "--models-max", "1", *ROUTER]
+    )()
+    chat = Chat(0, {"model": "a"})
+    chat.turn(sk.port)
+    unloaded = http_call(sk.port, "POST", "/models/unload", {"model": "a"})
+    assert unloaded.status == 200, unloaded.body
+    assert wait_until(lambda: statuses(sk.port)["a"] == "unloaded", 30), statuses(sk.port)
+    assert "model a: unloading (a client unloads it): saved 1 of 1" in sk.logs(), sk.logs()[-3000:]
+    timings = chat.turn(sk.port)  # loads a again: warm from what was saved before the unload
+    assert chat.reused_enough(timings), (timings, chat.previous_prompt_tokens, sk.logs()[-4000:])
+    props = http_call(sk.port, "GET", "/props?model=b")
+    assert props.status == 200 and props.body.get("total_slots"), props.body  # the router loaded b for it
+    on_b = Chat(1, {"model": "b", **NO_THINKING})
+    on_b.turn(sk.port)
+    assert statuses(sk.port) == {"a": "unloaded", "b": "loaded"}, sk.logs()[-3000:]
+    timings = chat.turn(sk.port)
+    assert chat.reused_enough(timings), (timings, chat.previous_prompt_tokens, sk.logs()[-4000:])
+
+
+def test_with_autoload_off_a_model_not_loaded_gets_the_routers_answer(starter, llama_server, family_models, tmp_path):
+    """--no-models-autoload is the user's: slotkeeper loads nothing by itself, and the router answers as it does."""
+    sk = starter(
+        llama_server, ["--models-dir", str(models_dir(tmp_path, family_models)), "--no-models-autoload", *ROUTER]
+    )()
+    ask = {"model": "a", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
+    refused = http_call(sk.port, "POST", "/v1/chat/completions", ask)
+    assert refused.status == 400 and "model is not loaded" in str(refused.body), refused.body
+    assert http_call(sk.port, "POST", "/models/load", {"model": "a"}).status == 200
+    assert wait_until(lambda: statuses(sk.port)["a"] == "loaded", 30), statuses(sk.port)
+    assert http_call(sk.port, "POST", "/v1/chat/completions", ask).status == 200
+    assert "model a: ready for its first request" in sk.logs(), sk.logs()[-3000:]

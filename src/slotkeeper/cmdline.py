@@ -394,8 +394,8 @@ def plan_launch(argv: list[str], env: Env) -> LaunchPlan:
         # With llama-server's default, idle slots are moved out of the KV cache when a new task starts, and a
         # stop-time save would find them empty. Keep them resident unless the user chose otherwise.
         child_args.append("--no-cache-idle-slots")
-    if llama.router:  # slotkeeper loads and unloads the models itself, after saving their chats
-        child_args += ["--models-max", "0", "--no-models-autoload"]
+    if llama.router:  # slotkeeper applies the limit itself: it saves a model's chats before it unloads it
+        child_args += ["--models-max", "0"]
     elif llama.models_max is not None:
         child_args += ["--models-max", llama.models_max]
     if own.get("remote_store") and "--metrics" not in child_args:

@@ -1,10 +1,10 @@
 """Router mode: llama-server with no model of its own starts a child per model (`--models-dir`,
 `--models-preset`), and slotkeeper keeps every model's chats as it does for one.
 
-Why slotkeeper decides the loads and unloads: at `--models-max` the router unloads its least recently used
-model by itself, and that model's KV caches go unsaved. So slotkeeper runs the router with `--models-max 0
---no-models-autoload`, loads a model itself when a request needs it (as the user's own autoload setting
-says), and before a load that would exceed the user's `--models-max` it saves the least recently used model's
+Why slotkeeper decides the unloads: at `--models-max` the router unloads its least recently used model by
+itself, and that model's KV caches go unsaved. So slotkeeper runs the router with `--models-max 0` (no limit
+of its own), loads a model itself before a request for it goes (when the user's autoload setting allows it),
+and before a load that would exceed the user's `--models-max` it saves the least recently used model's
 changed slots and unloads it. A client's own `POST /models/unload` goes on after the save. Once a model is
 loaded, its most recent chats are restored before its first request goes, as at start.
 
@@ -35,6 +35,8 @@ from .proxy.hook import Placed
 
 MODEL_ACTIONS = frozenset({"/models/load", "/models/unload"})
 STATUS_POLL_S = 0.05
+LOADED = frozenset({"loaded", "loading"})  # what counts against --models-max
+MAX_UNLOADS = 64  # _make_room's bound: each turn unloads one model
 UNLOAD_TIMEOUT_S = 60.0
 
 
@@ -143,12 +145,12 @@ class Router:
             if model_id in self.models:
                 return self.models[model_id]
             status = (await self._statuses()).get(model_id)
+            if status not in LOADED and not self.config.models_autoload:
+                return None
+            await self._make_room(model_id)  # (one the router loaded itself counts too)
+            if status not in LOADED:
+                await self._load(model_id)
             if status != "loaded":
-                if status != "loading" and not self.config.models_autoload:
-                    return None
-                await self._make_room(model_id)
-                if status != "loading":
-                    await self._load(model_id)
                 await self._until(model_id, {"loaded"}, self.config.options.startup_timeout)
             model = await self._open(model_id)
             self.models[model_id] = model
@@ -181,11 +183,21 @@ class Router:
             MODEL.reset(token)
 
     async def _make_room(self, incoming: str) -> None:
-        """Before `incoming` loads: while the user's --models-max is reached, the least recently used model's
-        changed slots are saved and it is unloaded."""
+        """Before `incoming` loads: while the user's --models-max is reached, the least recently used model is
+        unloaded, its changed slots saved first (one the router loaded for a GET, with nothing placed on it,
+        is unloaded as it is)."""
         limit = self.config.models_max
-        while limit > 0 and len([m for m in self.models if m != incoming]) >= limit:
-            await self._put_away(next(m for m in self.models if m != incoming), f"model {incoming} loads")
+        if limit <= 0:
+            return
+        for _ in range(MAX_UNLOADS):
+            loaded = [m for m, state in (await self._statuses()).items() if state in LOADED and m != incoming]
+            if len(loaded) < limit:
+                return
+            ours = [m for m in self.models if m != incoming]
+            if ours:
+                await self._put_away(ours[0], f"model {incoming} loads")
+            else:
+                await self._unload(loaded[0])
 
     async def _put_away(self, model_id: str, why: str, *, unload: bool = True) -> None:
         """Once the model's requests have ended (new ones wait for the lock), save its changed slots and its
@@ -210,11 +222,14 @@ class Router:
         finally:
             MODEL.reset(token)
         if unload:
-            reply = await self.client.call_json("POST", "/models/unload", {"model": model_id})
-            if not reply.ok:
-                log.warning("model %s: the router did not unload it: %s", model_id, reply.error)
-                return
-            await self._until(model_id, {"unloaded", "failed"}, UNLOAD_TIMEOUT_S)
+            await self._unload(model_id)
+
+    async def _unload(self, model_id: str) -> None:
+        reply = await self.client.call_json("POST", "/models/unload", {"model": model_id})
+        if not reply.ok:
+            log.warning("model %s: the router did not unload it: %s", model_id, reply.error)
+            return
+        await self._until(model_id, {"unloaded", "failed"}, UNLOAD_TIMEOUT_S)
 
     async def _load(self, model_id: str) -> None:
         reply = await self.client.call_json("POST", "/models/load", {"model": model_id})

@@ -65,6 +65,9 @@ def test_each_models_chats_are_warm_after_the_router_unloads_it_and_after_a_swap
         assert chat.reused_enough(timings), (chat.n, timings, chat.previous_prompt_tokens, sk2.logs()[-4000:])
     status = http_call(sk2.port, "GET", "/slotkeeper/status").body
     assert status["router"] is True and set(status["models"]) == {"b"}, status["models"]  # (a unloaded for b)
+    assert status["models"]["b"]["placements"].get("resident", 0) >= 1, status["models"]["b"]
+    metrics = http_call(sk2.port, "GET", "/slotkeeper/metrics").body
+    assert 'slotkeeper_placements_total{model="b",outcome="resident"}' in str(metrics), str(metrics)[:3000]
     own = [line for line in sk2.logs().splitlines() if line.startswith("slotkeeper: ")]
     assert not [line for line in own if "warning" in line or "error" in line], own
     listed = subprocess.run(

@@ -76,6 +76,7 @@ class Metrics:
     store_entries: Callable[[], int] = lambda: 0
     store_bytes: Callable[[], int] = lambda: 0
     requests_by_status: Callable[[], dict[int, int]] = dict
+    models: Callable[[], dict[str, Metrics]] = dict  # router mode: each loaded model's own counters
     requests_in_flight: Callable[[], int] = lambda: 0
     state: Callable[[], str] = lambda: "starting"
 
@@ -153,172 +154,200 @@ class _Collector:
         self.metrics = metrics
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+        """The model's families (a router's: each model's, labelled `model`), then the process's own."""
+        models = self.metrics.models()
+        if models:
+            yield from _labelled(models)
+        else:
+            yield from _model_families(self.metrics)
+        yield from _process_families(self.metrics)
 
-        m = self.metrics
 
-        def counter(name: str, doc: str, label: str | None = None, values: dict[Any, int] | float = 0) -> Any:
-            family = CounterMetricFamily(f"slotkeeper_{name}", doc, labels=[label] if label else None)
-            if isinstance(values, dict):
-                for key, value in sorted(values.items()):
-                    family.add_metric([str(key)], value)
-            else:
-                family.add_metric([], values)
-            return family
+def _labelled(models: dict[str, Metrics]) -> Iterator[Any]:
+    """Each model's families merged into one per name, every sample with its model's label."""
+    from prometheus_client.core import Metric
 
-        yield counter("restores", "Entry restores (at start and on demand), by outcome", "outcome", dict(m.restores))
-        yield HistogramMetricFamily(
-            "slotkeeper_restore_seconds",
-            "Duration of successful slot restores",
-            buckets=m.restore_seconds.cumulative(),
-            sum_value=m.restore_seconds.total,
+    merged: dict[str, Any] = {}
+    for name, metrics in sorted(models.items()):
+        for family in _model_families(metrics):
+            out = merged.get(family.name)
+            if out is None:
+                out = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+            for sample in family.samples:
+                out.add_sample(sample.name, {"model": name, **sample.labels}, sample.value)
+    yield from merged.values()
+
+
+def _model_families(m: Metrics) -> Iterator[Any]:
+    """What one model's counters say (all but the process's requests and state)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    def counter(name: str, doc: str, label: str | None = None, values: dict[Any, int] | float = 0) -> Any:
+        family = CounterMetricFamily(f"slotkeeper_{name}", doc, labels=[label] if label else None)
+        if isinstance(values, dict):
+            for key, value in sorted(values.items()):
+                family.add_metric([str(key)], value)
+        else:
+            family.add_metric([], values)
+        return family
+
+    yield counter("restores", "Entry restores (at start and on demand), by outcome", "outcome", dict(m.restores))
+    yield HistogramMetricFamily(
+        "slotkeeper_restore_seconds",
+        "Duration of successful slot restores",
+        buckets=m.restore_seconds.cumulative(),
+        sum_value=m.restore_seconds.total,
+    )
+    yield counter("restored_bytes", "Bytes of slot cache restored", values=m.restored_bytes)
+    yield counter("restored_tokens", "Tokens of slot cache restored", values=m.restored_tokens)
+    yield counter("saves", "Slot saves, by outcome", "outcome", dict(m.saves))
+    yield HistogramMetricFamily(
+        "slotkeeper_save_seconds",
+        "Duration of successful slot saves (incl. fsync)",
+        buckets=m.save_seconds.cumulative(),
+        sum_value=m.save_seconds.total,
+    )
+    yield counter("saved_bytes", "Bytes of slot cache saved", values=m.saved_bytes)
+    yield counter("saved_tokens", "Tokens of slot cache saved", values=m.saved_tokens)
+    yield counter("save_failures", "Failed or abandoned slot saves, by reason", "reason", dict(m.save_failures))
+    yield counter("quarantines", "Cache files moved to quarantine/", values=m.quarantines)
+    yield counter(
+        "checksum_seconds",
+        "Time spent checking entries against their checksums before restores",
+        values=m.checksum_seconds,
+    )
+    yield counter(
+        "placements",
+        "Completion requests placed: resident (hit), restored (on demand), new, branch "
+        "(a miss), pinned (the client chose), unplaced (tokens unknown)",
+        "outcome",
+        dict(m.placements),
+    )
+    yield counter("on_demand_restores", "Entries restored into a slot for a request", values=m.on_demand_restores)
+    yield counter("remote_fetches", "Entries downloaded from the remote tier for a request", values=m.remote_fetches)
+    yield counter(
+        "remote_prefill_faster",
+        "Remote entries not downloaded: prefilling was estimated faster",
+        values=m.remote_prefill_faster,
+    )
+    yield counter(
+        "prompt_tokenizations",
+        "Placements that asked llama-server for the prompt's tokens (a chat continuing in its slot needs none)",
+        values=m.prompt_tokenizations,
+    )
+    yield counter(
+        "prefill_tokens_saved",
+        "Prompt tokens placed requests found cached (estimated, in 64-token blocks)",
+        values=m.prefill_tokens_saved,
+    )
+    yield counter(
+        "extend_hits",
+        "Requests that extend a saved turn boundary exactly (hybrid and sliding-window models)",
+        values=m.extend_hits,
+    )
+    yield counter(
+        "extend_misses",
+        "Requests that went cold though an entry shares their opening, by why",
+        "reason",
+        dict(m.extend_misses),
+    )
+    yield counter("boundaries_reached", "Slots brought to a turn boundary before a save", values=m.boundaries_reached)
+    yield counter(
+        "boundaries_settled",
+        "Hybrid chats' idle slots brought to their turn boundary after a turn",
+        values=m.boundaries_settled,
+    )
+    yield counter(
+        "settle_prefill_tokens",
+        "Tokens prefilled to bring idle hybrid slots to their boundary",
+        values=m.settle_prefill_tokens,
+    )
+    yield counter(
+        "settle_seconds", "Seconds spent bringing idle hybrid slots to their boundary", values=m.settle_seconds
+    )
+    yield counter(
+        "boundary_prefill_tokens", "Tokens prefilled to reach turn boundaries", values=m.boundary_prefill_tokens
+    )
+    yield counter("boundary_seconds", "Seconds spent reaching turn boundaries", values=m.boundary_seconds)
+    yield counter(
+        "boundary_unknown",
+        "Saves whose chat's last reply was unknown (only its earlier boundary saved)",
+        values=m.boundary_unknown,
+    )
+    yield counter(
+        "openings_saved", "Shared openings (system prompt, tools) saved for new chats", values=m.openings_saved
+    )
+    yield counter(
+        "opening_prefill_tokens",
+        "Tokens prefilled to reach openings before saving them (the chat that brought each reused them)",
+        values=m.opening_prefill_tokens,
+    )
+    yield counter("opening_seconds", "Seconds spent reaching openings before saving them", values=m.opening_seconds)
+    yield counter("opening_hits", "New chats that started from a saved opening", values=m.opening_hits)
+    yield counter("opening_tokens_saved", "Opening tokens new chats did not prefill", values=m.opening_tokens_saved)
+    yield counter(
+        "slots_parked",
+        "Idle slots saved and erased so that a long prompt on another slot attends over fewer KV cells",
+        values=m.slots_parked,
+    )
+    yield counter(
+        "unpinned_elsewhere",
+        "Requests llama-server places itself (Anthropic Messages) that it ran on another slot than slotkeeper prepared",
+        values=m.unpinned_elsewhere,
+    )
+    yield counter(
+        "chats_found_empty", "Saves of a slot a chat was placed on that found it empty", values=m.chats_found_empty
+    )
+    memory = m.memory()
+    if memory:
+        info = GaugeMetricFamily(
+            "slotkeeper_model_memory", "The model's memory kind and the cache policy", labels=sorted(memory)
         )
-        yield counter("restored_bytes", "Bytes of slot cache restored", values=m.restored_bytes)
-        yield counter("restored_tokens", "Tokens of slot cache restored", values=m.restored_tokens)
-        yield counter("saves", "Slot saves, by outcome", "outcome", dict(m.saves))
-        yield HistogramMetricFamily(
-            "slotkeeper_save_seconds",
-            "Duration of successful slot saves (incl. fsync)",
-            buckets=m.save_seconds.cumulative(),
-            sum_value=m.save_seconds.total,
-        )
-        yield counter("saved_bytes", "Bytes of slot cache saved", values=m.saved_bytes)
-        yield counter("saved_tokens", "Tokens of slot cache saved", values=m.saved_tokens)
-        yield counter("save_failures", "Failed or abandoned slot saves, by reason", "reason", dict(m.save_failures))
-        yield counter("quarantines", "Cache files moved to quarantine/", values=m.quarantines)
-        yield counter(
-            "checksum_seconds",
-            "Time spent checking entries against their checksums before restores",
-            values=m.checksum_seconds,
-        )
-        yield counter(
-            "placements",
-            "Completion requests placed: resident (hit), restored (on demand), new, branch "
-            "(a miss), pinned (the client chose), unplaced (tokens unknown)",
-            "outcome",
-            dict(m.placements),
-        )
-        yield counter("on_demand_restores", "Entries restored into a slot for a request", values=m.on_demand_restores)
-        yield counter(
-            "remote_fetches", "Entries downloaded from the remote tier for a request", values=m.remote_fetches
-        )
-        yield counter(
-            "remote_prefill_faster",
-            "Remote entries not downloaded: prefilling was estimated faster",
-            values=m.remote_prefill_faster,
-        )
-        yield counter(
-            "prompt_tokenizations",
-            "Placements that asked llama-server for the prompt's tokens (a chat continuing in its slot needs none)",
-            values=m.prompt_tokenizations,
-        )
-        yield counter(
-            "prefill_tokens_saved",
-            "Prompt tokens placed requests found cached (estimated, in 64-token blocks)",
-            values=m.prefill_tokens_saved,
-        )
-        yield counter(
-            "extend_hits",
-            "Requests that extend a saved turn boundary exactly (hybrid and sliding-window models)",
-            values=m.extend_hits,
-        )
-        yield counter(
-            "extend_misses",
-            "Requests that went cold though an entry shares their opening, by why",
-            "reason",
-            dict(m.extend_misses),
-        )
-        yield counter(
-            "boundaries_reached", "Slots brought to a turn boundary before a save", values=m.boundaries_reached
-        )
-        yield counter(
-            "boundaries_settled",
-            "Hybrid chats' idle slots brought to their turn boundary after a turn",
-            values=m.boundaries_settled,
-        )
-        yield counter(
-            "settle_prefill_tokens",
-            "Tokens prefilled to bring idle hybrid slots to their boundary",
-            values=m.settle_prefill_tokens,
-        )
-        yield counter(
-            "settle_seconds", "Seconds spent bringing idle hybrid slots to their boundary", values=m.settle_seconds
-        )
-        yield counter(
-            "boundary_prefill_tokens", "Tokens prefilled to reach turn boundaries", values=m.boundary_prefill_tokens
-        )
-        yield counter("boundary_seconds", "Seconds spent reaching turn boundaries", values=m.boundary_seconds)
-        yield counter(
-            "boundary_unknown",
-            "Saves whose chat's last reply was unknown (only its earlier boundary saved)",
-            values=m.boundary_unknown,
-        )
-        yield counter(
-            "openings_saved", "Shared openings (system prompt, tools) saved for new chats", values=m.openings_saved
-        )
-        yield counter(
-            "opening_prefill_tokens",
-            "Tokens prefilled to reach openings before saving them (the chat that brought each reused them)",
-            values=m.opening_prefill_tokens,
-        )
-        yield counter("opening_seconds", "Seconds spent reaching openings before saving them", values=m.opening_seconds)
-        yield counter("opening_hits", "New chats that started from a saved opening", values=m.opening_hits)
-        yield counter("opening_tokens_saved", "Opening tokens new chats did not prefill", values=m.opening_tokens_saved)
-        yield counter(
-            "slots_parked",
-            "Idle slots saved and erased so that a long prompt on another slot attends over fewer KV cells",
-            values=m.slots_parked,
-        )
-        yield counter(
-            "unpinned_elsewhere",
-            "Requests llama-server places itself (Anthropic Messages) that it ran on "
-            "another slot than slotkeeper prepared",
-            values=m.unpinned_elsewhere,
-        )
-        yield counter(
-            "chats_found_empty", "Saves of a slot a chat was placed on that found it empty", values=m.chats_found_empty
-        )
-        memory = m.memory()
-        if memory:
-            info = GaugeMetricFamily(
-                "slotkeeper_model_memory", "The model's memory kind and the cache policy", labels=sorted(memory)
-            )
-            info.add_metric([str(memory[k]) for k in sorted(memory)], 1)
-            yield info
-        for name, doc, value in (
-            ("store_entries", "Entries in the conversation store", m.store_entries()),
-            ("store_bytes", "Bytes of entries in the conversation store", m.store_bytes()),
+        info.add_metric([str(memory[k]) for k in sorted(memory)], 1)
+        yield info
+    for name, doc, value in (
+        ("store_entries", "Entries in the conversation store", m.store_entries()),
+        ("store_bytes", "Bytes of entries in the conversation store", m.store_bytes()),
+    ):
+        gauge = GaugeMetricFamily(f"slotkeeper_{name}", doc)
+        gauge.add_metric([], value)
+        yield gauge
+    remote = m.remote()
+    if remote is not None:
+        pending = GaugeMetricFamily("slotkeeper_remote_uploads_pending", "Uploads to the remote tier not done yet")
+        pending.add_metric([], remote.uploads_pending)
+        yield pending
+        for name, doc in (
+            ("uploads_failed", "Uploads that gave up (kept for the next start)"),
+            ("uploads_done", "Entries uploaded"),
+            ("upload_bytes", "Bytes uploaded"),
+            ("upload_seconds", "Seconds spent uploading"),
+            ("remote_hits", "Lookups that found a remote entry"),
+            ("remote_misses", "Lookups that found none"),
+            ("download_bytes", "Bytes downloaded"),
+            ("download_seconds", "Seconds spent downloading"),
+            ("fetches_failed", "Downloads that failed (network or disk)"),
+            ("rejected", "Remote entries refused: tampered, truncated, malformed or foreign"),
         ):
-            gauge = GaugeMetricFamily(f"slotkeeper_{name}", doc)
-            gauge.add_metric([], value)
-            yield gauge
-        yield counter(
-            "proxied_requests", "Requests proxied to llama-server, by status", "status", m.requests_by_status()
-        )
-        remote = m.remote()
-        if remote is not None:
-            pending = GaugeMetricFamily("slotkeeper_remote_uploads_pending", "Uploads to the remote tier not done yet")
-            pending.add_metric([], remote.uploads_pending)
-            yield pending
-            for name, doc in (
-                ("uploads_failed", "Uploads that gave up (kept for the next start)"),
-                ("uploads_done", "Entries uploaded"),
-                ("upload_bytes", "Bytes uploaded"),
-                ("upload_seconds", "Seconds spent uploading"),
-                ("remote_hits", "Lookups that found a remote entry"),
-                ("remote_misses", "Lookups that found none"),
-                ("download_bytes", "Bytes downloaded"),
-                ("download_seconds", "Seconds spent downloading"),
-                ("fetches_failed", "Downloads that failed (network or disk)"),
-                ("rejected", "Remote entries refused: tampered, truncated, malformed or foreign"),
-            ):
-                yield counter(
-                    f"remote_{name}" if not name.startswith("remote_") else name, doc, values=getattr(remote, name)
-                )
-        in_flight = GaugeMetricFamily("slotkeeper_requests_in_flight", "Requests being proxied now")
-        in_flight.add_metric([], m.requests_in_flight())
-        yield in_flight
-        state = GaugeMetricFamily("slotkeeper_state", "Lifecycle state (1 for the current one)", labels=["state"])
-        for name in ("starting", "restoring", "ready", "draining", "saving", "stopping", "stopped"):
-            state.add_metric([name], 1 if m.state() == name else 0)
-        yield state
+            yield counter(
+                f"remote_{name}" if not name.startswith("remote_") else name, doc, values=getattr(remote, name)
+            )
+
+
+def _process_families(m: Metrics) -> Iterator[Any]:
+    """The process's own: requests proxied and in flight, the lifecycle state."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    proxied = CounterMetricFamily(
+        "slotkeeper_proxied_requests", "Requests proxied to llama-server, by status", labels=["status"]
+    )
+    for key, value in sorted(m.requests_by_status().items()):
+        proxied.add_metric([str(key)], value)
+    yield proxied
+    in_flight = GaugeMetricFamily("slotkeeper_requests_in_flight", "Requests being proxied now")
+    in_flight.add_metric([], m.requests_in_flight())
+    yield in_flight
+    state = GaugeMetricFamily("slotkeeper_state", "Lifecycle state (1 for the current one)", labels=["state"])
+    for name in ("starting", "restoring", "ready", "draining", "saving", "stopping", "stopped"):
+        state.add_metric([name], 1 if m.state() == name else 0)
+    yield state

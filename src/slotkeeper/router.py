@@ -52,7 +52,7 @@ class Router:
     def __init__(self, config: RunConfig, client: LlamaClient, metrics: Metrics) -> None:
         self.config = config
         self.client = client
-        self.metrics = metrics
+        metrics.models = lambda: {name: model.metrics for name, model in self.models.items()}
         self.models: OrderedDict[str, Model] = OrderedDict()  # loaded and opened, least recently used first
         self._aliases: dict[str, str] = {}  # a name a request may use -> the model's id
         self._lock = asyncio.Lock()  # one load or unload at a time
@@ -173,7 +173,7 @@ class Router:
             facts: ServerFacts = await read_server_facts(self.config, client, _done({"model": None}), _done(None))
             root = store_dir(self.config.save_dir, model_id)
             root.mkdir(parents=True, exist_ok=True)
-            model = await open_model(self.config, client, facts, self.metrics, root)
+            model = await open_model(self.config, client, facts, Metrics(), root)  # (counted apart, labelled)
             model.name = model_id
             if self.config.options.placement or model.policy is CachePolicy.PREFIX:
                 await model.placement.restore_recent()

@@ -376,7 +376,7 @@ class Daemon:
     def kept(self) -> list[Model]:
         """The models whose chats slotkeeper keeps: the one, or each one a router has loaded."""
         if self.router is not None:
-            return list(self.router.models.values())
+            return self.router.kept()
         return [] if self.model is None else [self.model]
 
     def unsaved(self) -> bool:

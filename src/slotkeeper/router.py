@@ -57,6 +57,7 @@ class Router:
         self._aliases: dict[str, str] = {}  # a name a request may use -> the model's id
         self._lock = asyncio.Lock()  # one load or unload at a time
         self._using: collections.Counter[str] = collections.Counter()  # per model: its requests not ended yet
+        self._leaving: dict[str, Model] = {}  # being saved before an unload (a stop saves them too)
         self._opening: set[asyncio.Future[Model | None]] = set()  # models a client loaded, opened when loaded
 
     # ---- the proxy's hook ---------------------------------------------------------------------------------
@@ -202,7 +203,7 @@ class Router:
     async def _put_away(self, model_id: str, why: str, *, unload: bool = True) -> None:
         """Once the model's requests have ended (new ones wait for the lock), save its changed slots and its
         store's state, then (`unload`) have the router unload it."""
-        model = self.models.pop(model_id)
+        model = self._leaving[model_id] = self.models.pop(model_id)
         token = MODEL.set(model_id)
         try:
             deadline = time.monotonic() + self.config.options.drain_timeout
@@ -220,6 +221,7 @@ class Router:
             await model.store.write_cache()
             log.info("unloading (%s): saved %d of %d changed slot(s)", why, saved, attempted)
         finally:
+            self._leaving.pop(model_id, None)
             MODEL.reset(token)
         if unload:
             await self._unload(model_id)
@@ -264,6 +266,11 @@ class Router:
         if name not in self._aliases:
             await self._statuses()
         return self._aliases.get(name)
+
+    def kept(self) -> list[Model]:
+        """The models whose changed slots a save must write: the loaded ones, and any being put away (whose own
+        save a stop may cut short)."""
+        return [*self.models.values(), *self._leaving.values()]
 
     def status(self) -> dict[str, Any]:
         """Each model slotkeeper keeps, for /slotkeeper/status."""

@@ -8,6 +8,8 @@ import json
 import logging
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -560,3 +562,11 @@ def test_unreadable_profile_file_is_a_one_line_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError) as caught:
         RemoteConfig.from_url("s3://bucket", {"HOME": str(tmp_path), "AWS_CONFIG_FILE": str(tmp_path / "config")})
     assert "cannot read" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_without_remote_store_the_shared_tier_is_not_even_imported():
+    """Start-up pays for obstore (~20 ms of imports) only with --remote-store: run mode imports the daemon and
+    everything it uses at start, and neither the shared tier nor obstore is among them."""
+    probe = "import sys, slotkeeper.daemon; print(sorted(m for m in sys.modules if m.startswith(('obstore', 'slotkeeper.remote', 'slotkeeper.bucket'))))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

@@ -13,7 +13,7 @@ import os
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .childsleep import SleepWatch
 from .config import RunConfig
@@ -25,8 +25,10 @@ from .metrics import Metrics
 from .modelinfo import MemoryKind, ModelInfoError, ModelMemory, kv_cache_bytes, llama_server_slots, read_model_memory
 from .placement import Placement, Rules
 from .policy import CachePolicy, cache_policy
-from .remote import RemoteConfig, RemoteTier
 from .store import ConversationStore, default_cap, server_identity
+
+if TYPE_CHECKING:  # (imported only with --remote-store: obstore is under it)
+    from .remote import RemoteTier
 
 REMOTE_JOURNAL_DIR = "remote-pending"  # in the save directory: uploads not finished yet
 REMOTE_PROBE_TIMEOUT_S = 5.0  # the shared tier's reachability probe at start (in the background)
@@ -240,6 +242,8 @@ def _remote_tier(url: str | None, fingerprint: dict[str, Any], save_dir: Path) -
     on the network: reachability is probed in the background, so an unreachable server never delays readiness."""
     if not url:
         return None
+    from .remote import RemoteConfig, RemoteTier  # (obstore under it: imported only when used)
+
     try:
         config = RemoteConfig.from_url(url, os.environ)
         tier = RemoteTier(config, namespace_key(fingerprint), save_dir / REMOTE_JOURNAL_DIR)

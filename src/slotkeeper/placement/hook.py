@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..apis import api_of
 from ..llama_client import LlamaClient
@@ -23,7 +23,6 @@ from ..metrics import Metrics
 from ..policy import CachePolicy
 from ..prefix import block_keys
 from ..proxy.hook import Placed
-from ..remote import RemoteTier
 from ..replies import ReplyReader
 from ..store import ConversationStore, Entry, SaveFailure
 from .decide import Miss, Outcome, Plan, Rules, continuing, decide, worth_keeping
@@ -32,6 +31,9 @@ from .prep import Preparer
 from .request import RequestView, is_multi_prompt, request_key, with_id_slot
 from .settle import Settler
 from .slots import Slot, SlotTable
+
+if TYPE_CHECKING:  # (imported only with --remote-store: obstore is under it)
+    from ..remote import RemoteTier
 
 __all__ = ["Placement"]
 

@@ -5,15 +5,17 @@ tier asked first when a chat is nowhere here.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..log import fmt_bytes, log
 from ..policy import CachePolicy
 from ..prefix import BLOCK_TOKENS, common_keys
-from ..remote import Fetched, RemoteTier
 from .decide import DEFAULT_PREFILL_TOKENS_PER_S, RESTORE_MIN_GAIN_BLOCKS, Plan, worth_keeping
 from .keeper import Keeper
 from .slots import Slot, SlotTable
+
+if TYPE_CHECKING:  # (the shared tier, and obstore under it, is imported only with --remote-store)
+    from ..remote import RemoteTier
 
 
 class Preparer:
@@ -95,6 +97,8 @@ class Preparer:
         remote, store, metrics = self.remote, self.keeper.store, self.keeper.metrics
         if remote is None:
             return
+        from ..remote import Fetched
+
         local = max([common_keys(s.keys, keys) for s in self.table] + [store.lookup(keys)[1]])
         if len(keys) - local < RESTORE_MIN_GAIN_BLOCKS:
             return

@@ -136,9 +136,10 @@ class Daemon:
         forced = self.options.model_memory
         memory = {"architecture": None, "kind": None if forced == "auto" else forced, "sliding_window": None,
                   "policy": CachePolicy.EXTEND_ONLY.value}  # fmt: skip
+        counters = self.metrics.status()
         return {
-            "model_memory": memory, "fingerprint": None, "slots": [], "store": None, **self.metrics.status(),
-            "openings": {"entries": 0, **self.metrics.status()["openings"]}, "remote": None,
+            "model_memory": memory, "fingerprint": None, "slots": [], "store": None, **counters,
+            "openings": {"entries": 0, **counters["openings"]}, "remote": None,
         }  # fmt: skip
 
     # ---- the script ----------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..openings import Opening
 from ..policy import CachePolicy
@@ -138,21 +138,20 @@ def decide(
 def _complete(plan: Plan, store: ConversationStore, rules: Rules, saving_openings: Collection[str]) -> Plan:
     """The plan with what follows from its slot: the tokens left to prefill, an erase, an opening to save."""
     view, slot = plan.view, plan.slot
-    cold = erase = 0
+    cold = 0
     if view.tokens is not None and view.keys is not None:
         reused = len(plan.restore.keys) if plan.restore is not None else shared_blocks(slot, view.keys, view.tokens)
         cold = max(0, len(view.tokens) - reused * BLOCK_TOKENS)
-    if rules.extend_only and plan.restore is None:
-        erase = slot.restored is not None and (view.tokens is None or not slot.extended_by(view.tokens))
+    erase = (
+        rules.extend_only and plan.restore is None and slot.restored is not None
+        and (view.tokens is None or not slot.extended_by(view.tokens))
+    )  # fmt: skip
     opening = view.opening
     new_opening = (
         opening is not None and plan.outcome is Outcome.NEW and len(opening.tokens) >= rules.min_tokens
         and opening.key not in saving_openings and store.find_exact(opening.key) is None
     )  # fmt: skip
-    return Plan(
-        slot, plan.outcome, view, plan.restore, plan.write_back, bool(erase), opening if new_opening else None,
-        cold, plan.lookup,
-    )  # fmt: skip
+    return replace(plan, erase=erase, opening=opening if new_opening else None, cold=cold)
 
 
 def _decide_pinnable(

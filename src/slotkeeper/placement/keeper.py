@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..apis import api_of
+from ..apis import Api, api_of
 from ..boundary import Boundaries, Reached, Turn, turns_of
 from ..llama_client import LlamaClient
 from ..log import fmt_bytes, fmt_ms, log
@@ -80,7 +80,7 @@ class Keeper:
                 body if chat is data else json.dumps(chat, separators=(",", ":")).encode()
             )
         prompt = data.get("prompt")
-        if path == "/infill" or prompt is None:
+        if api is Api.INFILL or prompt is None:
             return None
         return await self.client.tokenize(prompt)
 

@@ -123,6 +123,22 @@ def family_models(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def tiny_mmproj(tmp_path_factory) -> Callable[[int], Path]:
+    """tiny_mmproj(n_embd) -> a tiny random-weight vision projector for a text model n_embd wide (one per width)."""
+    from slotkeeper.testing.tinymmproj import write_tiny_mmproj
+
+    root = tmp_path_factory.mktemp("mmproj")
+    made: dict[int, Path] = {}
+
+    def make(n_embd: int) -> Path:
+        if n_embd not in made:
+            made[n_embd] = write_tiny_mmproj(root / f"mmproj-{n_embd}.gguf", n_embd)
+        return made[n_embd]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def real_gemma() -> Path:
     """The real Gemma 3 270M (F16); CI requires it, as it requires llama-server."""
     from slotkeeper.testing.realmodel import RealModelUnavailable, gemma3_270m

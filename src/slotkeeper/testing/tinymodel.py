@@ -81,6 +81,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .tinymmproj import image_part, solid_png, write_tiny_mmproj
 from .tinyspec import ARCHS, BENCH_MODEL_E, PRESETS, TinyModelSpec
 from .tinyvocab import BOS_ID, EOS_ID, TEMPLATES, add_tokenizer, chat_template_text, vocab_tokens
 
@@ -96,8 +97,11 @@ __all__ = [
     "TEMPLATES",
     "TinyModelSpec",
     "chat_template_text",
+    "image_part",
     "main",
+    "solid_png",
     "vocab_tokens",
+    "write_tiny_mmproj",
     "write_tiny_model",
 ]
 

@@ -39,6 +39,8 @@ def write_store(root: Path, n: int) -> list[str]:
             exact=exact_key(tokens),
             boundary=bool(i % 2),
             checksum="xxh3_128:" + "0" * 32,
+            images=((f"{i:064x}", 64), ("ab" * 32, 256)) if i % 3 == 0 else (),  # pictures: their ids, positions
+            image_wrap=((7, 8), (9,)) if i % 3 == 0 else None,
         )
         bin_path, manifest_path = pair_paths(root / "entries", entry.id)
         bin_path.write_bytes(b"\0" * entry.nbytes)

@@ -207,6 +207,8 @@ class Entry:
     opening: bool = False  # a shared opening (system prompt, tools): what new chats start from, not a chat
     uses: int = 0  # openings: the chats that started from it
     checksum: str = ""  # file_checksum() of its file ("" in manifests older than this field: not checked)
+    images: Sequence[tuple[str, int]] = ()  # each picture in it: llama-server's image id, positions
+    image_wrap: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # media.Wrap of its pictures, when known
 
     def manifest(self) -> dict[str, Any]:
         return {
@@ -228,6 +230,8 @@ class Entry:
             "opening": self.opening,
             "uses": self.uses,
             "checksum": self.checksum,
+            "images": [list(image) for image in self.images],
+            "image_wrap": None if self.image_wrap is None else [list(part) for part in self.image_wrap],
         }
 
     @classmethod
@@ -253,11 +257,26 @@ class Entry:
             opening=bool(data.get("opening", False)),
             uses=int(data.get("uses") or 0),
             checksum=str(data.get("checksum") or ""),
+            images=_images(data.get("images")),
+            image_wrap=_wrap(data.get("image_wrap")),
         )
 
     @property
     def short(self) -> str:
         return self.id[:4]
+
+
+def _images(value: Any) -> tuple[tuple[str, int], ...]:
+    """A manifest's pictures, `[[id, positions], ...]` (none in manifests older than the field)."""
+    if not isinstance(value, list):
+        return ()
+    return tuple((str(item[0]), int(item[1])) for item in value if isinstance(item, list) and len(item) == 2)
+
+
+def _wrap(value: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    if not (isinstance(value, list) and len(value) == 2 and all(isinstance(part, list) for part in value)):
+        return None
+    return tuple(int(t) for t in value[0]), tuple(int(t) for t in value[1])
 
 
 def _mapping(value: Any) -> dict[str, Any]:

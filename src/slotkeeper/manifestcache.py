@@ -27,7 +27,7 @@ from .layout import ENTRIES_DIR
 from .prefix import KeyChain
 
 CACHE_NAME = "manifests.cache"  # in the save directory, beside entries/
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 SHARED = ("fingerprint", "llama_server")  # what the entries of one configuration repeat: stored once, by index
 
 Stamp = tuple[int, int, int]  # (inode, mtime_ns, size) of a manifest file
@@ -139,6 +139,8 @@ def _line(entry: Entry, shared: dict[str, list[Any]]) -> bytes | None:
         int(entry.opening),
         entry.uses,
         entry.checksum or "-",
+        ",".join(f"{ident}:{n}" for ident, n in entry.images) or "-",
+        "-" if entry.image_wrap is None else ";".join(",".join(map(str, part)) for part in entry.image_wrap),
     )
     return "\t".join(map(str, fields)).encode() + b"\n"
 
@@ -161,6 +163,8 @@ def _entry(entry_id: str, raw: bytes, shared: dict[str, list[Any]]) -> Entry:
         opening,
         uses,
         checksum,
+        images,
+        wrap,
     ) = raw.decode().rstrip("\n").split("\t")
     return Entry(
         id=entry_id,
@@ -180,4 +184,16 @@ def _entry(entry_id: str, raw: bytes, shared: dict[str, list[Any]]) -> Entry:
         opening=opening == "1",
         uses=int(uses),
         checksum="" if checksum == "-" else checksum,
+        images=() if images == "-" else tuple(_image(item) for item in images.split(",")),
+        image_wrap=None if wrap == "-" else _wrap(wrap),
     )
+
+
+def _image(item: str) -> tuple[str, int]:
+    ident, _, n = item.rpartition(":")
+    return ident, int(n)
+
+
+def _wrap(text: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    begin, end = (tuple(int(t) for t in part.split(",") if t) for part in text.split(";"))
+    return begin, end

@@ -14,6 +14,7 @@ import contextlib
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from .entries import (
@@ -28,7 +29,7 @@ from .entries import (
 )
 from .log import fmt_bytes, log
 from .prefix import block_keys, exact_key
-from .statefile import StateFileError, read_header
+from .statefile import StateFileError, StateHeader, read_header
 
 FREE_SPACE_HEADROOM = 1.1  # a save needs the expected size plus 10% free
 PROGRESS_INTERVAL_S = 2.0
@@ -59,18 +60,25 @@ async def report_progress(label: str, path: Path, expected: int) -> None:
             log.info("%s saving: %s%s", label, fmt_bytes(path.stat().st_size), of_expected)
 
 
-def commit(transient: Path, entry: Entry, entries_dir: Path, *, fsync: bool, expected_key: str | None = None) -> None:
+def commit(
+    transient: Path, entry: Entry, entries_dir: Path, *, fsync: bool,
+    expected: Callable[[StateHeader], str | None] | None = None,
+) -> None:  # fmt: skip
     """Read the tokens from a saved file into `entry`, checksum and fsync the file, rename it into entries/,
     write its manifest last. Whatever fails, nothing it made is left: not the file, not a partial manifest.
-    With `expected_key`, the file must hold exactly the tokens of that `prefix.exact_key`."""
+    `expected` is shown the file's header first, and when it names a `prefix.exact_key`, the file must hold
+    exactly those tokens (its view: `statefile.StateHeader.view`)."""
     bin_path, manifest_path = pair_paths(entries_dir, entry.id)
     renamed = False
     try:
         header = read_header(transient)
-        entry.exact = exact_key(header.tokens)
+        view = header.view
+        entry.exact = exact_key(view)
+        expected_key = None if expected is None else expected(header)
         if expected_key is not None and entry.exact != expected_key:
             raise StateFileError(f"the slot holds {header.n_tokens:,} tokens that are not its turn boundary")
-        entry.keys = block_keys(header.tokens)
+        entry.keys = block_keys(view)
+        entry.images = tuple((image.id, image.n) for image in header.images)
         entry.tokens = header.n_tokens
         entry.seq_version, entry.layout = header.version, header.layout
         entry.checksum = file_checksum(transient)

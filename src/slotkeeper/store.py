@@ -61,10 +61,11 @@ from .entries import (
 )
 from .layout import ENTRIES_DIR, QUARANTINE_DIR, SNAPSHOTS_DIR, prepare_layout
 from .log import fmt_bytes, log
+from .media import MediaBook, MediaBoundary, Wrap
 from .metrics import Metrics
 from .prefix import exact_key
 from .slotfiles import commit, low_space, report_progress, transient_path
-from .statefile import StateFileError, read_header
+from .statefile import StateFileError, StateHeader, read_header
 from .storeindex import EntryIndex, extends
 from .storescan import remove_transients, scan_entries, take_over_slot_files
 
@@ -155,8 +156,10 @@ class ConversationStore(EntryIndex):
         metrics: Metrics | None = None,
         on_commit: Callable[[Entry, Path], None] | None = None,
         snapshots: Path | None = None,
+        media: MediaBook | None = None,
     ) -> None:
         super().__init__(fingerprint, server or {})
+        self.media = media or MediaBook()  # what its slot files show of pictures (learnt at each commit)
         self.root = root
         self.entries_dir = root / ENTRIES_DIR
         # llama-server's --slot-save-path; shared by the models of a router (their stores lie below the save
@@ -318,7 +321,7 @@ class ConversationStore(EntryIndex):
         expected_bytes: int = 0,
         messages: list[str] | None = None,
         *,
-        boundary: list[int] | None = None,
+        boundary: list[int] | MediaBoundary | None = None,
         supersedes: Callable[[Entry, Entry], bool] | None = None,
         opening: bool = False,
     ) -> SaveResult:
@@ -326,7 +329,8 @@ class ConversationStore(EntryIndex):
         default those it extends, `extends`; the caller's policy otherwise).
 
         With `boundary`, the slot must hold exactly those tokens (a turn boundary): a file holding anything
-        else is not committed. Cancellation (a budget) at any point leaves no partial file and every previous
+        else is not committed. A boundary with pictures not known yet (`media.MediaBoundary`) is checked once
+        the file has shown them. Cancellation (a budget) at any point leaves no partial file and every previous
         entry intact.
         """
         assert self.client is not None
@@ -374,8 +378,7 @@ class ConversationStore(EntryIndex):
                 opening=opening,
                 uses=int(opening),
             )
-            expected_key = None if boundary is None else exact_key(boundary)
-            commit = asyncio.ensure_future(asyncio.to_thread(self._commit, transient, entry, expected_key))
+            commit = asyncio.ensure_future(asyncio.to_thread(self._commit, transient, entry, boundary))
             try:
                 await asyncio.shield(commit)
             except asyncio.CancelledError:  # a budget ran out during the commit: it completes all the same
@@ -413,11 +416,39 @@ class ConversationStore(EntryIndex):
             self._remove(old)
         return len(superseded)
 
-    def _commit(self, transient: Path, entry: Entry, expected_key: str | None = None) -> None:
+    def _commit(self, transient: Path, entry: Entry, boundary: list[int] | MediaBoundary | None = None) -> None:
         """In a thread: commit a saved file as `entry` (slotfiles.commit). Whatever fails, nothing it made is
-        left (the caller may have stopped waiting: a budget ran out)."""
-        commit(transient, entry, self.entries_dir, fsync=self.fsync, expected_key=expected_key)
+        left (the caller may have stopped waiting: a budget ran out). The file's pictures teach the media book
+        first, so that a boundary with pictures is checked against what they take."""
+
+        def expected(header: StateHeader) -> str | None:
+            learnt = bool(header.images) and self.media.learn_file(header.tokens, header.images)
+            wrap = self.media.wrap
+            if learnt and wrap is not None:
+                log.info(
+                    "pictures: llama-server puts %d token(s) before each and %d after; image chats are now "
+                    "placed by their pictures", len(wrap.begin), len(wrap.end),
+                )  # fmt: skip
+            if header.images and wrap is not None:
+                entry.image_wrap = (wrap.begin, wrap.end)
+            if boundary is None:
+                return None
+            tokens = boundary if isinstance(boundary, list) else boundary.tokens(self.media)
+            return exact_key(tokens) if tokens is not None else "unknown"  # (never an entry's key)
+
+        commit(transient, entry, self.entries_dir, fsync=self.fsync, expected=expected)
         self.cache_changes += 1
+
+    def image_counts(self) -> dict[str, int]:
+        """How many entries hold pictures, and how many pictures they hold (status, metrics)."""
+        with_images = [len(e.images) for e in self.entries.values() if e.images]
+        return {"entries_with_images": len(with_images), "images": sum(with_images)}
+
+    def index(self, entry: Entry) -> None:
+        """Make a usable entry findable; what its manifest says of its pictures joins the media book."""
+        if entry.images:
+            self.media.remember(entry.images, Wrap(*entry.image_wrap) if entry.image_wrap else None)
+        super().index(entry)
 
     def adopt(self, manifest: dict[str, Any]) -> Entry | None:
         """Take in an entry whose file was just downloaded to entries/<id>.bin (the shared tier): it joins the

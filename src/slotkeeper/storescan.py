@@ -93,7 +93,7 @@ def _take_over_one(
         id=secrets.token_hex(8),
         tokens=header.n_tokens,
         nbytes=bin_path.stat().st_size,
-        keys=block_keys(header.tokens),
+        keys=block_keys(header.view),
         saved_at=saved_at,
         last_used=saved_at,
         fingerprint=(old or {}).get("fingerprint") or fingerprint,
@@ -101,7 +101,8 @@ def _take_over_one(
         layout=header.layout,
         server={},
         save_ms=(old or {}).get("save_ms"),
-        exact=exact_key(header.tokens),
+        exact=exact_key(header.view),
+        images=tuple((image.id, image.n) for image in header.images),
     )
     os.replace(bin_path, entries_dir / f"{entry.id}{BIN_SUFFIX}")
     write_json_atomic(entries_dir / f"{entry.id}{MANIFEST_SUFFIX}", entry.manifest(), fsync)

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 from conftest import clean_env
 
+from slotkeeper.boundary import Boundary
 from slotkeeper.demo import PlainServer
 from slotkeeper.layout import prepare_layout
 from slotkeeper.llama_client import LlamaClient
@@ -52,9 +53,10 @@ async def test_a_slot_saved_at_its_turn_boundary_is_known_to_be_there(hybrid):
     key = exact_key(tokens)
     slot = hybrid.slots[0]
     hybrid.slots.reserve(slot)
-    reached, result = await hybrid.keeper.reach_and_save(slot, tokens, key, ["s", "u"], lambda new, old: False, False)
+    boundary = Boundary(tokens, tokens)
+    reached, result = await hybrid.keeper.reach_and_save(slot, boundary, key, ["s", "u"], lambda n, o: False, False)
     assert reached is not None and reached.seconds > 0, "the first save brings the slot to its boundary"
     assert result is not None and result.entry is not None, result
     assert slot.exact == key, "the table forgot that the slot sits at its boundary"
-    again, _ = await hybrid.keeper.reach_and_save(slot, tokens, key, ["s", "u"], lambda new, old: False, False)
+    again, _ = await hybrid.keeper.reach_and_save(slot, boundary, key, ["s", "u"], lambda n, o: False, False)
     assert again is not None and again.seconds == 0.0, "the slot was brought again to where it already was"

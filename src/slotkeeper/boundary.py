@@ -16,12 +16,14 @@ its in-memory checkpoint and prefills the tail), and the slot is saved.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .llama_client import LlamaClient
+from .media import MediaBoundary, media_prompt
+from .promptview import PromptViewer, Rendered
 
 PLACEHOLDERS = ("A", "7")  # two next messages that differ in their first token
 NEXT_ROLES = frozenset({"user", "tool"})
@@ -66,37 +68,94 @@ def _placeholder(role: str, text: str, history: list[dict[str, Any]]) -> dict[st
     return message
 
 
+@dataclass(frozen=True)
+class Boundary:
+    """A turn boundary: its tokens as slotkeeper sees them (`promptview`), and what brings a slot there.
+
+    A chat with pictures is brought there by its text and its pictures (`media.media_prompt`), never by a
+    text stand-in: the slot keeps each picture's own positions. When a picture's positions are not known yet
+    (`whole` False), `tokens` ends before it, and the saved file is checked once it has shown them (`check`).
+    """
+
+    tokens: list[int]
+    prompt: Any  # the /completion prompt: the tokens, or {"prompt_string", "multimodal_data"}
+    whole: bool = True
+    check: list[int] | MediaBoundary | None = None  # what the saved file must hold (None: `tokens`)
+
+    @property
+    def expected(self) -> list[int] | MediaBoundary:
+        return self.tokens if self.check is None else self.check
+
+
 class Boundaries:
     """Renders boundaries through llama-server's own template and tokenizer, and brings slots to them."""
 
-    def __init__(self, client: LlamaClient) -> None:
-        self.client = client
+    def __init__(self, viewer: PromptViewer) -> None:
+        self.viewer = viewer
 
     async def tokens(self, chat: dict[str, Any], turn: Turn) -> list[int] | None:
-        """The boundary's tokens, or None when llama-server cannot render the chat."""
+        """The boundary's tokens, or None when llama-server cannot render the chat (or it has a picture not
+        known yet)."""
+        found = await self.find(chat, turn)
+        return found.tokens if found is not None and found.whole else None
+
+    async def find(self, chat: dict[str, Any], turn: Turn) -> Boundary | None:
+        """The boundary, or None when llama-server cannot render the chat or its prompt cannot be written."""
         first, second = await asyncio.gather(*(self._render(chat, turn, text) for text in PLACEHOLDERS))
         if first is None or second is None:
             return None
-        n = 0
-        for a, b in zip(first, second):
-            if a != b:
-                break
-            n += 1
-        return first[:n]
+        n = _common(first.tokens, second.tokens)
+        if not first.pictures:
+            return Boundary(first.tokens[:n], first.tokens[:n])
+        return await self._with_pictures(first, second, n)
 
-    async def _render(self, chat: dict[str, Any], turn: Turn, placeholder: str) -> list[int] | None:
-        """The tokens of the chat's history followed by one placeholder message (both renders run at once)."""
+    async def _with_pictures(self, first: Rendered, second: Rendered, n: int) -> Boundary | None:
+        """The boundary of a chat with pictures: the text both renders share, and the pictures in it. It must
+        tokenize to exactly the tokens both renders share (else the slot could not be brought there)."""
+        text = first.text[: _common(first.text, second.text)]
+        marker = self.viewer.book.marker or ""
+        pictures = first.pictures[: text.count(marker)]
+        if any(picture.data is None for picture in pictures):
+            return None  # given by URL: slotkeeper does not have its bytes
+        found = await self.viewer.text(text, pictures)
+        if found is None:
+            return None
+        prompt = media_prompt(text, pictures)
+        if first.whole and second.whole and found.whole:
+            return Boundary(found.tokens, prompt) if found.tokens == first.tokens[:n] else None
+        last, ends = found.pieces[-1], (first.pieces[len(found.pieces) - 1], second.pieces[len(found.pieces) - 1])
+        if _common(*ends) != len(last) or tuple(ends[0][: len(last)]) != last:
+            return None
+        return Boundary(found.tokens, prompt, found.whole, MediaBoundary(found.pieces, tuple(pictures)))
+
+    async def _render(self, chat: dict[str, Any], turn: Turn, placeholder: str) -> Rendered | None:
+        """The chat's history followed by one placeholder message (both renders run at once)."""
         body = {**chat, "messages": [*turn.history, _placeholder(turn.next_role, placeholder, turn.history)]}
         body.pop("id_slot", None)
-        return await self.client.chat_tokens(json.dumps(body, separators=(",", ":")).encode())
+        return await self.viewer.chat(body)
 
-    async def reach(self, slot_id: int, tokens: list[int]) -> Reached | None:
-        """Make the (idle, reserved) slot hold exactly `tokens`: prefill without generating anything."""
+    async def reach(self, slot_id: int, boundary: Boundary) -> Reached | None:
+        """Make the (idle, reserved) slot hold exactly the boundary: prefill without generating anything."""
         started = time.monotonic()
         reply = await self.client.call_json(
-            "POST", "/completion", {"prompt": tokens, "n_predict": 0, "cache_prompt": True, "id_slot": slot_id}
-        )
+            "POST", "/completion",
+            {"prompt": boundary.prompt, "n_predict": 0, "cache_prompt": True, "id_slot": slot_id},
+        )  # fmt: skip
         if not reply.ok or not isinstance(reply.body, dict):
             return None
         timings = reply.body.get("timings") or {}
-        return Reached(len(tokens), int(timings.get("prompt_n", 0)), time.monotonic() - started)
+        return Reached(len(boundary.tokens), int(timings.get("prompt_n", 0)), time.monotonic() - started)
+
+    @property
+    def client(self) -> LlamaClient:
+        return self.viewer.client
+
+
+def _common(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """The length of the longest common prefix of two sequences."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -103,10 +103,11 @@ class LlamaClient:
         tokens, seconds = values.get("llamacpp:prompt_tokens_total", 0.0), values.get("llamacpp:prompt_seconds_total")
         return tokens / seconds if seconds else None
 
-    async def tokenize(self, prompt: Any) -> list[int] | None:
-        """The prompt's tokens as a completion request would see them (special tokens parsed, BOS added)."""
+    async def tokenize(self, prompt: Any, *, add_special: bool = True) -> list[int] | None:
+        """The prompt's tokens as a completion request would see them (special tokens parsed, BOS added unless
+        `add_special` is False: the text after a picture, which mtmd tokenizes on its own)."""
         payload = json.dumps(
-            {"content": prompt, "add_special": True, "parse_special": True}, separators=(",", ":")
+            {"content": prompt, "add_special": add_special, "parse_special": True}, separators=(",", ":")
         ).encode()
         status, raw = await self.call_raw("POST", "/tokenize", payload)
         if status != 200:
@@ -114,12 +115,18 @@ class LlamaClient:
         tokens = json.loads(raw)["tokens"]
         return tokens if isinstance(tokens, list) else None
 
-    async def chat_tokens(self, chat_body: bytes) -> list[int] | None:
-        """A chat-form body's prompt tokens: its template applied (/apply-template), then tokenized."""
+    async def apply_template(self, chat_body: bytes) -> str | None:
+        """A chat-form body's prompt text, its template applied (/apply-template)."""
         status, raw = await self.call_raw("POST", "/apply-template", chat_body)
         if status != 200:
             return None
-        return await self.tokenize(json.loads(raw)["prompt"])
+        prompt = json.loads(raw)["prompt"]
+        return prompt if isinstance(prompt, str) else None
+
+    async def chat_tokens(self, chat_body: bytes) -> list[int] | None:
+        """A chat-form body's prompt tokens: its template applied (/apply-template), then tokenized."""
+        prompt = await self.apply_template(chat_body)
+        return None if prompt is None else await self.tokenize(prompt)
 
     async def slot_action(self, slot_id: int, action: str, filename: str | None = None) -> ChildReply:
         """A slot action, run to its end even when the caller is cancelled (a stop cancels start-up's restores;

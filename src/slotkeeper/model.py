@@ -21,6 +21,7 @@ from .fingerprint import build_fingerprint, kv_flags, model_identity, namespace_
 from .layout import SNAPSHOTS_DIR
 from .llama_client import LlamaClient
 from .log import fmt_bytes, log
+from .media import MediaBook
 from .metrics import Metrics
 from .modelinfo import MemoryKind, ModelInfoError, ModelMemory, kv_cache_bytes, llama_server_slots, read_model_memory
 from .placement import Placement, Rules
@@ -43,6 +44,7 @@ class ServerFacts:
     identity: dict[str, Any]  # the model file's identity (fingerprint.model_identity)
     memory: ModelMemory | None  # its memory kind, from its GGUF header (None: unreadable)
     router: bool = False  # llama-server runs as a router (a child per model): it has no slots of its own
+    media_marker: str | None = None  # with --mmproj: what stands for a picture in its rendered prompts
 
 
 @dataclass
@@ -82,6 +84,7 @@ class Model:
                 "bytes": store.total_bytes,
                 "cap_bytes": store.cap_bytes,
                 "kept_unused": len(store.skipped),
+                **store.image_counts(),
             },
             **metrics,
             "openings": {"entries": len(store.openings()), **metrics["openings"]},
@@ -129,7 +132,9 @@ async def read_server_facts(
     kind = await memory
     if model and model != config.model:
         kind = await asyncio.to_thread(model_memory, model)
-    return ServerFacts(n_slots, n_ctx, found, kind)
+    modalities = body.get("modalities") or {}
+    marker = body.get("media_marker") if any(modalities.values()) else None
+    return ServerFacts(n_slots, n_ctx, found, kind, media_marker=marker if isinstance(marker, str) else None)
 
 
 def model_memory(path: str | None) -> ModelMemory | None:
@@ -161,7 +166,7 @@ async def open_model(
         store_root, client, fingerprint, server_identity(config.llama_binary), fsync=options.fsync,
         cap_bytes=cap, restore_unverified=options.restore_unverified, metrics=metrics,
         on_commit=None if remote is None else remote.upload_committed,
-        snapshots=None if root is None else config.save_dir / SNAPSHOTS_DIR,
+        snapshots=None if root is None else config.save_dir / SNAPSHOTS_DIR, media=MediaBook(facts.media_marker),
     )  # fmt: skip
     await asyncio.to_thread(store.open)
     if store.cap_bytes is None:
@@ -171,6 +176,7 @@ async def open_model(
         _start_remote(remote)
     metrics.store_entries = lambda: len(store.entries)
     metrics.store_bytes = lambda: store.total_bytes
+    metrics.store_images = lambda: store.image_counts()["images"]
     memory = facts.memory
     settle = memory is None or memory.kind is MemoryKind.RECURRENT
     placement = Placement(

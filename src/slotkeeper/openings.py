@@ -59,9 +59,10 @@ class Openings:
         key = messages[-1]
         tokens = self._tokens.get(key)
         if tokens is None:
-            tokens = await self.boundaries.tokens(chat, turn)
-            if tokens is None:
-                return None
+            found = await self.boundaries.find(chat, turn)
+            if found is None or not isinstance(found.prompt, list):
+                return None  # (an opening with pictures is not shared: a chat's own boundaries keep it)
+            tokens = found.tokens
             self._tokens[key] = tokens
             while len(self._tokens) > REMEMBERED:
                 self._tokens.popitem(last=False)

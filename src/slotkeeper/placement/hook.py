@@ -120,14 +120,16 @@ class Placement:
                 if not resident.busy:
                     return Plan(self.slots.reserve(resident), Outcome.RESIDENT, view)
                 await self.slots.wait_freed()  # its own previous request: this one goes after it, as in llama-server
-        tokens = await self.keeper.tokens(path, body, data, chat)
+        rendered = await self.keeper.tokens(path, body, data, chat)
+        tokens = None if rendered is None else rendered.tokens
         keys = block_keys(tokens) if tokens is not None else None
         if keys:
             await self.prep.fetch_if_faster(keys)
         opening = None
         if chat is not None and tokens is not None and view.pinned is None:
             opening = await self.keeper.opening(chat, tokens)
-        view = replace(view, keys=keys, n_tokens=len(tokens or ()), tokens=tokens, opening=opening)
+        partial = rendered is not None and not rendered.whole
+        view = replace(view, keys=keys, n_tokens=len(tokens or ()), tokens=tokens, opening=opening, partial=partial)
         rules = replace(self.rules, prefill_rate=self.keeper.known_prefill_rate())
         while (plan := decide(self.slots.slots, view, self.store, rules, self._opening_saves)) is None:
             await self.slots.wait_freed()
@@ -256,7 +258,7 @@ class Placement:
         if status in (200, 499):  # answered, or the client left while it ran: the slot holds (part of) it
             key = plan.view.key
             self.metrics.prefill_tokens_saved += self.slots.ran(
-                slot, key, plan.view.keys, resident=plan.outcome is Outcome.RESIDENT, chat=chat,
+                slot, plan.view, resident=plan.outcome is Outcome.RESIDENT, chat=chat,
                 reply=reader if status == 200 else None,
             )  # fmt: skip
             if self.settler is not None and status == 200 and chat is not None and reader is not None:

@@ -8,19 +8,20 @@ hook's. Every method here runs on a slot the caller has reserved.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..apis import Api, api_of
-from ..boundary import Boundaries, Reached, Turn, turns_of
+from ..boundary import Boundaries, Boundary, Reached, Turn, turns_of
 from ..llama_client import LlamaClient
 from ..log import fmt_bytes, fmt_ms, log
+from ..media import chat_pictures
 from ..metrics import Metrics
 from ..openings import Opening, Openings, is_opening, opening_turn
 from ..policy import CachePolicy
 from ..prefix import BLOCK_TOKENS, block_keys, exact_key
+from ..promptview import PromptViewer, Rendered
 from ..replies import ReplyReader, Usage
 from ..store import ConversationStore, Entry, SaveFailure, SaveResult
 from .decide import DEFAULT_PREFILL_TOKENS_PER_S, Rules, worth_keeping
@@ -50,7 +51,8 @@ class Keeper:
         self.client = client
         self.rules = rules
         self.metrics = metrics
-        self.boundaries = Boundaries(client)
+        self.viewer = PromptViewer(client, store.media)
+        self.boundaries = Boundaries(self.viewer)
         self.openings = Openings(self.boundaries)
         self._prefill: tuple[float, float | None] = (-PREFILL_RATE_MAX_AGE_S, None)  # (when, tokens/s) of /metrics
         self._measured_prefill: float | None = None  # tokens/s of slotkeeper's own last boundary prefill
@@ -59,7 +61,7 @@ class Keeper:
 
     async def tokens(
         self, path: str, body: bytes, data: dict[str, Any], chat: dict[str, Any] | None
-    ) -> list[int] | None:
+    ) -> Rendered | None:
         """The prompt's tokens, as llama-server will see them (template applied); None when it cannot say."""
         try:
             return await asyncio.wait_for(self.ask_tokens(path, body, data, chat), TOKENIZE_TIMEOUT_S)
@@ -69,20 +71,20 @@ class Keeper:
 
     async def ask_tokens(
         self, path: str, body: bytes, data: dict[str, Any], chat: dict[str, Any] | None
-    ) -> list[int] | None:
-        """`tokens()` without its timeout: /apply-template and /tokenize, or /tokenize of the prompt."""
+    ) -> Rendered | None:
+        """`tokens()` without its timeout: /apply-template and /tokenize (`promptview`: pictures as llama-server
+        holds them), or /tokenize of the prompt."""
         self.metrics.prompt_tokenizations += 1
         api = api_of(path)
         if api is not None and api.templated:
             if chat is None:
                 return None
-            return await self.client.chat_tokens(
-                body if chat is data else json.dumps(chat, separators=(",", ":")).encode()
-            )
+            return await self.viewer.chat(chat, body if chat is data else None)
         prompt = data.get("prompt")
         if api is Api.INFILL or prompt is None:
             return None
-        return await self.client.tokenize(prompt)
+        tokens = await self.client.tokenize(prompt)
+        return None if tokens is None else Rendered(tokens, "")
 
     async def opening(self, chat: dict[str, Any], tokens: list[int]) -> Opening | None:
         """The chat's opening, when the request extends it (None when it is unknown)."""
@@ -169,9 +171,10 @@ class Keeper:
             return False
         self.table.restored(slot, entry, extend_only=self.rules.extend_only)
         self.metrics.on_demand_restores += on_demand
+        pictures = f" with {len(entry.images)} picture(s)" if entry.images else ""
         log.info(
-            "%s %s restored into slot %d: %s tokens, %s in %s", "opening" if entry.opening else "chat", entry.short,
-            slot.id, f"{result.tokens:,}", fmt_bytes(result.nbytes), fmt_ms(result.seconds),
+            "%s %s restored into slot %d: %s tokens%s, %s in %s", "opening" if entry.opening else "chat",
+            entry.short, slot.id, f"{result.tokens:,}", pictures, fmt_bytes(result.nbytes), fmt_ms(result.seconds),
         )  # fmt: skip
         return True
 
@@ -264,18 +267,26 @@ class Keeper:
     async def _save_boundary(self, slot: Slot, chat: dict[str, Any], turn: Turn, why: str) -> tuple[Entry | None, bool]:
         """One boundary of the slot's chat as an entry, found saved already or reached and saved now; and
         whether the slot was moved to it."""
-        tokens = await self.boundaries.tokens(chat, turn)
-        if tokens is None or len(tokens) < self.rules.min_tokens:
+        boundary = await self.boundaries.find(chat, turn)
+        if boundary is None:
+            if chat_pictures({"messages": turn.history}):
+                log.info(
+                    "chat %s in slot %d: its turn boundary cannot be written with its pictures (given by URL, or a "
+                    "template that renders them apart), so it is not saved there", slot.label or "-", slot.id,
+                )  # fmt: skip
+            return None, False
+        tokens = boundary.tokens
+        if len(tokens) < self.rules.min_tokens and boundary.whole:
             return None, False
         if not slot.may_reach(tokens):
             return None, False  # before the restored state: the slot cannot go back there
         key = exact_key(tokens)
-        existing = self.store.find_exact(key)
+        existing = self.store.find_exact(key) if boundary.whole else None
         if existing is not None:
             self.store.touch(existing)
             return existing, False
         reached, result = await self.reach_and_save(
-            slot, tokens, key, message_keys(chat, turn.history), self._older_boundary, is_opening(turn)
+            slot, boundary, key, message_keys(chat, turn.history), self._older_boundary, is_opening(turn)
         )
         if reached is None or result is None:
             log.warning("slot %d not saved (%s): llama-server did not take it to its turn boundary", slot.id, why)
@@ -298,28 +309,30 @@ class Keeper:
         return entry, True
 
     async def reach_and_save(
-        self, slot: Slot, tokens: list[int], key: str, messages: list[str], supersedes: Supersedes, opening: bool
+        self, slot: Slot, boundary: Boundary, key: str, messages: list[str], supersedes: Supersedes, opening: bool
     ) -> tuple[Reached | None, SaveResult | None]:
-        """Bring the slot to exactly `tokens` (`key`), unless it is there already (`Reached` with no time spent),
-        and save it as a boundary entry, which the slot then holds; (None, None) when llama-server did not take
-        it there. Turn boundaries and openings are saved alike."""
-        if slot.exact == key:  # brought there once its turn was over, or by the last save
+        """Bring the slot to exactly the boundary (`key`), unless it is there already (`Reached` with no time
+        spent), and save it as a boundary entry, which the slot then holds; (None, None) when llama-server did
+        not take it there. Turn boundaries and openings are saved alike."""
+        tokens = boundary.tokens
+        if slot.exact == key and boundary.whole:  # brought there once its turn was over, or by the last save
             reached = Reached(len(tokens), 0, 0.0)
         else:
-            moved = await self.boundaries.reach(slot.id, tokens)
+            moved = await self.boundaries.reach(slot.id, boundary)
             self.table.task_ran(slot)  # (a task ran there, taken or not)
             if moved is None:
                 return None, None
             reached = moved
             self._measured(reached)
-        keys = block_keys(tokens)
-        self.table.held(slot, None, keys, len(tokens), key)
+        if boundary.whole:
+            self.table.held(slot, None, block_keys(tokens), len(tokens), key)
         result = await self.store.save_slot(
-            slot.id, self._expected_bytes(len(tokens)), messages, boundary=tokens, supersedes=supersedes,
+            slot.id, self._expected_bytes(len(tokens)), messages, boundary=boundary.expected, supersedes=supersedes,
             opening=opening,
         )  # fmt: skip
         if result.entry is not None:
-            self.table.held(slot, result.entry, result.entry.keys, result.entry.tokens, key)
+            entry = result.entry
+            self.table.held(slot, entry, entry.keys, entry.tokens, entry.exact)
         return reached, result
 
     def _older_boundary(self, new: Entry, old: Entry) -> bool:
@@ -339,8 +352,9 @@ class Keeper:
             return  # a restored state that goes past it: this slot cannot go back there
         try:
             reached, result = await self.reach_and_save(
-                slot, opening.tokens, opening.key, opening.messages, supersedes_nothing, True
-            )
+                slot, Boundary(opening.tokens, opening.tokens), opening.key, opening.messages, supersedes_nothing,
+                True,
+            )  # fmt: skip
         except (ConnectionError, ValueError) as exc:
             reached = result = None
             log.debug("reaching an opening failed: %r", exc)
@@ -363,14 +377,14 @@ class Keeper:
     async def settle(self, slot: Slot, chat: dict[str, Any], reply: ReplyReader) -> None:
         """Bring an idle slot to its chat's latest turn boundary, nothing written (see `Placement.settle_later`)."""
         current, _ = turns_of(chat.get("messages") or [], reply.message())
-        tokens = None if current is None else await self.boundaries.tokens(chat, current)
-        if tokens is None or not slot.may_reach(tokens):
+        boundary = None if current is None else await self.boundaries.find(chat, current)
+        if boundary is None or not boundary.whole or not slot.may_reach(boundary.tokens):
             return
-        reached = await self.boundaries.reach(slot.id, tokens)
+        reached = await self.boundaries.reach(slot.id, boundary)
         self.table.task_ran(slot)
         if reached is not None:
             self._measured(reached)
-            self.table.reached(slot, tokens)
+            self.table.reached(slot, boundary.tokens)
             self.metrics.boundary_settled(reached.prefilled, reached.seconds)
 
 

@@ -66,6 +66,7 @@ class RequestView:
     unpinnable: bool = False  # llama-server chooses its slot itself (see apis.Api.pinnable)
     opening: Opening | None = None  # its chat's opening (system prompt, tools), when known
     key: RequestKey = NO_KEY  # what recognises its chat continuing in a slot
+    partial: bool = False  # its tokens end before a picture not known yet (`promptview`): its prompt is longer
 
 
 def request_key(path: str, data: dict[str, Any]) -> tuple[RequestKey, dict[str, Any] | None]:

@@ -17,7 +17,7 @@ from typing import Any
 from ..prefix import BLOCK_TOKENS, block_keys, common_keys, exact_key, extends_exactly
 from ..replies import ReplyReader
 from ..store import Entry
-from .request import NO_KEY, RequestKey
+from .request import NO_KEY, RequestKey, RequestView
 
 
 @dataclass
@@ -143,17 +143,21 @@ class SlotTable:
         slot.restored, slot.restored_extended = None, False
 
     def ran(
-        self, slot: Slot, request: RequestKey, keys: Sequence[str] | None, *, resident: bool,
-        chat: dict[str, Any] | None, reply: ReplyReader | None,
+        self, slot: Slot, view: RequestView, *, resident: bool, chat: dict[str, Any] | None,
+        reply: ReplyReader | None,
     ) -> int:  # fmt: skip
         """A request placed there ended with an answer (or the client left while it ran): the slot holds its
-        prompt and (part of) what was generated. `keys`: the prompt's block keys, when it was tokenized;
-        `resident`: it continued the chat there. Returns the prompt tokens llama-server is taken to have reused."""
+        prompt and (part of) what was generated. The view's keys: the prompt's block keys, when it was tokenized
+        (of its prompt up to a picture not known yet, when partial: the answer says its size); `resident`: it
+        continued the chat there. Returns the prompt tokens llama-server is taken to have reused."""
+        request, keys = view.key, view.keys
         slot.chat, slot.reply = chat, reply
         slot.restored_extended = slot.restored_extended or keys is not None
         if keys is not None:
             reused = common_keys(slot.keys, keys) * BLOCK_TOKENS
             slot.keys, slot.tokens = keys, len(keys) * BLOCK_TOKENS
+            usage = reply.usage() if view.partial and reply is not None else None
+            slot.tokens = max(slot.tokens, usage.prompt if usage is not None else 0)
         elif resident:
             reused = slot.tokens
         else:  # unplaced: what it holds is unknown
@@ -174,6 +178,7 @@ class SlotTable:
                 "chat": s.label or None,
                 "entry": s.entry.id if s.entry else None,
                 "tokens_known": s.tokens,
+                "images": len(s.entry.images) if s.entry is not None else 0,
                 "dirty": s.dirty,
                 "busy": s.busy,
                 "restored_state": s.restored.id if s.restored else None,

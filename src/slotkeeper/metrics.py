@@ -74,6 +74,7 @@ class Metrics:
     memory: Callable[[], dict[str, Any]] = dict  # the model's memory kind and slotkeeper's cache policy
     remote: Callable[[], Any] = lambda: None  # remote.RemoteStats, with --remote-store
     store_entries: Callable[[], int] = lambda: 0
+    store_images: Callable[[], int] = lambda: 0  # pictures held by the store's entries
     store_bytes: Callable[[], int] = lambda: 0
     requests_by_status: Callable[[], dict[int, int]] = dict
     models: Callable[[], dict[str, Metrics]] = dict  # router mode: each loaded model's own counters
@@ -308,6 +309,7 @@ def _model_families(m: Metrics) -> Iterator[Any]:
     for name, doc, value in (
         ("store_entries", "Entries in the conversation store", m.store_entries()),
         ("store_bytes", "Bytes of entries in the conversation store", m.store_bytes()),
+        ("store_images", "Pictures held by the entries of the conversation store", m.store_images()),
     ):
         gauge = GaugeMetricFamily(f"slotkeeper_{name}", doc)
         gauge.add_metric([], value)

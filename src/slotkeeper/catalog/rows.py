@@ -155,6 +155,8 @@ class Listed(abc.ABC):
         text = self.note or WORDS[self.status][0]
         if self.entry is not None and self.entry.opening:
             text += f", opening of {count(self.entry.uses, 'chat')}"
+        if self.entry is not None and self.entry.images:
+            text += f", {count(len(self.entry.images), 'picture')}"
         return text
 
     @property
@@ -201,6 +203,7 @@ class Row(Listed):
         "boundary",
         "opening",
         "uses",
+        "images",
         "model",
         "model_name",
         "fingerprint",
@@ -272,6 +275,7 @@ class Row(Listed):
             "boundary": entry.boundary if entry else None,  # saved at a turn boundary (hybrid, sliding-window)
             "opening": entry.opening if entry else None,  # a shared opening (system prompt, tools), not a chat
             "uses": entry.uses if entry and entry.opening else None,  # the chats that started from it
+            "images": len(entry.images) if entry else None,  # the pictures it holds
             "llama_server": (entry.server or None) if entry else None,
             "bin": str(self.bin.path) if self.bin else None,
             "manifest": str(self.manifest_file.path) if self.manifest_file else None,

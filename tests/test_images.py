@@ -4,6 +4,7 @@ at turn boundaries, which slotkeeper reaches with the real pictures), each with 
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 from family_helpers import BASE, FAMILIES, LOGPROB_TOLERANCE, Chat, answer, max_difference, same_answer, swap_out
 
 from slotkeeper.demo import PlainServer, clean_env
+from slotkeeper.testing.agents import AgentSession
 from slotkeeper.testing.harness import free_port, http_call
 from slotkeeper.testing.tinymodel import image_part, solid_png
 
@@ -170,3 +172,36 @@ def test_a_regenerate_is_restored_from_its_own_picture_not_the_same_text_with_an
         timings["prompt_n"] + timings["cache_n"]
     ), (timings, sk2.logs()[-3000:])
     assert status(sk2.port)["on_demand_restores"] == 1
+
+
+def agent_picture(api: str, png: bytes) -> dict[str, Any]:
+    data = base64.b64encode(png).decode()
+    if api == "responses":
+        return {"type": "input_image", "image_url": f"data:image/png;base64,{data}"}
+    return {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+
+
+@pytest.mark.parametrize("name", IMAGE_FAMILIES)
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_agent_sessions_with_pictures_come_back_warm_over_responses_and_messages(name, api, image_start):
+    """Two agent sessions with the same words and a red or a blue picture, over the Responses API or Anthropic
+    Messages, on one slot; after a swap, each one's next turn reuses at least 90% of its previous prompt."""
+    sk = image_start(name, "-np", "1")
+    sessions = []
+    for colour in (RED, BLUE):
+        session = AgentSession(1, api, request=dict(FAMILIES[name].request))
+        words = {"type": "input_text" if api == "responses" else "text", "text": session.history[0]["content"]}
+        session.history[0]["content"] = [words, agent_picture(api, solid_png(colour))]
+        session.turn(sk.port)
+        sessions.append(session)
+    swap_out(sk)
+    sk2 = image_start(name, "-np", "1")
+    for session in sessions:
+        turn = session.turn(sk2.port)
+        assert session.reused_enough(turn), (
+            api,
+            turn.prompt,
+            turn.reused,
+            sessions[0].turns[0].prompt,
+            sk2.logs()[-3000:],
+        )

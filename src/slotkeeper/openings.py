@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .boundary import Boundaries, Turn
+from .log import log
 from .prefix import exact_key, extends_exactly
 
 REMEMBERED = 256  # distinct openings whose tokens are kept
@@ -51,6 +52,7 @@ class Openings:
     def __init__(self, boundaries: Boundaries) -> None:
         self.boundaries = boundaries
         self._tokens: OrderedDict[str, list[int]] = OrderedDict()  # the opening's last message key -> its tokens
+        self._with_pictures: set[str] = set()  # openings with pictures, said once each
 
     async def of(self, chat: dict[str, Any], turn: Turn, messages: list[str], request: list[int]) -> Opening | None:
         """The opening of a chat whose request has the tokens `request`; None when it cannot be rendered or the
@@ -60,8 +62,13 @@ class Openings:
         tokens = self._tokens.get(key)
         if tokens is None:
             found = await self.boundaries.find(chat, turn)
-            if found is None or not isinstance(found.prompt, list):
-                return None  # (an opening with pictures is not shared: a chat's own boundaries keep it)
+            if found is not None and not isinstance(found.prompt, list):
+                if key not in self._with_pictures:
+                    self._with_pictures.add(key)
+                    log.info("an opening with pictures is not saved as a shared opening: each chat keeps it")
+                return None
+            if found is None:
+                return None
             tokens = found.tokens
             self._tokens[key] = tokens
             while len(self._tokens) > REMEMBERED:

@@ -27,10 +27,11 @@ from __future__ import annotations
 import base64
 import os
 import struct
-import tempfile
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from .ggufwrite import write_gguf
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import numpy as np
@@ -122,32 +123,9 @@ def write_tiny_mmproj(path: str | os.PathLike[str], n_embd: int, *, seed: int = 
     Written under a temporary name and renamed into place (as :func:`tinymodel.write_tiny_model` does), so a
     llama-server started concurrently never reads half a file. Missing parent directories are created.
     """
-    import gguf
-
     if n_embd < 1:
         raise ValueError(f"n_embd must be >= 1, got {n_embd}")
-    dest = Path(path)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        writer = gguf.GGUFWriter(tmp, "clip")
-        try:
-            _add_keys(writer, n_embd)
-            for name, arr in _tensors(n_embd, seed):
-                writer.add_tensor(name, arr)
-            writer.write_header_to_file()
-            writer.write_kv_data_to_file()
-            writer.write_tensors_to_file()
-        finally:
-            writer.close()
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return dest
+    return write_gguf(path, "clip", lambda writer: _add_keys(writer, n_embd), _tensors(n_embd, seed))
 
 
 def solid_png(rgb: tuple[int, int, int], size: int = IMAGE_SIZE) -> bytes:

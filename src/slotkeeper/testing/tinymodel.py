@@ -75,12 +75,12 @@ import argparse
 import dataclasses
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .ggufwrite import write_gguf
 from .tinymmproj import image_part, solid_png, write_tiny_mmproj
 from .tinyspec import ARCHS, BENCH_MODEL_E, PRESETS, TinyModelSpec
 from .tinyvocab import BOS_ID, EOS_ID, TEMPLATES, add_tokenizer, chat_template_text, vocab_tokens
@@ -463,30 +463,7 @@ def write_tiny_model(path: str | os.PathLike[str], spec: TinyModelSpec = _DEFAUL
     another test) sees either the old file or the complete new one, never half a file.
     Missing parent directories are created.
     """
-    import gguf
-
-    dest = Path(path)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        writer = gguf.GGUFWriter(tmp, spec.arch)
-        try:
-            _add_metadata(writer, spec)
-            for name, arr in _weights(spec):
-                writer.add_tensor(name, arr)
-            writer.write_header_to_file()
-            writer.write_kv_data_to_file()
-            writer.write_tensors_to_file()
-        finally:
-            writer.close()
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a model file is not a secret
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return dest
+    return write_gguf(path, spec.arch, lambda writer: _add_metadata(writer, spec), _weights(spec))
 
 
 def _parse_args(argv: Sequence[str] | None) -> tuple[Path, TinyModelSpec]:

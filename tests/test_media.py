@@ -6,7 +6,7 @@ import base64
 import struct
 from array import array
 
-from slotkeeper.media import MediaBook, Picture, chat_pictures, image_id, image_tokens
+from slotkeeper.media import Learnt, MediaBook, Picture, chat_pictures, image_id, image_tokens
 from slotkeeper.statefile import SEQ_MAGIC, read_header
 
 BOS, BEGIN, END = 2, 255999, 256000
@@ -55,7 +55,7 @@ def test_the_book_learns_the_wrap_from_a_file_and_composes_the_same_view(tmp_pat
     book = MediaBook("<m>")
     assert book.compose(pieces, pictures) == ([BOS, 10, 11], 0), "nothing known: the view ends before it"
     book.pending(pieces, pictures)
-    assert book.learn_file(header.tokens, header.images)
+    assert book.learn_file(header.tokens, header.images) is Learnt.WRAP
     assert (book.wrap.begin, book.wrap.end) == ((BEGIN,), (END,))
     view, placed = book.compose(pieces, pictures)
     assert placed == 2 and view == list(header.view[:16])
@@ -69,7 +69,8 @@ def test_a_file_that_fits_no_wrap_teaches_none(tmp_path):
     header = file_of(tmp_path, RED, BLUE)
     book = MediaBook("<m>")
     book.pending(((BOS, 10, 99), (12,), (13,)), [Picture(RED, "r"), Picture(BLUE, "b")])
-    assert not book.learn_file(header.tokens, header.images) and book.wrap is None
+    assert book.learn_file(header.tokens, header.images) is Learnt.UNFIT and book.wrap is None
+    assert book.learn_file(header.tokens, header.images) is Learnt.POSITIONS, "said once"
     assert book.positions == {RED: 4, BLUE: 3}, "the positions are learnt all the same"
 
 

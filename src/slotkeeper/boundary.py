@@ -93,12 +93,6 @@ class Boundaries:
     def __init__(self, viewer: PromptViewer) -> None:
         self.viewer = viewer
 
-    async def tokens(self, chat: dict[str, Any], turn: Turn) -> list[int] | None:
-        """The boundary's tokens, or None when llama-server cannot render the chat (or it has a picture not
-        known yet)."""
-        found = await self.find(chat, turn)
-        return found.tokens if found is not None and found.whole else None
-
     async def find(self, chat: dict[str, Any], turn: Turn) -> Boundary | None:
         """The boundary, or None when llama-server cannot render the chat or its prompt cannot be written."""
         first, second = await asyncio.gather(*(self._render(chat, turn, text) for text in PLACEHOLDERS))

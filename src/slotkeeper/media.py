@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import enum
 import hashlib
 from array import array
 from collections import OrderedDict
@@ -47,6 +48,14 @@ class ImageSpan:
     id: str
 
 
+class Learnt(enum.Enum):
+    """What a slot file taught the media book."""
+
+    POSITIONS = "positions"  # its pictures' positions (or nothing new)
+    WRAP = "wrap"  # and, for the first time, the wrap
+    UNFIT = "unfit"  # the file fits no wrap with the prompt that made it (the first such file)
+
+
 @dataclass(frozen=True)
 class Wrap:
     """The tokens mtmd puts before and after every picture (per projector: `img_beg`, `img_end`)."""
@@ -70,16 +79,6 @@ def view_of(tokens: array[int], spans: Sequence[ImageSpan]) -> array[int]:
     for span in spans:
         out[span.start : span.start + span.n] = array("i", image_tokens(span.id, span.n))
     return out
-
-
-def count_images(tokens: Sequence[int]) -> int:
-    """How many pictures a view holds (runs of image tokens)."""
-    runs, inside = 0, False
-    for token in tokens:
-        image = token < IMAGE_TOKEN_FLOOR + 1
-        runs += image and not inside
-        inside = image
-    return runs
 
 
 # ---- the pictures of a request --------------------------------------------------------------------------------
@@ -167,7 +166,7 @@ class MediaBook:
         self.positions: dict[str, int] = {}  # image id -> positions (0: several chunks, a tiled picture)
         self.wrap: Wrap | None = None
         self._pending: OrderedDict[str, Sequence[Sequence[int]]] = OrderedDict()  # first image id -> text pieces
-        self.unlearnable = False  # a file that fits no wrap: pictures are not placed by content (said once)
+        self.unfit = False  # a file fit no wrap: until one does, pictures end a prompt's view (said once)
 
     def compose(self, pieces: Sequence[Sequence[int]], pictures: Sequence[Picture]) -> tuple[list[int], int]:
         """A prompt's view from its text pieces (tokenized as mtmd does: the first with BOS, the rest without)
@@ -195,22 +194,25 @@ class MediaBook:
         if self.wrap is None and wrap is not None:
             self.wrap = wrap
 
-    def learn_file(self, tokens: array[int], spans: Sequence[ImageSpan]) -> bool:
-        """Learn from a slot file's tokens and media chunks; True when it taught the wrap."""
+    def learn_file(self, tokens: array[int], spans: Sequence[ImageSpan]) -> Learnt:
+        """Learn from a slot file's tokens and media chunks (the positions always; the wrap once)."""
         seen: dict[str, int] = {}
         for span in spans:
             seen[span.id] = 0 if span.id in seen else span.n
         for ident, n in seen.items():
             self.positions.setdefault(ident, n)
         if self.wrap is not None or not spans:
-            return False
+            return Learnt.POSITIONS
         pieces = self._pending.get(spans[0].id)
-        wrap = None if pieces is None else _wrap_of(tokens, spans, pieces)
+        if pieces is None:
+            return Learnt.POSITIONS
+        wrap = _wrap_of(tokens, spans, pieces)
         if wrap is None:
-            return False
+            first, self.unfit = not self.unfit, True
+            return Learnt.UNFIT if first else Learnt.POSITIONS
         self.wrap = wrap
         self._pending.clear()
-        return True
+        return Learnt.WRAP
 
 
 def _wrap_of(tokens: array[int], spans: Sequence[ImageSpan], pieces: Sequence[Sequence[int]]) -> Wrap | None:

@@ -61,7 +61,7 @@ from .entries import (
 )
 from .layout import ENTRIES_DIR, QUARANTINE_DIR, SNAPSHOTS_DIR, prepare_layout
 from .log import fmt_bytes, log
-from .media import MediaBook, MediaBoundary, Wrap
+from .media import Learnt, MediaBook, MediaBoundary, Wrap
 from .metrics import Metrics
 from .prefix import exact_key
 from .slotfiles import commit, low_space, report_progress, transient_path
@@ -422,13 +422,18 @@ class ConversationStore(EntryIndex):
         first, so that a boundary with pictures is checked against what they take."""
 
         def expected(header: StateHeader) -> str | None:
-            learnt = bool(header.images) and self.media.learn_file(header.tokens, header.images)
+            learnt = self.media.learn_file(header.tokens, header.images) if header.images else Learnt.POSITIONS
             wrap = self.media.wrap
-            if learnt and wrap is not None:
+            if learnt is Learnt.WRAP and wrap is not None:
                 log.info(
                     "pictures: llama-server puts %d token(s) before each and %d after; image chats are now "
                     "placed by their pictures", len(wrap.begin), len(wrap.end),
                 )  # fmt: skip
+            elif learnt is Learnt.UNFIT:
+                log.warning(
+                    "pictures: a slot file does not hold its prompt's pictures the way slotkeeper reads them (a "
+                    "tiling projector?); image chats are placed by what comes before their first picture"
+                )
             if header.images and wrap is not None:
                 entry.image_wrap = (wrap.begin, wrap.end)
             if boundary is None:

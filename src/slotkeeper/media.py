@@ -32,8 +32,7 @@ import xxhash
 
 IMAGE_TOKEN_FLOOR = -(1 << 30)  # image tokens are below this: never a vocabulary id, never LLAMA_TOKEN_NULL
 _IMAGE_TOKEN_SPAN = 1 << 29
-MEDIA_PARTS = {"image_url": "image_url", "input_audio": "input_audio", "input_video": "input_video",
-               "video_url": "video_url"}  # fmt: skip
+MEDIA_PARTS = frozenset({"image_url", "input_audio", "input_video", "video_url"})  # each names its own member
 PENDING = 16  # prompts with pictures kept until a slot file teaches the wrap
 IDS_REMEMBERED = 4096  # pictures whose id is known from their base64 text
 _IDS: dict[bytes, str] = {}  # xxh3 of a picture's base64 text -> its id (oldest first)
@@ -107,7 +106,7 @@ def chat_pictures(chat: dict[str, Any]) -> list[Picture]:
         for part in content if isinstance(content, list) else ():
             kind = part.get("type") if isinstance(part, dict) else None
             if kind in MEDIA_PARTS:
-                pictures.append(_picture(part.get(MEDIA_PARTS[kind])))
+                pictures.append(_picture(part.get(kind)))
     return pictures
 
 

@@ -64,6 +64,8 @@ class Openings:
             found = await self.boundaries.find(chat, turn)
             if found is not None and not isinstance(found.prompt, list):
                 if key not in self._with_pictures:
+                    if len(self._with_pictures) >= REMEMBERED:
+                        self._with_pictures.clear()
                     self._with_pictures.add(key)
                     log.info("an opening with pictures is not saved as a shared opening: each chat keeps it")
                 return None

@@ -1,6 +1,7 @@
 """Image chats (--mmproj) on the real llama-server: warm after a swap, found again by their pictures, and never a
-wrong answer. On the tiny llama (full attention) and the real Gemma 3 270M with --swa-full (extend-only: saved
-at turn boundaries, which slotkeeper reaches with the real pictures), each with the tiny random projector."""
+wrong answer. On the tiny llama (full attention), the tiny qwen35 and lfm2 hybrids and the real Gemma 3 270M
+with --swa-full (all three extend-only: saved at turn boundaries, which slotkeeper reaches with the real
+pictures), each with the tiny random projector."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from slotkeeper.testing.harness import free_port, http_call
 from slotkeeper.testing.tinymodel import image_part, solid_png
 
 RED, BLUE, GREEN = (230, 20, 20), (20, 20, 230), (20, 200, 20)
-IMAGE_FAMILIES = {"llama": 64, "gemma3-270m-swa-full": 640}  # family -> its text model's width
+IMAGE_FAMILIES = {"llama": 64, "qwen35-thinking-off": 64, "lfm2": 64, "gemma3-270m-swa-full": 640}  # -> width
 
 
 def picture_chat(n: int, family: str, *colours: tuple[int, int, int], text: str = "What is in this picture?") -> Chat:
@@ -104,7 +105,7 @@ def test_same_text_different_pictures_interleaved_across_swaps_answer_as_cold_ru
             warm.append(answer(sk.port, chat, chat.messages))
             chat.turn(sk.port)
         swap_out(sk)
-    model = real_gemma if name.startswith("gemma3-270m") else family_models["llama"]
+    model = real_gemma if name.startswith("gemma3-270m") else family_models[FAMILIES[name].model]
     cold = cold_answers(llama_server, model, tiny_mmproj(IMAGE_FAMILIES[name]), name, asks, tmp_path)
     for i, (w, c) in enumerate(zip(warm, cold)):
         print(i, "max logprob difference warm vs cold:", max_difference(w, c))

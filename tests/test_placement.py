@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from slotkeeper.media import image_tokens
 from slotkeeper.openings import Opening
 from slotkeeper.placement import (
     NO_KEY,
@@ -412,3 +413,47 @@ def test_a_slot_whose_chat_differs_only_in_its_last_block_is_another_chat_by_its
         same_chat,
     )
     assert (plan.slot.id, plan.outcome) == (0, "resident"), plan
+
+
+# ---- pictures a view does not show (`promptview`: tokens stop before a picture not known yet) -------------
+
+
+def test_a_slot_whose_tokens_stop_before_a_picture_is_saved_before_a_request_that_shares_them(placement):
+    """Two chats with the same text before a red or a blue picture that no slot file has shown yet: their
+    tokens are alike up to the picture. The slot holding the red one is saved before the blue one runs there;
+    a slot whose tokens show all it holds is not."""
+    text = keys_of(640, 1)
+    held(placement, 0, text)
+    placement.slots[0].partial = True  # (what SlotTable.ran records for a partial view)
+    partial_view = RequestView(text, 640, partial=True)
+    plan = decide(placement.slots.slots, partial_view, placement.store, placement.rules)
+    assert plan is not None and plan.outcome != "resident" and plan.write_back, plan
+    placement.slots[0].partial = False
+    plan = decide(placement.slots.slots, RequestView(text, 640), placement.store, placement.rules)
+    assert plan is not None and (plan.slot.id, plan.outcome, plan.write_back) == (0, "resident", False), plan
+
+
+def test_a_request_whose_tokens_stop_before_a_picture_does_not_take_a_slot_holding_more(placement):
+    """The request's tokens stop at its (new) picture; the slot holds more than that, so what it holds there is
+    another picture or other text: it is saved first. A slot holding no more than the request shows is its."""
+    text = keys_of(640, 1)
+    held(placement, 0, text + keys_of(64, 2))
+    plan = decide(placement.slots.slots, RequestView(text, 640, partial=True), placement.store, placement.rules)
+    assert plan is not None and plan.outcome != "resident" and plan.write_back, plan
+    held(placement, 0, text)
+    plan = decide(placement.slots.slots, RequestView(text, 640, partial=True), placement.store, placement.rules)
+    assert plan is not None and (plan.outcome, plan.write_back) == ("resident", False), plan
+
+
+@pytest.mark.parametrize("shows_picture", [True, False])
+def test_an_entry_one_block_ahead_is_restored_when_that_block_shows_a_picture(placement, shows_picture):
+    """An entry that covers one block more than the live slot shares: restored when that block holds a
+    picture (restoring spares the vision encoder), not when it is text (RESTORE_MIN_GAIN_BLOCKS)."""
+    text = [100_000 + i for i in range(600)]
+    tokens = text + (image_tokens("ab" * 32, 40) if shows_picture else [7] * 40)  # 10 blocks
+    keys = block_keys(tokens)
+    entry = Entry("eeee", len(keys) * BLOCK_TOKENS, 1, keys, 0, 0, {"model": "m"}, 4, "packed-1")
+    placement.store.index(entry)
+    held(placement, 0, keys[:9], last_used=3.0)  # the live slot shares the text before the picture
+    plan = decide(placement.slots.slots, RequestView(keys, len(tokens), tokens), placement.store, placement.rules)
+    assert plan is not None and plan.outcome == ("restored" if shows_picture else "resident"), plan

@@ -72,6 +72,11 @@ def image_tokens(image_id: str, n: int) -> list[int]:
     return [IMAGE_TOKEN_FLOOR - (base + i) % _IMAGE_TOKEN_SPAN for i in range(n)]
 
 
+def shows_picture(tokens: Sequence[int], start: int, end: int) -> bool:
+    """A picture's positions lie in tokens[start:end] of a prompt's view."""
+    return any(t < IMAGE_TOKEN_FLOOR for t in tokens[start:end])
+
+
 def view_of(tokens: array[int], spans: Sequence[ImageSpan]) -> array[int]:
     """A slot file's tokens with each media chunk's positions standing for its image."""
     out = array("i", tokens)

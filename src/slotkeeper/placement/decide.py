@@ -26,6 +26,7 @@ import enum
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 
+from ..media import shows_picture
 from ..openings import Opening
 from ..policy import CachePolicy
 from ..prefix import BLOCK_TOKENS, common_keys
@@ -121,7 +122,7 @@ def decide(
         if slot.busy:
             return None
         shared = shared_blocks(slot, view.keys, view.tokens) if view.keys else 0
-        return _complete(Plan(slot, Outcome.PINNED, view, write_back=not holds(slot, shared)), store, rules, ())
+        return _complete(Plan(slot, Outcome.PINNED, view, write_back=not holds(slot, shared, view)), store, rules, ())
     idle = [s for s in slots if not s.busy]
     if not idle:
         return None
@@ -161,9 +162,9 @@ def _decide_pinnable(
     keys, tokens, opening = view.keys or [], view.tokens, view.opening
     best, shared = max(((s, shared_blocks(s, keys, tokens)) for s in idle), key=lambda p: (p[1], p[0].last_used))
     start = starting_opening(opening, lookup, store)
-    if worth_restoring(slots, lookup, shared, start, rules):
+    if worth_restoring(slots, lookup, shared, start, rules, view.tokens):
         return Plan(victim(idle, rules), Outcome.RESTORED, view, lookup.entry, True, lookup=lookup)
-    if shared and holds(best, shared) and not other_chat(best, shared, opening, view.key, rules):
+    if shared and holds(best, shared, view) and not other_chat(best, shared, opening, view.key, rules):
         return Plan(best, Outcome.RESIDENT, view, lookup=lookup)
     if branches(best, shared, start, rules):
         return Plan(best, Outcome.BRANCH, view, write_back=True, lookup=lookup)  # an edit of this chat's past
@@ -203,9 +204,9 @@ def _decide_unpinnable(
     choice = llama_choice(idle, keys, view.n_tokens, tokens)
     shared = shared_blocks(choice, keys, tokens)
     start = starting_opening(opening, lookup, store)
-    if worth_restoring(slots, lookup, shared, start, rules):
+    if worth_restoring(slots, lookup, shared, start, rules, view.tokens):
         return Plan(choice, Outcome.RESTORED, view, lookup.entry, True, lookup=lookup)
-    if shared and holds(choice, shared) and not other_chat(choice, shared, opening, view.key, rules):
+    if shared and holds(choice, shared, view) and not other_chat(choice, shared, opening, view.key, rules):
         return Plan(choice, Outcome.RESIDENT, view, lookup=lookup)
     if branches(choice, shared, start, rules):
         return Plan(choice, Outcome.BRANCH, view, write_back=True, lookup=lookup)
@@ -239,9 +240,14 @@ def shared_blocks(slot: Slot, keys: Sequence[str], tokens: Sequence[int] | None)
     return common_keys(slot.keys, keys)
 
 
-def holds(slot: Slot, shared: int) -> bool:
-    """The request continues what the slot holds (all its full blocks, give or take the last one)."""
-    return bool(slot.keys) and shared >= len(slot.keys) - 1
+def holds(slot: Slot, shared: int, view: RequestView) -> bool:
+    """The request continues what the slot holds (all its full blocks, give or take the last one), and no
+    picture hides a difference: tokens that stop before a picture not known yet (`promptview`) do not show
+    what follows it, so a slot whose tokens stop so, or that holds more than such a request's tokens show,
+    may hold another chat with other pictures. Such a slot is saved first (which teaches the picture)."""
+    if not slot.keys or shared < len(slot.keys) - 1:
+        return False
+    return not slot.partial and not (view.partial and slot.tokens > view.n_tokens)
 
 
 def worth_keeping(slot: Slot, rules: Rules) -> bool:
@@ -276,13 +282,23 @@ def llama_choice(idle: list[Slot], keys: Sequence[str], n_tokens: int, tokens: S
     return min(reversed(idle), key=lambda s: s.task_ended)
 
 
-def worth_restoring(slots: Sequence[Slot], lookup: Lookup, shared: int, start: Entry | None, rules: Rules) -> bool:
+def worth_restoring(
+    slots: Sequence[Slot], lookup: Lookup, shared: int, start: Entry | None, rules: Rules,
+    tokens: Sequence[int] | None = None,
+) -> bool:  # fmt: skip
     """The entry found for the request beats what the best slot shares with it, and is not a new chat's
-    opening (that is `start`), nor in a slot already."""
+    opening (that is `start`), nor in a slot already. It beats it by RESTORE_MIN_GAIN_BLOCKS, or by any block
+    that shows a picture (of the request's `tokens`): restoring it spares the vision encoder, which costs far
+    more than prefilling the picture's positions."""
     entry, in_store = lookup.entry, lookup.in_store
+    gained = in_store - shared
+    spares_encoder = (
+        gained > 0 and tokens is not None and shows_picture(tokens, shared * BLOCK_TOKENS, in_store * BLOCK_TOKENS)
+    )
     return (
         entry is not None and start is None and not any(s.entry is entry for s in slots)
-        and in_store >= shared + RESTORE_MIN_GAIN_BLOCKS and in_store * BLOCK_TOKENS >= rules.min_tokens
+        and in_store * BLOCK_TOKENS >= rules.min_tokens
+        and (gained >= RESTORE_MIN_GAIN_BLOCKS or spares_encoder)
     )  # fmt: skip
 
 

@@ -13,14 +13,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from family_helpers import BASE, FAMILIES, LOGPROB_TOLERANCE, Chat, answer, max_difference, same_answer, swap_out
+from family_helpers import (
+    BASE,
+    FAMILIES,
+    LOGPROB_TOLERANCE,
+    NO_THINKING,
+    Chat,
+    answer,
+    max_difference,
+    same_answer,
+    swap_out,
+)
 
 from slotkeeper.demo import PlainServer, clean_env
 from slotkeeper.testing.agents import AgentSession
-from slotkeeper.testing.harness import free_port, http_call
+from slotkeeper.testing.harness import free_port, http_call, wait_until
 from slotkeeper.testing.tinymodel import image_part, solid_png
 
 RED, BLUE, GREEN = (230, 20, 20), (20, 20, 230), (20, 200, 20)
+ROUTER = ["-c", "8192", "-t", "2", "--no-warmup"]
 IMAGE_FAMILIES = {"llama": 64, "qwen35-thinking-off": 64, "lfm2": 64, "gemma3-270m-swa-full": 640}  # -> width
 
 
@@ -206,3 +217,51 @@ def test_agent_sessions_with_pictures_come_back_warm_over_responses_and_messages
             sessions[0].turns[0].prompt,
             sk2.logs()[-3000:],
         )
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen35-thinking-off"])
+def test_image_chats_are_warm_after_llama_server_slept(name, image_start):
+    """Two chats with the same text and a red or a blue picture on one slot, llama-server's own sleep
+    (--sleep-idle-seconds): it unloads the model, the projector and the cache; each chat's next turn after it
+    reuses at least 90% of its previous prompt."""
+    sk = image_start(name, "-np", "1", "--sleep-idle-seconds", "2")
+    chats = [picture_chat(1, name, RED), picture_chat(1, name, BLUE)]
+    for chat in chats:
+        chat.turn(sk.port)
+    asleep = lambda: http_call(sk.port, "GET", "/props").body.get("is_sleeping") is True  # noqa: E731
+    assert wait_until(asleep, 10, interval=0.2), sk.logs()[-3000:]
+    for chat in chats:
+        timings = chat.turn(sk.port)
+        assert chat.reused_enough(timings), (chat.n, timings, chat.previous_prompt_tokens, sk.logs()[-4000:])
+    assert "llama-server is asleep" in sk.logs()
+
+
+def test_in_router_mode_a_models_image_chats_are_kept(starter, llama_server, family_models, tiny_mmproj, tmp_path):
+    """Router mode with a preset whose model a has a projector: two chats with the same text and a red or a
+    blue picture on a, a text chat on b (the router unloads a for it, --models-max 1), then a swap; every
+    chat's next turn is warm."""
+    preset = tmp_path / "models.ini"
+    preset.write_text(
+        f"[a]\nmodel = {family_models['llama']}\nmmproj = {tiny_mmproj(64)}\n\n"
+        f"[b]\nmodel = {family_models['qwen35']}\n",
+        encoding="utf-8",
+    )
+    start = starter(llama_server, ["--models-preset", str(preset), "--models-max", "1", *ROUTER, "-np", "1"])
+    sk = start()
+    on_a = []
+    for colour in (RED, BLUE):
+        chat = picture_chat(1, "llama", colour)
+        chat.request = {"model": "a"}
+        on_a.append(chat)
+    on_b = Chat(5, {"model": "b", **NO_THINKING})
+    for chat in (*on_a, on_b):
+        chat.turn(sk.port)
+    for chat in on_a:  # a was unloaded for b: both come back from the store
+        timings = chat.turn(sk.port)
+        assert chat.reused_enough(timings), (chat.n, timings, chat.previous_prompt_tokens, sk.logs()[-4000:])
+    swap_out(sk)
+    sk2 = start()
+    for chat in (on_b, *on_a):  # a last: its status is there to read
+        timings = chat.turn(sk2.port)
+        assert chat.reused_enough(timings), (chat.n, timings, chat.previous_prompt_tokens, sk2.logs()[-4000:])
+    assert http_call(sk2.port, "GET", "/slotkeeper/status").body["models"]["a"]["store"]["images"] >= 2

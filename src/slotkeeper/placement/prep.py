@@ -16,6 +16,7 @@ from .slots import Slot, SlotTable
 
 if TYPE_CHECKING:  # (the shared tier, and obstore under it, is imported only with --remote-store)
     from ..remote import RemoteTier
+    from ..store import Entry
 
 
 class Preparer:
@@ -38,12 +39,23 @@ class Preparer:
             await keeper.write_back(slot, "before it is reused")
         if rules.policy is CachePolicy.PREFIX and plan.cold >= rules.min_tokens:
             await self._park_idle(slot)  # first: what is restored or prefilled then lands in the freed cells
-        if plan.restore is not None:
+        if plan.restore is not None and self._holds_superseded(slot, plan.restore):
+            log.debug("chat %s not restored: the write-back of slot %d superseded it", plan.restore.short, slot.id)
+        elif plan.restore is not None:
             await keeper.restore_into(slot, plan.restore)
         elif plan.erase:
             await keeper.erase(slot, "erased: the request does not extend the chat restored there")
         if plan.opening is not None:
             await keeper.save_opening(slot, plan.opening)
+
+    def _holds_superseded(self, slot: Slot, entry: Entry) -> bool:
+        """The slot's write-back just superseded the entry to restore: the slot held more of that chat than its
+        keys showed (`Slot.hidden_tail`), and still holds all of it. (On extend-only models a live state is
+        not reused by a request that leaves it: the restore goes ahead, and says why it fails.)"""
+        return (
+            not self.rules.extend_only and entry.id not in self.keeper.store.entries and slot.entry is not None
+            and common_keys(slot.keys, entry.keys) >= len(entry.keys)
+        )  # fmt: skip
 
     async def _clear_unextended(self, plan: Plan) -> None:
         """Before a request llama-server places itself, on an extend-only model: every other idle slot holding a

@@ -202,6 +202,24 @@ def test_the_victim_is_saved_before_a_restore_overwrites_it(real):
     assert all(i > 0 and "saved from slot 0 (before it is reused)" in lines[i - 1] for i in restores), lines
 
 
+def test_a_branch_from_an_early_answer_saves_the_later_turns_first(real):
+    """-np 1: a chat's later turns continue in its slot without being tokenized, so slotkeeper's keys of the
+    slot are its first turn's. A regenerate of the first answer shares all of those keys: the slot is saved
+    before it runs. The new branch goes on a turn; back on the old branch, its next turn is restored, warm."""
+    sk = real("-np", "1")
+    old = Chat(0)
+    for _ in range(3):
+        old.turn(sk.port)
+    branch = Chat(0)  # the same chat, its first answer asked again
+    branch.turn(sk.port)
+    branch.messages[-1]["content"] = "Tell me something else instead."
+    branch.turn(sk.port)
+    assert "saved from slot 0 (before it is reused)" in sk.logs(), sk.logs()[-3000:]
+    old.last_prompt_tokens_before = old.last_prompt_tokens  # type: ignore[attr-defined]
+    timings = old.turn(sk.port)
+    assert warm(old, timings), (timings, old.last_prompt_tokens_before, sk.logs()[-3000:])
+
+
 def test_a_request_with_its_own_id_slot_keeps_it(real):
     """A client that sets id_slot keeps its choice; what that slot held is saved first, so it stays warm."""
     sk = real("-np", "2", "--cache-ram", "0")

@@ -424,11 +424,11 @@ def test_a_slot_whose_tokens_stop_before_a_picture_is_saved_before_a_request_tha
     a slot whose tokens show all it holds is not."""
     text = keys_of(640, 1)
     held(placement, 0, text)
-    placement.slots[0].partial = True  # (what SlotTable.ran records for a partial view)
+    placement.slots[0].hidden_tail = True  # (what SlotTable.ran records for a partial view)
     partial_view = RequestView(text, 640, partial=True)
     plan = decide(placement.slots.slots, partial_view, placement.store, placement.rules)
     assert plan is not None and plan.outcome != "resident" and plan.write_back, plan
-    placement.slots[0].partial = False
+    placement.slots[0].hidden_tail = False
     plan = decide(placement.slots.slots, RequestView(text, 640), placement.store, placement.rules)
     assert plan is not None and (plan.slot.id, plan.outcome, plan.write_back) == (0, "resident", False), plan
 
@@ -457,3 +457,15 @@ def test_an_entry_one_block_ahead_is_restored_when_that_block_shows_a_picture(pl
     held(placement, 0, keys[:9], last_used=3.0)  # the live slot shares the text before the picture
     plan = decide(placement.slots.slots, RequestView(keys, len(tokens), tokens), placement.store, placement.rules)
     assert plan is not None and plan.outcome == ("restored" if shows_picture else "resident"), plan
+
+
+def test_a_slot_whose_chat_went_on_untokenized_is_saved_before_a_request_that_shares_its_keys(placement):
+    """The chat in slot 0 continued there without being tokenized (its keys are an older turn's). A request
+    that shares those keys but does not continue the chat by its messages is a branch or another chat: the
+    slot is written back first. Its own next turn needs no tokens (`continuing`)."""
+    keys = keys_of(640, 1)
+    slot = placement.slots[0]
+    placement.slots.ran(slot, RequestView(keys, 640), resident=False, chat=None, reply=None)
+    placement.slots.ran(slot, RequestView(None, 0), resident=True, chat=None, reply=None)
+    plan = decide(placement.slots.slots, RequestView(keys, 640), placement.store, placement.rules)
+    assert plan is not None and plan.slot is slot and plan.outcome != "resident" and plan.write_back, plan

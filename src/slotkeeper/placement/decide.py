@@ -241,13 +241,14 @@ def shared_blocks(slot: Slot, keys: Sequence[str], tokens: Sequence[int] | None)
 
 
 def holds(slot: Slot, shared: int, view: RequestView) -> bool:
-    """The request continues what the slot holds (all its full blocks, give or take the last one), and no
-    picture hides a difference: tokens that stop before a picture not known yet (`promptview`) do not show
-    what follows it, so a slot whose tokens stop so, or that holds more than such a request's tokens show,
-    may hold another chat with other pictures. Such a slot is saved first (which teaches the picture)."""
+    """The request continues what the slot holds (all its full blocks, give or take the last one), and nothing
+    unseen may differ. A slot that holds more than its keys show (`Slot.hidden_tail`: past a picture not known
+    yet, or a turn that ran untokenized) may hold another chat, or a later turn of this one, past them; so may
+    a slot that holds more than the request's tokens show, when they stop before a picture not known yet
+    (`promptview`). Such a slot is saved first (its file shows what it held, pictures included)."""
     if not slot.keys or shared < len(slot.keys) - 1:
         return False
-    return not slot.partial and not (view.partial and slot.tokens > view.n_tokens)
+    return not slot.hidden_tail and not (view.partial and slot.tokens > view.n_tokens)
 
 
 def worth_keeping(slot: Slot, rules: Rules) -> bool:

@@ -39,7 +39,7 @@ class Slot:
     restored: Entry | None = None  # extend-only models: the restored state it holds; requests must extend it
     restored_extended: bool = False  # a request's tokens were seen to extend it (its continuations need not)
     exact: str = ""  # prefix.exact_key of its tokens, when they are known to the token (a boundary it reached)
-    partial: bool = False  # its keys end before a picture not known yet: what it holds past them is unseen
+    hidden_tail: bool = False  # it holds more than its keys show, unseen (see `SlotTable.ran`)
 
     def may_reach(self, tokens: Sequence[int]) -> bool:
         """The slot may be brought to hold exactly these tokens: they do not go back before its restored state."""
@@ -97,7 +97,7 @@ class SlotTable:
         """It now holds exactly `keys`/`tokens`, saved as `entry` (when that is not None); `exact`: the exact key
         of those tokens, when they are known to the token."""
         slot.entry, slot.keys, slot.tokens, slot.dirty, slot.exact = entry, keys, tokens, False, exact
-        slot.partial = False
+        slot.hidden_tail = False
         if entry is not None:
             slot.label = entry.short
 
@@ -113,7 +113,7 @@ class SlotTable:
 
     def reached(self, slot: Slot, tokens: Sequence[int]) -> None:
         """llama-server brought it to exactly these tokens (a turn boundary), its content otherwise unchanged."""
-        slot.keys, slot.tokens, slot.exact, slot.partial = block_keys(tokens), len(tokens), exact_key(tokens), False
+        slot.keys, slot.tokens, slot.exact, slot.hidden_tail = block_keys(tokens), len(tokens), exact_key(tokens), False
 
     def task_ran(self, slot: Slot) -> None:
         """llama-server ran a task of slotkeeper's there, taken or not: its LRU clock moved."""
@@ -127,7 +127,7 @@ class SlotTable:
     def cleared(self, slot: Slot) -> None:
         """It holds nothing known (erased, or a restore into it failed)."""
         slot.keys, slot.last_request, slot.tokens, slot.entry, slot.dirty = [], NO_KEY, 0, None, False
-        slot.partial = False
+        slot.hidden_tail = False
         slot.label, slot.restored, slot.restored_extended, slot.chat, slot.reply, slot.exact = (
             "",
             None,
@@ -139,7 +139,7 @@ class SlotTable:
 
     def unseen(self, slot: Slot) -> None:
         """A request slotkeeper did not place ran here: what it holds is unknown, and worth a save to find out."""
-        slot.dirty, slot.keys, slot.tokens, slot.partial = True, [], 0, False
+        slot.dirty, slot.keys, slot.tokens, slot.hidden_tail = True, [], 0, False
 
     def lost_restored(self, slot: Slot) -> None:
         """A request that does not extend its restored state ran there all the same: that state is gone."""
@@ -152,7 +152,12 @@ class SlotTable:
         """A request placed there ended with an answer (or the client left while it ran): the slot holds its
         prompt and (part of) what was generated. The view's keys: the prompt's block keys, when it was tokenized
         (of its prompt up to a picture not known yet, when partial: the answer says its size); `resident`: it
-        continued the chat there. Returns the prompt tokens llama-server is taken to have reused."""
+        continued the chat there. Returns the prompt tokens llama-server is taken to have reused.
+
+        What the slot holds past its keys is unseen (`hidden_tail`) when the view stopped before a picture not
+        known yet, or when the chat continued there untokenized (its keys are an older turn's): only a request
+        that continues its chat by its messages is then taken for it; any other is a branch or another chat,
+        and the slot is saved before it runs there."""
         request, keys = view.key, view.keys
         slot.chat, slot.reply = chat, reply
         slot.restored_extended = slot.restored_extended or keys is not None
@@ -161,12 +166,13 @@ class SlotTable:
             slot.keys, slot.tokens = keys, len(keys) * BLOCK_TOKENS
             usage = reply.usage() if view.partial and reply is not None else None
             slot.tokens = max(slot.tokens, usage.prompt if usage is not None else 0)
-            slot.partial = view.partial
+            slot.hidden_tail = view.partial
         elif resident:
             reused = slot.tokens
+            slot.hidden_tail = True
         else:  # unplaced: what it holds is unknown
             reused = 0
-            slot.keys, slot.tokens, slot.partial = [], 0, False
+            slot.keys, slot.tokens, slot.hidden_tail = [], 0, False
         slot.last_request, slot.entry, slot.dirty, slot.last_used = request, None, True, self.tick()
         slot.task_ended = slot.last_used
         if not resident or not slot.label:

@@ -191,8 +191,9 @@ async def in_process(port: int, store_root: Path, chat: Chat, long_chat: Chat, r
     # (c) for comparison: the /apply-template + /tokenize round trip for a 10k-token chat
     long_body = chat_body(long_chat.messages)
     long_data = json.loads(long_body)
-    tokens = await placement.keeper.ask_tokens(CHAT_PATH, long_body, long_data, long_data)
-    out["long_tokens"] = len(tokens)
+    rendered = await placement.keeper.ask_tokens(CHAT_PATH, long_body, long_data, long_data)
+    assert rendered is not None, "the long chat was not tokenized"
+    out["long_tokens"] = len(rendered.tokens)
     times = []
     for _ in range(repeat):
         started = time.perf_counter()
@@ -212,7 +213,9 @@ async def in_process(port: int, store_root: Path, chat: Chat, long_chat: Chat, r
     # (d) entries of several sizes: the chat as its slot holds it (llama-server chose that slot), then prefixes
     # of it (the slot truncated to them by a request for the prefix itself, so nothing is computed again)
     data = json.loads(body)
-    tokens = await placement.keeper.ask_tokens(CHAT_PATH, body, data, data)
+    rendered = await placement.keeper.ask_tokens(CHAT_PATH, body, data, data)
+    assert rendered is not None, "the chat was not tokenized"
+    tokens = rendered.tokens
     slots = (await client.slots()).body
     held = max(slots, key=lambda s: s.get("n_prompt_tokens", 0))["id"]
     other = 1 - held

@@ -123,11 +123,6 @@ class LlamaClient:
         prompt = json.loads(raw)["prompt"]
         return prompt if isinstance(prompt, str) else None
 
-    async def chat_tokens(self, chat_body: bytes) -> list[int] | None:
-        """A chat-form body's prompt tokens: its template applied (/apply-template), then tokenized."""
-        prompt = await self.apply_template(chat_body)
-        return None if prompt is None else await self.tokenize(prompt)
-
     async def slot_action(self, slot_id: int, action: str, filename: str | None = None) -> ChildReply:
         """A slot action, run to its end even when the caller is cancelled (a stop cancels start-up's restores;
         a drain that runs out cancels a request mid-restore).

@@ -78,7 +78,7 @@ def commit(
         if expected_key is not None and entry.exact != expected_key:
             raise StateFileError(f"the slot holds {header.n_tokens:,} tokens that are not its turn boundary")
         entry.keys = block_keys(view)
-        entry.images = tuple((image.id, image.n) for image in header.images)
+        entry.images = header.image_positions
         entry.tokens = header.n_tokens
         entry.seq_version, entry.layout = header.version, header.layout
         entry.checksum = file_checksum(transient)

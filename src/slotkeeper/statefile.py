@@ -44,6 +44,11 @@ class StateHeader:
         return len(self.tokens)
 
     @property
+    def image_positions(self) -> tuple[tuple[str, int], ...]:
+        """Each picture's id and positions, in order (what an entry's manifest keeps: `Entry.images`)."""
+        return tuple((image.id, image.n) for image in self.images)
+
+    @property
     def view(self) -> array[int]:
         """The tokens with each image's positions standing for that image (what slotkeeper keys files by)."""
         return view_of(self.tokens, self.images) if self.images else self.tokens

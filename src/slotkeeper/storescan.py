@@ -102,7 +102,7 @@ def _take_over_one(
         server={},
         save_ms=(old or {}).get("save_ms"),
         exact=exact_key(header.view),
-        images=tuple((image.id, image.n) for image in header.images),
+        images=header.image_positions,
     )
     os.replace(bin_path, entries_dir / f"{entry.id}{BIN_SUFFIX}")
     write_json_atomic(entries_dir / f"{entry.id}{MANIFEST_SUFFIX}", entry.manifest(), fsync)

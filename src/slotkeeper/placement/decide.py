@@ -285,7 +285,7 @@ def llama_choice(idle: list[Slot], keys: Sequence[str], n_tokens: int, tokens: S
 
 def worth_restoring(
     slots: Sequence[Slot], lookup: Lookup, shared: int, start: Entry | None, rules: Rules,
-    tokens: Sequence[int] | None = None,
+    tokens: Sequence[int] | None,
 ) -> bool:  # fmt: skip
     """The entry found for the request beats what the best slot shares with it, and is not a new chat's
     opening (that is `start`), nor in a slot already. It beats it by RESTORE_MIN_GAIN_BLOCKS, or by any block

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .llama_client import LlamaClient
 from .media import MediaBoundary, media_prompt
+from .prefix import common_prefix
 from .promptview import PromptViewer, Rendered
 
 PLACEHOLDERS = ("A", "7")  # two next messages that differ in their first token
@@ -98,7 +98,7 @@ class Boundaries:
         first, second = await asyncio.gather(*(self._render(chat, turn, text) for text in PLACEHOLDERS))
         if first is None or second is None:
             return None
-        n = _common(first.tokens, second.tokens)
+        n = common_prefix(first.tokens, second.tokens)
         if not first.pictures:
             return Boundary(first.tokens[:n], first.tokens[:n])
         return await self._with_pictures(first, second, n)
@@ -106,7 +106,7 @@ class Boundaries:
     async def _with_pictures(self, first: Rendered, second: Rendered, n: int) -> Boundary | None:
         """The boundary of a chat with pictures: the text both renders share, and the pictures in it. It must
         tokenize to exactly the tokens both renders share (else the slot could not be brought there)."""
-        text = first.text[: _common(first.text, second.text)]
+        text = first.text[: common_prefix(first.text, second.text)]
         marker = self.viewer.book.marker or ""
         pictures = first.pictures[: text.count(marker)]
         if any(picture.data is None for picture in pictures):
@@ -118,7 +118,7 @@ class Boundaries:
         if first.whole and second.whole and found.whole:
             return Boundary(found.tokens, prompt) if found.tokens == first.tokens[:n] else None
         last, ends = found.pieces[-1], (first.pieces[len(found.pieces) - 1], second.pieces[len(found.pieces) - 1])
-        if _common(*ends) != len(last) or tuple(ends[0][: len(last)]) != last:
+        if common_prefix(*ends) != len(last) or tuple(ends[0][: len(last)]) != last:
             return None
         return Boundary(found.tokens, prompt, found.whole, MediaBoundary(found.pieces, tuple(pictures)))
 
@@ -143,13 +143,3 @@ class Boundaries:
     @property
     def client(self) -> LlamaClient:
         return self.viewer.client
-
-
-def _common(a: Sequence[Any], b: Sequence[Any]) -> int:
-    """The length of the longest common prefix of two sequences."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -15,7 +15,7 @@ import contextlib
 import hashlib
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
-from typing import overload
+from typing import Any, overload
 
 BLOCK_TOKENS = 64
 KEY_BYTES = 8
@@ -55,6 +55,16 @@ def extends_exactly(tokens: Sequence[int] | array[int], n: int, key: str) -> boo
 def unit_keys(units: Iterable[bytes]) -> list[str]:
     """Chained keys of request units (canonical bytes of each message, or of each piece of prompt text)."""
     return _chain(units)
+
+
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """The length of the longest common prefix of two sequences (tokens, characters): compared one by one."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def common_keys(a: Sequence[str], b: Sequence[str]) -> int:

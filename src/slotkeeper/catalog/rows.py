@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..entries import BIN_SUFFIX, Entry, Status
+from ..prefix import common_prefix
 from .formats import count, display_path
 
 SHORT_ID_MIN = 4
@@ -351,7 +352,7 @@ def assign_short_ids(rows: Sequence[Row | RemoteRow]) -> None:
     ids = sorted({r.id for r in rows if r.kind is not Kind.SLOT_FILE})
     shared = dict.fromkeys(ids, 0)  # id -> the longest prefix it shares with another id
     for left, right in itertools.pairwise(ids):
-        n = _common_prefix(left, right)
+        n = common_prefix(left, right)
         if n > shared[left]:
             shared[left] = n
         if n > shared[right]:
@@ -362,12 +363,3 @@ def assign_short_ids(rows: Sequence[Row | RemoteRow]) -> None:
             continue
         entry_id = row.id
         row.short = entry_id[: max(SHORT_ID_MIN, min(len(entry_id), shared[entry_id] + 1))]
-
-
-def _common_prefix(a: str, b: str) -> int:
-    """How many leading characters two strings share."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

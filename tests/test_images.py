@@ -1,5 +1,5 @@
 """Image chats (--mmproj) on the real llama-server: warm after a swap, found again by their pictures, and never a
-wrong answer. On the tiny llama (full attention), the tiny qwen35 and lfm2 hybrids and the real Gemma 3 270M
+wrong answer. On the tiny llama (full attention), the tiny qwen35 (thinking on and off) and lfm2 hybrids and the real Gemma 3 270M
 with --swa-full (all three extend-only: saved at turn boundaries, which slotkeeper reaches with the real
 pictures), each with the tiny random projector."""
 
@@ -32,7 +32,13 @@ from slotkeeper.testing.tinymodel import image_part, solid_png
 
 RED, BLUE, GREEN = (230, 20, 20), (20, 20, 230), (20, 200, 20)
 ROUTER = ["-c", "8192", "-t", "2", "--no-warmup"]
-IMAGE_FAMILIES = {"llama": 64, "qwen35-thinking-off": 64, "lfm2": 64, "gemma3-270m-swa-full": 640}  # -> width
+IMAGE_FAMILIES = {
+    "llama": 64,
+    "qwen35-thinking-off": 64,
+    "qwen35-thinking-on": 64,
+    "lfm2": 64,
+    "gemma3-270m-swa-full": 640,
+}  # -> width
 
 
 def picture_chat(n: int, family: str, *colours: tuple[int, int, int], text: str = "What is in this picture?") -> Chat:
@@ -100,7 +106,9 @@ def test_image_chats_come_back_warm_after_a_swap_at_start_and_on_demand(name, im
     assert "restored into slot 0" in sk2.logs()
 
 
-@pytest.mark.parametrize("name", IMAGE_FAMILIES)
+# (not with thinking on: its first answer tokens are reasoning, where red and blue differ too little for the
+# test to see a mix-up; the same chats with thinking off are compared)
+@pytest.mark.parametrize("name", [name for name in IMAGE_FAMILIES if name != "qwen35-thinking-on"])
 def test_same_text_different_pictures_interleaved_across_swaps_answer_as_cold_runs(
     name, image_start, llama_server, family_models, real_gemma, tiny_mmproj, tmp_path
 ):

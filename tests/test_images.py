@@ -1,7 +1,7 @@
 """Image chats (--mmproj) on the real llama-server: warm after a swap, found again by their pictures, and never a
-wrong answer. On the tiny llama (full attention), the tiny qwen35 (thinking on and off) and lfm2 hybrids and the real Gemma 3 270M
-with --swa-full (all three extend-only: saved at turn boundaries, which slotkeeper reaches with the real
-pictures), each with the tiny random projector."""
+wrong answer. On the tiny llama (full attention), the tiny qwen35 (thinking on and off) and lfm2 hybrids and
+the real Gemma 3 270M with --swa-full (all extend-only: saved at turn boundaries, which slotkeeper reaches with
+the real pictures), each with the tiny random projector."""
 
 from __future__ import annotations
 

@@ -42,6 +42,7 @@ OWN_OPTIONS: dict[str, bool] = {
     "log_level": False,
     "log_format": False,
     "placement": True,
+    "keep_attribution_line": True,
     "min_save_tokens": False,
     "remote_store": False,
     "model_memory": False,

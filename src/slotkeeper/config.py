@@ -45,6 +45,11 @@ class Options(BaseModel):
         description="cap on the conversation store (e.g. 20GB; default: half the disk space it could use); "
         "least recently used entries go first",
     )
+    keep_attribution_line: bool = Field(
+        False,
+        description="keep Claude Code's per-session attribution line (x-anthropic-billing-header) in system "
+        "prompts; by default it is dropped, so that every session shares one opening",
+    )
     placement: bool = Field(
         True,
         description="place completion requests on the slot that holds their chat (restoring it first if "

@@ -14,6 +14,7 @@ import signal
 import time
 from typing import Any
 
+from .attribution import AttributionFilter
 from .childsleep import POLL_S, ChildSleep, save_after
 from .config import RunConfig
 from .fingerprint import model_identity
@@ -23,6 +24,7 @@ from .log import MODEL, fmt_bytes, fmt_ms, log
 from .metrics import Metrics
 from .model import Model, model_memory, open_model, read_server_facts
 from .policy import CachePolicy
+from .proxy.hook import CompletionHook
 from .proxy.messages import Reply
 from .proxy.server import Gate, Proxy
 from .router import Router
@@ -126,6 +128,7 @@ class Daemon:
             "total_slots": 0 if model is None else model.facts.n_slots,
             "placement": self.options.placement,
             "router": self.router is not None,
+            "attribution_lines_dropped": self.metrics.attribution_lines_dropped(),
             "models": None if self.router is None else self.router.status(),
             **(self._starting_status() if model is None else model.status()),
             "save_estimate": self.save_estimate(),
@@ -169,10 +172,7 @@ class Daemon:
             if code is not None:
                 gate.close()
                 return code
-            if self.router is not None:
-                proxy.hook = self.router
-            elif self.options.placement and self.model is not None:
-                proxy.hook = self.model.placement
+            proxy.hook = self.completion_hook()
             gate.open()
             # What start-up built (modules, pydantic models, the loop) lives as long as the process: moved out
             # of the collector's sight, a full collection no longer walks it while requests are proxied.
@@ -494,6 +494,20 @@ class Daemon:
         elif not counts[1]:
             log.info("no slot changed since its cache was written; nothing to save")
         return counts
+
+    def completion_hook(self) -> CompletionHook | None:
+        """What completion requests go through: the router or placement (unless --no-placement), behind the
+        attribution filter (unless --keep-attribution-line)."""
+        inner: CompletionHook | None = None
+        if self.router is not None:
+            inner = self.router
+        elif self.options.placement and self.model is not None:
+            inner = self.model.placement
+        if self.options.keep_attribution_line:
+            return inner
+        hook = AttributionFilter(inner)
+        self.metrics.attribution_lines_dropped = lambda: hook.dropped
+        return hook
 
     def save_estimate(self) -> dict[str, float] | None:
         """What the stop-time save must write (a restore at start marks its slot used too: "served" means a

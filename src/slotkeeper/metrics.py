@@ -79,6 +79,7 @@ class Metrics:
     requests_by_status: Callable[[], dict[int, int]] = dict
     models: Callable[[], dict[str, Metrics]] = dict  # router mode: each loaded model's own counters
     requests_in_flight: Callable[[], int] = lambda: 0
+    attribution_lines_dropped: Callable[[], int] = lambda: 0  # requests whose attribution line was dropped
     state: Callable[[], str] = lambda: "starting"
 
     def restored(self, seconds: float, nbytes: int, tokens: int) -> None:
@@ -346,6 +347,12 @@ def _process_families(m: Metrics) -> Iterator[Any]:
     for key, value in sorted(m.requests_by_status().items()):
         proxied.add_metric([str(key)], value)
     yield proxied
+    dropped = CounterMetricFamily(
+        "slotkeeper_attribution_lines_dropped",
+        "Requests whose Claude Code attribution line was dropped from the system prompt (one opening for all sessions)",
+    )
+    dropped.add_metric([], m.attribution_lines_dropped())
+    yield dropped
     in_flight = GaugeMetricFamily("slotkeeper_requests_in_flight", "Requests being proxied now")
     in_flight.add_metric([], m.requests_in_flight())
     yield in_flight

@@ -4,13 +4,19 @@ not, on a full-attention model and on a hybrid, and a session's swap on every ti
 
 from __future__ import annotations
 
+import copy
+import json
 import re
 
 import pytest
-from family_helpers import FAMILIES, common_prefix, swap_out
+from family_helpers import BASE, FAMILIES, common_prefix, model_path, swap_out
 
+from slotkeeper.attribution import is_attribution_line
+from slotkeeper.chatform import anthropic_to_chat
+from slotkeeper.demo import PlainServer, clean_env
 from slotkeeper.prefix import BLOCK_TOKENS
-from slotkeeper.testing.agents import AGENT_SYSTEM, APIS, AgentSession, prompt_tokens
+from slotkeeper.testing.agents import AGENT_SYSTEM, APIS, AgentSession, Turn, claude_code_session, post, prompt_tokens
+from slotkeeper.testing.harness import free_port
 
 AGENT_FAMILIES = ("llama", "qwen35-thinking-off")
 # The session test runs on every tiny family: sliding-window (where a restored state a request does not extend
@@ -154,3 +160,113 @@ def test_debug_logs_one_line_per_placement(family_start):
     quiet = family_start(family)
     AgentSession(3, "messages").turn(quiet.port)
     assert "request placed on slot" not in quiet.logs()
+
+
+# ---- every new Claude Code session starts warm ---------------------------------------------------------------
+
+FIRSTS = ("What does calc.py do?", "Hello there", "Fix the failing test in parser.py.")
+
+
+def _without_line(body: dict) -> dict:
+    """The request as a plain llama-server should see it: the attribution block gone, nothing else changed."""
+    assert is_attribution_line(body["system"][0]["text"]), body["system"][0]
+    return {**body, "system": body["system"][1:]}
+
+
+def _opening_tokens(port: int, body: dict) -> int:
+    """The system prompt and tools of a Messages request, in tokens: what two first user messages share."""
+    chat = anthropic_to_chat(_without_line(body))
+    a, b = ({**chat, "messages": [*chat["messages"][:-1], {"role": "user", "content": c}]} for c in ("A", "7"))
+    return common_prefix(prompt_tokens(port, a), prompt_tokens(port, b))
+
+
+def _openings(sk) -> dict:
+    return sk.call("GET", "/slotkeeper/status").body["openings"]
+
+
+def _first_turn(sk, session: AgentSession) -> tuple[dict, Turn]:
+    """A new session's first request: its body as sent, and its turn."""
+    body = copy.deepcopy(session.body())  # (the session's history grows on)
+    return body, session.turn(sk.port)
+
+
+@pytest.mark.parametrize("family_name", AGENT_FAMILIES)
+def test_every_new_claude_code_session_starts_from_the_one_saved_opening(
+    family_start, family_name, llama_server, family_models, request, tmp_path
+):
+    """Claude Code's attribution line differs per session. Dropped, two sessions with different first prompts,
+    and a third after a swap, each reuse the whole system prompt and tools on their first request: the opening
+    the first session saved, with none prefilled for them, sooner than the first session's first request; and
+    each answers as a plain llama-server answers the request without the line."""
+    family = FAMILIES[family_name]
+    sk = family_start(family, "-np", "2")
+    first = claude_code_session(1, FIRSTS[0], family.request)
+    first_body, first_turn = _first_turn(sk, first)
+    first.turn(sk.port)
+    opening_n = _opening_tokens(sk.port, first_body)
+    assert opening_n > 2000, opening_n
+    saved = _openings(sk)
+    assert saved["saved"] == 1, (saved, sk.logs()[-3000:])
+    second = claude_code_session(2, FIRSTS[1], family.request)
+    second_body, second_turn = _first_turn(sk, second)
+    after = _openings(sk)
+    # No opening prefilled for it: the one saved serves it (restored, or live in the first session's slot).
+    assert (after["saved"], after["prefill_tokens"]) == (1, saved["prefill_tokens"]), (after, sk.logs()[-3000:])
+    assert second_turn.reused >= 0.9 * opening_n, (second_turn, opening_n, sk.logs()[-3000:])
+    assert second_turn.seconds < first_turn.seconds, (second_turn.seconds, first_turn.seconds)
+    swap_out(sk)
+    assert len(re.findall(r"opening \w+ saved from slot", sk.logs())) == 1, sk.logs()[-4000:]
+
+    sk = family_start(family, "-np", "2")
+    third = claude_code_session(3, FIRSTS[2], family.request)
+    third_body, third_turn = _first_turn(sk, third)
+    status = _openings(sk)  # (on full attention the opening may be live in a slot: then no restore is needed)
+    assert (status["saved"], status["prefill_tokens"]) == (0, 0), (status, sk.logs()[-3000:])
+    assert not re.search(r"opening \w+ saved from slot", sk.logs()), sk.logs()[-3000:]
+    assert third_turn.reused >= 0.9 * opening_n, (third_turn, opening_n, sk.logs()[-3000:])
+    assert third_turn.seconds < first_turn.seconds, (third_turn.seconds, first_turn.seconds)
+    assert sk.call("GET", "/slotkeeper/status").body["attribution_lines_dropped"] == 1
+
+    model = model_path(family.model, family_models, request)
+    plain = PlainServer(llama_server, ["-m", str(model), *BASE, "-np", "2"], free_port(), tmp_path / "plain.log",
+                        clean_env(llama_server))  # fmt: skip
+    try:
+        plain.wait_ready()
+        for body, turn in ((first_body, first_turn), (second_body, second_turn), (third_body, third_turn)):
+            status, raw, _ = post(plain.port, "/v1/messages", _without_line(body))
+            assert status == 200, raw[:500]
+            cold = json.loads(raw)
+            assert "".join(b.get("text", "") for b in cold["content"] if b["type"] == "text") == turn.text
+    finally:
+        plain.stop()
+
+
+def test_with_keep_attribution_line_a_new_claude_code_session_is_cold_as_on_plain(
+    family_start, llama_server, family_models, request, tmp_path
+):
+    """--keep-attribution-line sends the line on: the second session shares only the line's first characters
+    with the first, on slotkeeper as on a plain llama-server."""
+    family = FAMILIES["llama"]
+    sk = family_start(family, "-np", "2", own=("--keep-attribution-line",))
+    first = claude_code_session(1, FIRSTS[0])
+    first_body, _ = _first_turn(sk, first)
+    opening_n = _opening_tokens(sk.port, first_body)
+    before = _openings(sk)["prefill_tokens"]
+    second = claude_code_session(2, FIRSTS[1])
+    _, second_turn = _first_turn(sk, second)
+    # What was prefilled for it: by the request, and by slotkeeper saving its own opening just before (which the
+    # request then reports as cached).
+    after = _openings(sk)
+    prefilled = second_turn.prompt - second_turn.reused + after["prefill_tokens"] - before
+    assert prefilled >= 0.9 * opening_n and after["saved"] == 2, (second_turn, after, opening_n)
+    assert sk.call("GET", "/slotkeeper/status").body["attribution_lines_dropped"] == 0
+    model = model_path(family.model, family_models, request)
+    plain = PlainServer(llama_server, ["-m", str(model), *BASE, "-np", "2"], free_port(), tmp_path / "plain.log",
+                        clean_env(llama_server))  # fmt: skip
+    try:
+        plain.wait_ready()
+        claude_code_session(1, FIRSTS[0]).turn(plain.port)
+        cold = claude_code_session(2, FIRSTS[1]).turn(plain.port)
+    finally:
+        plain.stop()
+    assert cold.prompt - cold.reused >= 0.9 * opening_n, (cold, opening_n)

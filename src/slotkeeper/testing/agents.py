@@ -8,6 +8,7 @@ count of reused prompt tokens. Used by tests/test_agents.py and benchmarks/agent
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import time
@@ -46,6 +47,37 @@ TOOLS = [
 ]
 
 
+CLAUDE_CODE_VERSION = "2.1.197"
+CLAUDE_CODE_IDENTITY = "You are Claude Code, Anthropic's official CLI for Claude."
+
+
+def attribution_line(first: str) -> str:
+    """Claude Code's attribution line for a session that opens with `first`: three characters after the version
+    are derived from the session's first prompt, and older builds add a `cch=` stamp."""
+    suffix = hashlib.sha256(first.encode()).hexdigest()
+    pairs = f"cc_version={CLAUDE_CODE_VERSION}.{suffix[:3]}; cc_entrypoint=sdk-cli; cch={suffix[3:8]};"
+    return f"x-anthropic-billing-header: {pairs}"
+
+
+def claude_code_system(first: str, system: str = AGENT_SYSTEM, *, attribution: bool = True) -> list[dict[str, Any]]:
+    """The system blocks of a Claude Code request: the attribution line, the identity block and the long system
+    prompt, the last two marked for prompt caching as Claude Code marks them."""
+    cached = {"cache_control": {"type": "ephemeral"}}
+    blocks = [{"type": "text", "text": attribution_line(first)}] if attribution else []
+    return [
+        *blocks,
+        {"type": "text", "text": CLAUDE_CODE_IDENTITY, **cached},
+        {"type": "text", "text": system, **cached},
+    ]
+
+
+def claude_code_session(
+    n: int, first: str, request: dict[str, Any] | None = None, stream: bool = False
+) -> AgentSession:
+    """A new Claude Code session over Anthropic Messages, opening with `first`."""
+    return AgentSession(n, "messages", stream, dict(request or {}), system=claude_code_system(first), first=first)
+
+
 @dataclass
 class Turn:
     prompt: int  # the prompt's tokens, as the API counts them
@@ -53,6 +85,7 @@ class Turn:
     reply: Any  # the reply in the API's own form (what the client sends back)
     text: str  # the reply's text
     seconds: float = 0.0  # the whole request, as the client waited for it
+    first_token_s: float = 0.0  # until the first delta of a streamed reply (the whole request's if not streamed)
 
 
 @dataclass
@@ -63,7 +96,7 @@ class AgentSession:
     api: str
     stream: bool = False
     request: dict[str, Any] = field(default_factory=dict)  # extra fields (chat_template_kwargs: thinking off)
-    system: str = AGENT_SYSTEM
+    system: str | list[dict[str, Any]] = AGENT_SYSTEM  # Anthropic's system blocks too (`claude_code_system`)
     first: str = ""
     history: list[Any] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
@@ -109,11 +142,12 @@ class AgentSession:
     def turn(self, port: int) -> Turn:
         """Send the session's next request; the reply and a next user message join the history."""
         started = time.monotonic()
-        status, raw = _post(port, PATHS[self.api], self.body())
+        status, raw, first = post(port, PATHS[self.api], self.body())
         elapsed = time.monotonic() - started
         assert status == 200, raw[:2000]
         turn = (_read_stream if self.stream else _read_json)[self.api](raw)
         turn.seconds = elapsed
+        turn.first_token_s = elapsed if first is None else first - started
         self.turns.append(turn)
         if self.api == "responses":
             self.history.extend(turn.reply)
@@ -127,12 +161,20 @@ class AgentSession:
         return turn.reused >= 0.9 * self.turns[-2].prompt
 
 
-def _post(port: int, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+def post(port: int, path: str, body: dict[str, Any]) -> tuple[int, bytes, float | None]:
+    """The status, the whole answer, and when its first delta event arrived (streamed answers)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     try:
         conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
-        return resp.status, resp.read()
+        if not body.get("stream"):
+            return resp.status, resp.read(), None
+        lines, first = [], None
+        while line := resp.readline():
+            if first is None and line.startswith(b"data:") and b'delta"' in line:
+                first = time.monotonic()
+            lines.append(line)
+        return resp.status, b"".join(lines), first
     finally:
         conn.close()
 

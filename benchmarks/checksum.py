@@ -31,10 +31,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from slotkeeper.cmdline import find_llama_server
-from slotkeeper.entries import file_checksum
-from slotkeeper.llama_client import LlamaClient
+from slotkeeper.llama.client import LlamaClient
 from slotkeeper.proxy.upstream import ChildPool
-from slotkeeper.store import ConversationStore
+from slotkeeper.store.conversations import ConversationStore
+from slotkeeper.store.entries import file_checksum
 from slotkeeper.testing.harness import free_port, health_status, http_call, wait_until
 from slotkeeper.testing.tinymodel import TinyModelSpec, write_tiny_model
 

@@ -39,10 +39,10 @@ from typing import Any
 
 from benchsetup import llama_server, model_e, slotkeeper_args, stop_slotkeeper, work_dir
 
+from slotkeeper.chat.prefix import BLOCK_TOKENS, block_keys, common_keys
 from slotkeeper.demo import DEMO_SEED_TEXT, Turn
 from slotkeeper.demo import stream_chat as demo_stream_chat
 from slotkeeper.placement.keeper import PREFILL_RATE_MAX_AGE_S
-from slotkeeper.prefix import BLOCK_TOKENS, block_keys, common_keys
 from slotkeeper.testing.harness import Slotkeeper, free_port, http_call, wait_until
 from slotkeeper.testing.s3server import S3Server
 from slotkeeper.testing.tinymodel import BENCH_MODEL_E

@@ -48,10 +48,11 @@ from typing import Any
 from benchsetup import bench_model, llama_server, slotkeeper_args, work_dir
 
 from slotkeeper.demo import Chat, clean_env, stream_chat
-from slotkeeper.llama_client import LlamaClient
-from slotkeeper.placement import Placement, request_key
+from slotkeeper.llama.client import LlamaClient
+from slotkeeper.placement.hook import Placement
+from slotkeeper.placement.request import request_key
 from slotkeeper.proxy.upstream import ChildPool
-from slotkeeper.store import ConversationStore
+from slotkeeper.store.conversations import ConversationStore
 from slotkeeper.testing.harness import free_port, http_call, wait_until
 from slotkeeper.testing.tinymodel import TinyModelSpec
 

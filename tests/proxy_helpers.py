@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slotkeeper.llama.supervisor import ChildEndpoint
 from slotkeeper.proxy.server import Gate, Proxy
-from slotkeeper.supervisor import ChildEndpoint
 from slotkeeper.testing.harness import free_port
 
 # ---- a scripted child ----------------------------------------------------------------------------------------

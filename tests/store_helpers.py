@@ -1,6 +1,6 @@
 """Reading a slotkeeper save directory from a test: the committed entries, their manifests and tokens.
 
-The layout (slotkeeper.layout): `entries/<id>.bin` + `entries/<id>.json` (an entry is committed once its
+The layout (slotkeeper.store.layout): `entries/<id>.bin` + `entries/<id>.json` (an entry is committed once its
 manifest exists), `snapshots/` (llama-server's --slot-save-path: clients' names and slotkeeper's transient
 `slotkeeper-<hex>.bin`), `quarantine/`, and the `.lock`. Log lines name an entry by its first 4 hex digits.
 """
@@ -15,9 +15,9 @@ from typing import Any
 
 from stub import decode_slot_file
 
-from slotkeeper.layout import ENTRIES_DIR, QUARANTINE_DIR, SNAPSHOTS_DIR
-from slotkeeper.statefile import read_header
-from slotkeeper.store import TRANSIENT_PREFIX
+from slotkeeper.store.entries import TRANSIENT_PREFIX
+from slotkeeper.store.layout import ENTRIES_DIR, QUARANTINE_DIR, SNAPSHOTS_DIR
+from slotkeeper.store.statefile import read_header
 
 RESTORED = re.compile(r"chat ([0-9a-f]{4}) restored into slot (\d+): ")
 SAVED = re.compile(r"chat ([0-9a-f]{4}) saved from slot (\d+) \(([^)]*)\): ")

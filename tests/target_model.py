@@ -1,6 +1,6 @@
 """llama-server's reading of a request's query and of ``POST /slots/:id_slot``, as a reference model.
 
-slotkeeper routes on the path alone (``slotkeeper.target.read_path``); these readings of the rest are what the
+slotkeeper routes on the path alone (``slotkeeper.proxy.target.read_path``); these readings of the rest are what the
 tests check the proxy's rules and llama-server itself against (cpp-httplib's ``parse_query_text`` and
 ``decode_query_component``, ``server-http.cpp``'s ``get_params``: the last value of a name wins, and the
 ``id_slot`` path parameter overrides a query parameter of that name after a second ``%XX`` decoding).
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from slotkeeper.target import _ESCAPE, RefusedTarget, _byte, read_path
+from slotkeeper.proxy.target import _ESCAPE, RefusedTarget, _byte, read_path
 
 SLOTS_ROUTE = "/slots/"  # llama-server's POST /slots/:id_slot
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1  # std::stoi's range (a 32-bit int)

@@ -11,11 +11,19 @@ import re
 import pytest
 from family_helpers import BASE, FAMILIES, common_prefix, model_path, swap_out
 
-from slotkeeper.attribution import is_attribution_line
-from slotkeeper.chatform import anthropic_to_chat
+from slotkeeper.chat.attribution import is_attribution_line
+from slotkeeper.chat.convert import anthropic_to_chat
+from slotkeeper.chat.prefix import BLOCK_TOKENS
 from slotkeeper.demo import PlainServer, clean_env
-from slotkeeper.prefix import BLOCK_TOKENS
-from slotkeeper.testing.agents import AGENT_SYSTEM, APIS, AgentSession, Turn, claude_code_session, post, prompt_tokens
+from slotkeeper.testing.agents import (
+    AGENT_SYSTEM,
+    APIS,
+    AgentSession,
+    Turn,
+    claude_code_session,
+    post,
+    prompt_tokens,
+)
 from slotkeeper.testing.harness import free_port
 
 AGENT_FAMILIES = ("llama", "qwen35-thinking-off")

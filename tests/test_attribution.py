@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from slotkeeper.attribution import AttributionFilter, drop_attribution_line, is_attribution_line
+from slotkeeper.chat.attribution import AttributionFilter, drop_attribution_line, is_attribution_line
 from slotkeeper.proxy.hook import Placed
 
 LINE = "x-anthropic-billing-header: cc_version=2.1.197.58e; cc_entrypoint=sdk-cli;"

@@ -38,7 +38,7 @@ ESCALATED = "after SIGTERM; sending SIGKILL"  # supervisor.ChildProcess.stop, wh
 FAULTY_STORE = """
 import errno, os
 from pathlib import Path
-from slotkeeper.store import ConversationStore
+from slotkeeper.store.conversations import ConversationStore
 
 def _faulty(name):
     original = getattr(ConversationStore, name)

@@ -11,10 +11,10 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slotkeeper.apis import Api
-from slotkeeper.boundary import turns_of
-from slotkeeper.prefix import exact_key, extends_exactly
-from slotkeeper.replies import MAX_REPLY_BYTES, ReplyReader, Usage
+from slotkeeper.chat.apis import Api
+from slotkeeper.chat.boundary import turns_of
+from slotkeeper.chat.prefix import exact_key, extends_exactly
+from slotkeeper.chat.replies import MAX_REPLY_BYTES, ReplyReader, Usage
 
 
 def read(*pieces: bytes) -> dict | None:

@@ -27,16 +27,19 @@ from typing import Any
 import pytest
 from stub import encode_slot_file
 
-from slotkeeper.catalog import ls_main, parse_duration, parse_size, plan_prune, prune_main, scan_dir
 from slotkeeper.catalog import prune as catalog  # prune looks remove_pair up where the tests patch it
+from slotkeeper.catalog.cli import ls_main, prune_main
+from slotkeeper.catalog.formats import parse_duration, parse_size
 from slotkeeper.catalog.match import expectation_from_args
+from slotkeeper.catalog.prune import plan_prune
 from slotkeeper.catalog.render import dumps_indented, json_records
 from slotkeeper.catalog.rows import FileStat, Kind, RemoteRow, Row, assign_short_ids
-from slotkeeper.entries import Status
-from slotkeeper.fingerprint import build_fingerprint, model_identity, namespace_key
-from slotkeeper.layout import lock_store, prepare_layout
+from slotkeeper.catalog.scan import scan_dir
 from slotkeeper.log import fmt_bytes
-from slotkeeper.store import TRANSIENT_PREFIX, ConversationStore, Entry, read_json, write_json_atomic
+from slotkeeper.store.conversations import ConversationStore
+from slotkeeper.store.entries import TRANSIENT_PREFIX, Entry, Status, read_json, write_json_atomic
+from slotkeeper.store.fingerprint import build_fingerprint, model_identity, namespace_key
+from slotkeeper.store.layout import lock_store, prepare_layout
 from slotkeeper.testing.harness import free_port, wait_until
 from slotkeeper.testing.s3server import S3Server
 
@@ -843,7 +846,7 @@ def put_remote(
     """An entry as the remote tier uploads it: the .bin, then its manifest with the .bin's sha256 and bytes."""
     import obstore
 
-    from slotkeeper.remote import RemoteConfig
+    from slotkeeper.remote.tier import RemoteConfig
 
     bucket = RemoteConfig.from_url(URL, s3.env()).store(timedelta(seconds=10), timedelta(seconds=10))
     data = encode_slot_file(list(range(1, (entry.tokens if entry else 10) + 1)), "m.gguf")
@@ -1210,7 +1213,7 @@ def test_ls_time_is_now_by_default(capsys, tmp_path):
 
 # ---- as a process -----------------------------------------------------------------------------------------------
 
-ENTRY = "import sys; from slotkeeper.catalog import {0}; sys.exit({0}(sys.argv[1:]))"
+ENTRY = "import sys; from slotkeeper.catalog.cli import {0}; sys.exit({0}(sys.argv[1:]))"
 
 
 def test_as_a_process_bad_input_prints_one_line(tmp_path):

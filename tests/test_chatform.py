@@ -31,7 +31,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slotkeeper.chatform import _dump, _dump_float, anthropic_to_chat, responses_to_chat, to_chat_form
+from slotkeeper.chat.convert import _dump, _dump_float, anthropic_to_chat, responses_to_chat, to_chat_form
 from slotkeeper.testing.harness import free_port
 
 RESPONSES = "/v1/responses"

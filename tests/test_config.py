@@ -168,7 +168,7 @@ def test_llama_servers_own_sleep_is_read_and_left_to_it(tmp_path, given, sleeps_
     ("sleep_s", "autosave", "after"), [(3, 5.0, 1.5), (60, 5.0, 5.0), (60, 0.0, 58.0), (300, 600.0, 298.0)]
 )
 def test_the_idle_save_comes_before_llama_servers_sleep(sleep_s, autosave, after):
-    from slotkeeper.childsleep import save_after
+    from slotkeeper.llama.sleep import save_after
 
     assert save_after(sleep_s, autosave) == after
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from family_helpers import FAMILIES, Chat, answer, same_answer, swap_out
 
-from slotkeeper.layout import ENTRIES_DIR, QUARANTINE_DIR, SNAPSHOTS_DIR
+from slotkeeper.store.layout import ENTRIES_DIR, QUARANTINE_DIR, SNAPSHOTS_DIR
 from slotkeeper.testing.harness import http_call, wait_until
 
 LLAMA = FAMILIES["llama"]
@@ -204,7 +204,7 @@ def test_a_linked_entry_is_never_followed(family_start):
 
 def catalog(command: str, *args: str) -> str:
     """`slotkeeper ls` or `prune` as a process: its output."""
-    code = f"import sys; from slotkeeper.catalog import {command}; sys.exit({command}(sys.argv[1:]))"
+    code = f"import sys; from slotkeeper.catalog.cli import {command}; sys.exit({command}(sys.argv[1:]))"
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout

@@ -32,10 +32,10 @@ from hypothesis import strategies as st
 from proxy_helpers import FakeChild, RawRequest, RawResponse, raw_response, read_body, read_response
 from target_model import Target, read_target
 
+from slotkeeper.llama.supervisor import ChildEndpoint
 from slotkeeper.proxy.connection import BODY_BUFFER_HIGH, MAX_REQUEST_HEAD, SMALL_BODY
 from slotkeeper.proxy.hook import Placed
 from slotkeeper.proxy.server import Gate, Proxy
-from slotkeeper.supervisor import ChildEndpoint
 
 # What llama-server b11434 routes as a completion (tools/server/server.cpp); the hook must see exactly these.
 COMPLETION_PATHS = frozenset(

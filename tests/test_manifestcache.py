@@ -10,10 +10,10 @@ import secrets
 import time
 from pathlib import Path
 
-from slotkeeper import manifestcache
-from slotkeeper.entries import Entry, pair_paths, write_json_atomic
-from slotkeeper.prefix import block_keys, exact_key
-from slotkeeper.store import ConversationStore
+from slotkeeper.chat.prefix import block_keys, exact_key
+from slotkeeper.store import manifestcache
+from slotkeeper.store.conversations import ConversationStore
+from slotkeeper.store.entries import Entry, pair_paths, write_json_atomic
 
 FINGERPRINT = {"model": "m.gguf", "n_ctx": 4096}
 SERVER = {"path": "/bin/llama-server", "size": 1, "mtime": 2}
@@ -98,7 +98,7 @@ class FakeChild:
         self.actions: list[str] = []
 
     async def slot_action(self, slot_id: int, action: str, filename: str | None = None):
-        from slotkeeper.llama_client import ChildReply
+        from slotkeeper.llama.client import ChildReply
 
         self.actions.append(action)
         return ChildReply(200, {"n_restored": 700, "n_read": 100})
@@ -116,7 +116,7 @@ def test_an_entry_whose_file_cannot_be_checked_leaves_nothing_in_its_slot(tmp_pa
     def unreadable(path):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr("slotkeeper.store.file_checksum", unreadable)
+    monkeypatch.setattr("slotkeeper.store.conversations.file_checksum", unreadable)
     result = asyncio.run(store.restore(entry, 0))
     assert not result.ok and result.reason == "its file could not be checked: Input/output error", result
     assert child.actions == ["restore", "erase"]

@@ -6,8 +6,8 @@ import base64
 import struct
 from array import array
 
-from slotkeeper.media import Learnt, MediaBook, Picture, chat_pictures, image_id, image_tokens
-from slotkeeper.statefile import SEQ_MAGIC, read_header
+from slotkeeper.chat.media import Learnt, MediaBook, Picture, chat_pictures, image_id, image_tokens
+from slotkeeper.store.statefile import SEQ_MAGIC, read_header
 
 BOS, BEGIN, END = 2, 255999, 256000
 

@@ -15,8 +15,8 @@ np = pytest.importorskip("numpy")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from slotkeeper.ggufheader import SkippedArray, read_gguf_metadata  # noqa: E402
-from slotkeeper.modelinfo import (  # noqa: E402
+from slotkeeper.llama.ggufheader import SkippedArray, read_gguf_metadata  # noqa: E402
+from slotkeeper.llama.modelinfo import (  # noqa: E402
     KvLayer,
     MemoryKind,
     ModelInfoError,

@@ -36,7 +36,7 @@ from store_helpers import (
 )
 from stub import encode_slot_file, tokenize
 
-from slotkeeper.entries import file_checksum
+from slotkeeper.store.entries import file_checksum
 from slotkeeper.testing.harness import pid_alive, read_events, wait_until
 
 # 360 bytes (the stub's tokens are bytes): over --min-save-tokens' 256, so it is worth an entry

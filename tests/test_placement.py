@@ -17,23 +17,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slotkeeper.media import image_tokens
-from slotkeeper.openings import Opening
-from slotkeeper.placement import (
-    NO_KEY,
-    Placement,
-    Plan,
-    RequestKey,
-    RequestView,
-    Rules,
-    decide,
-    request_key,
-    with_id_slot,
-)
-from slotkeeper.policy import CachePolicy
-from slotkeeper.prefix import BLOCK_TOKENS, block_keys, common_keys, exact_key
-from slotkeeper.statefile import SEQ_MAGIC, StateFileError, read_header
-from slotkeeper.store import ConversationStore, Entry
+from slotkeeper.chat.media import image_tokens
+from slotkeeper.chat.openings import Opening
+from slotkeeper.chat.prefix import BLOCK_TOKENS, block_keys, common_keys, exact_key
+from slotkeeper.llama.policy import CachePolicy
+from slotkeeper.placement.decide import Plan, Rules, decide
+from slotkeeper.placement.hook import Placement
+from slotkeeper.placement.request import NO_KEY, RequestKey, RequestView, request_key, with_id_slot
+from slotkeeper.store.conversations import ConversationStore
+from slotkeeper.store.entries import Entry
+from slotkeeper.store.statefile import SEQ_MAGIC, StateFileError, read_header
 
 # ---- prefix keys ------------------------------------------------------------------------------------------
 
@@ -240,7 +233,7 @@ def test_a_new_chat_reuses_a_saved_slot_that_holds_its_system_prompt(placement):
 
 
 def test_a_grown_chat_supersedes_its_older_save_despite_a_re_templated_answer():
-    from slotkeeper.store import extends
+    from slotkeeper.store.index import extends
 
     old_tokens = list(range(1000))
     old = Entry("old1", 1000, 1, block_keys(old_tokens), 0, 0, {}, 4, "packed-1")
@@ -327,7 +320,7 @@ def test_a_slot_holding_just_the_opening_is_used_first(placement):
 
 
 def test_an_opening_is_never_superseded_by_the_chats_that_start_from_it():
-    from slotkeeper.store import extends
+    from slotkeeper.store.index import extends
 
     system = list(range(640))
     opening = opening_entry(system)
@@ -365,7 +358,7 @@ def test_a_slot_whose_chat_shares_only_the_opening_is_not_taken_for_continuing(p
 def test_a_short_chat_is_not_superseded_by_another_that_shares_its_opening():
     """Two agent sessions: the same ~8k-token opening, first messages shorter than a block. The second's save
     shares all of the first's blocks but its last, yet it is another chat; the first's next turn supersedes it."""
-    from slotkeeper.store import extends
+    from slotkeeper.store.index import extends
 
     opening = list(range(8026))
     first = Entry("one1", 8091, 1, block_keys(opening + [1] * 65), 0, 0, {}, 4, "packed-1", messages=["s", "o", "u1"])

@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slotkeeper.prefix import KeyChain, block_keys, common_keys
-from slotkeeper.prefixtree import PrefixTree
+from slotkeeper.chat.prefix import KeyChain, block_keys, common_keys
+from slotkeeper.store.prefixtree import PrefixTree
 
 # Token lists drawn from a few shapes that share prefixes: an opening, branches of it, re-saves of a chat.
 piece = st.lists(st.sampled_from([1, 2, 3]), min_size=1, max_size=4)

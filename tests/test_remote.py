@@ -20,9 +20,9 @@ from typing import Any
 import obstore
 import pytest
 
-from slotkeeper import remote
 from slotkeeper.log import log
-from slotkeeper.remote import RemoteConfig, RemoteMatch, RemoteTier
+from slotkeeper.remote import tier as remote_tier
+from slotkeeper.remote.tier import RemoteConfig, RemoteMatch, RemoteTier
 from slotkeeper.testing.harness import free_port
 from slotkeeper.testing.s3server import ACCESS_KEY_ID, SECRET_ACCESS_KEY, S3Server
 
@@ -184,11 +184,11 @@ async def test_longest_prefix_wins_and_index_refreshes(
     assert (host_a.stats.remote_hits, host_a.stats.remote_misses) == (3, 2)
 
     # host B saves a better entry: host A sees it only once its index is INDEX_MAX_AGE_S old.
-    monkeypatch.setattr(remote, "INDEX_MAX_AGE_S", 3600.0)
+    monkeypatch.setattr(remote_tier, "INDEX_MAX_AGE_S", 3600.0)
     await upload(host_b, *write_entry(tmp_path / "b", "longer", 100, ["h1", "h2", "h3", "h4", "h5"]))
     match = await host_a.find(["h1", "h2", "h3", "h4", "h5"], 16)
     assert match is not None and match.entry_id == "long"
-    monkeypatch.setattr(remote, "INDEX_MAX_AGE_S", 0.0)
+    monkeypatch.setattr(remote_tier, "INDEX_MAX_AGE_S", 0.0)
     match = await host_a.find(["h1", "h2", "h3", "h4", "h5"], 16)
     assert match is not None and (match.entry_id, match.matched_blocks) == ("longer", 5)
 
@@ -429,7 +429,7 @@ async def test_close_returns_by_its_deadline_with_uploads_pending(
     started = time.monotonic()
     await tier.close(started + 1.0)
     elapsed = time.monotonic() - started
-    assert 0.9 < elapsed < 1.0 + remote.CANCEL_GRACE_S
+    assert 0.9 < elapsed < 1.0 + remote_tier.CANCEL_GRACE_S
     assert tier.stats.uploads_pending == 2 and tier.stats.uploads_done == 0
     assert sorted(p.name for p in journal.iterdir()) == ["slow1.json", "slow2.json"]
     assert [r.getMessage() for r in logs.records if "pending" in r.getMessage()] == [
@@ -567,6 +567,6 @@ def test_unreadable_profile_file_is_a_one_line_error(tmp_path: Path) -> None:
 def test_without_remote_store_the_shared_tier_is_not_even_imported():
     """Start-up pays for obstore (~20 ms of imports) only with --remote-store: run mode imports the daemon and
     everything it uses at start, and neither the shared tier nor obstore is among them."""
-    probe = "import sys, slotkeeper.daemon; print(sorted(m for m in sys.modules if m.startswith(('obstore', 'slotkeeper.remote', 'slotkeeper.bucket'))))"
+    probe = "import sys, slotkeeper.daemon; print(sorted(m for m in sys.modules if m.startswith(('obstore', 'slotkeeper.remote'))))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out

@@ -15,7 +15,7 @@ from pathlib import Path
 import obstore
 import pytest
 
-from slotkeeper.remote import RemoteConfig
+from slotkeeper.remote.tier import RemoteConfig
 from slotkeeper.testing.harness import http_call, wait_until
 from slotkeeper.testing.s3server import S3Server
 

@@ -12,15 +12,16 @@ from collections.abc import AsyncIterator
 import pytest
 from conftest import clean_env
 
-from slotkeeper.boundary import Boundary
+from slotkeeper.chat.boundary import Boundary
+from slotkeeper.chat.prefix import exact_key
 from slotkeeper.demo import PlainServer
-from slotkeeper.layout import prepare_layout
-from slotkeeper.llama_client import LlamaClient
-from slotkeeper.placement import Placement, Rules
-from slotkeeper.policy import CachePolicy
-from slotkeeper.prefix import exact_key
+from slotkeeper.llama.client import LlamaClient
+from slotkeeper.llama.policy import CachePolicy
+from slotkeeper.placement.decide import Rules
+from slotkeeper.placement.hook import Placement
 from slotkeeper.proxy.upstream import ChildPool
-from slotkeeper.store import ConversationStore
+from slotkeeper.store.conversations import ConversationStore
+from slotkeeper.store.layout import prepare_layout
 from slotkeeper.testing.harness import free_port
 
 

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, event, example, given, note, settings
 from hypothesis import strategies as st
 from target_model import SlotRequest, Target, c_stoi, read_params, read_target, slot_request
 
-from slotkeeper.target import REFUSED_ESCAPE, REFUSED_FRAGMENT, REFUSED_NUL
+from slotkeeper.proxy.target import REFUSED_ESCAPE, REFUSED_FRAGMENT, REFUSED_NUL
 from slotkeeper.testing.harness import free_port, health_status, http_call, wait_until
 
 # ---- target.py on its own --------------------------------------------------------------------------------------

@@ -64,11 +64,11 @@ def run_subcommand(name: str, args: list[str]) -> int:
 
         return demo_main(args)
     if name == "ls":
-        from .catalog import ls_main
+        from .catalog.cli import ls_main
 
         return ls_main(args)
     if name == "prune":
-        from .catalog import prune_main
+        from .catalog.cli import prune_main
 
         return prune_main(args)
     if name == "version":
@@ -98,7 +98,7 @@ def run(argv: list[str]) -> int:
         print(f"slotkeeper: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
-    from .supervisor import ChildProcess, make_endpoint
+    from .llama.supervisor import ChildProcess, make_endpoint
 
     endpoint = make_endpoint(raw_flag(plan.own, "child_tcp"))
     try:

@@ -16,8 +16,8 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .entries import cache_root
-from .layout import SNAPSHOTS_DIR, StoreLockedError, lock_store, prepare_layout
+from .store.entries import cache_root
+from .store.layout import SNAPSHOTS_DIR, StoreLockedError, lock_store, prepare_layout
 
 Env = os._Environ[str] | dict[str, str]
 

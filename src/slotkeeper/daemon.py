@@ -14,22 +14,22 @@ import signal
 import time
 from typing import Any
 
-from .attribution import AttributionFilter
-from .childsleep import POLL_S, ChildSleep, save_after
+from .chat.attribution import AttributionFilter
 from .config import RunConfig
-from .fingerprint import model_identity
-from .layout import SNAPSHOTS_DIR
-from .llama_client import LlamaClient
+from .llama.client import LlamaClient
+from .llama.policy import CachePolicy
+from .llama.sleep import POLL_S, ChildSleep, save_after
+from .llama.supervisor import ChildProcess
 from .log import MODEL, fmt_bytes, fmt_ms, log
 from .metrics import Metrics
 from .model import Model, model_memory, open_model, read_server_facts
-from .policy import CachePolicy
 from .proxy.hook import CompletionHook
 from .proxy.messages import Reply
 from .proxy.server import Gate, Proxy
 from .router import Router
-from .storescan import remove_transients
-from .supervisor import ChildProcess
+from .store.fingerprint import model_identity
+from .store.layout import SNAPSHOTS_DIR
+from .store.scan import remove_transients
 
 HEALTH_POLL_S = 0.01
 EXIT_OK = 0

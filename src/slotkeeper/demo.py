@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from .cmdline import ConfigError, find_llama_server
-from .entries import cache_root
 from .log import fmt_bytes
+from .store.entries import cache_root
 
 DEMO_CHATS = 6
 DEMO_TURNS_BEFORE_SWAP = 2

@@ -15,21 +15,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .childsleep import SleepWatch
+from .chat.media import MediaBook
 from .config import RunConfig
-from .fingerprint import build_fingerprint, kv_flags, model_identity, namespace_key
-from .layout import SNAPSHOTS_DIR
-from .llama_client import LlamaClient
+from .llama.client import LlamaClient
+from .llama.modelinfo import (
+    MemoryKind,
+    ModelInfoError,
+    ModelMemory,
+    kv_cache_bytes,
+    llama_server_slots,
+    read_model_memory,
+)
+from .llama.policy import CachePolicy, cache_policy
+from .llama.sleep import SleepWatch
 from .log import fmt_bytes, log
-from .media import MediaBook
 from .metrics import Metrics
-from .modelinfo import MemoryKind, ModelInfoError, ModelMemory, kv_cache_bytes, llama_server_slots, read_model_memory
-from .placement import Placement, Rules
-from .policy import CachePolicy, cache_policy
-from .store import ConversationStore, default_cap, server_identity
+from .placement.decide import Rules
+from .placement.hook import Placement
+from .store.conversations import ConversationStore, default_cap, server_identity
+from .store.fingerprint import build_fingerprint, kv_flags, model_identity, namespace_key
+from .store.layout import SNAPSHOTS_DIR
 
 if TYPE_CHECKING:  # (imported only with --remote-store: obstore is under it)
-    from .remote import RemoteTier
+    from .remote.tier import RemoteTier
 
 REMOTE_JOURNAL_DIR = "remote-pending"  # in the save directory: uploads not finished yet
 REMOTE_PROBE_TIMEOUT_S = 5.0  # the shared tier's reachability probe at start (in the background)
@@ -248,7 +256,7 @@ def _remote_tier(url: str | None, fingerprint: dict[str, Any], save_dir: Path) -
     on the network: reachability is probed in the background, so an unreachable server never delays readiness."""
     if not url:
         return None
-    from .remote import RemoteConfig, RemoteTier  # (obstore under it: imported only when used)
+    from .remote.tier import RemoteConfig, RemoteTier  # (obstore under it: imported only when used)
 
     try:
         config = RemoteConfig.from_url(url, os.environ)

@@ -23,15 +23,15 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from .apis import api_of
+from .chat.apis import api_of
 from .config import RunConfig
-from .layout import MODELS_DIR
-from .llama_client import LlamaClient
+from .llama.client import LlamaClient
+from .llama.policy import CachePolicy
 from .log import MODEL, fmt_ms, log
 from .metrics import Metrics
 from .model import Model, ServerFacts, open_model, read_server_facts
-from .policy import CachePolicy
 from .proxy.hook import Placed
+from .store.layout import MODELS_DIR
 
 MODEL_ACTIONS = frozenset({"/models/load", "/models/unload"})
 STATUS_POLL_S = 0.05

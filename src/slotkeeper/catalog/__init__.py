@@ -14,31 +14,3 @@ arguments (as far as they decide it offline).
 scan reads directories into rows, match compares rows with llama-server arguments, render prints tables and
 JSON, prune plans and deletes, shared reads the shared tier, cli holds the two command lines.
 """
-
-from __future__ import annotations
-
-from .cli import ls_main, prune_main
-from .dirs import find_save_dirs
-from .formats import CatalogError, format_age, parse_duration, parse_size
-from .match import Expectation, expectation_from_args
-from .prune import plan_prune, remove_files
-from .rows import RemoteRow, Row
-from .scan import SaveDir, scan_dir
-
-__all__ = [
-    "CatalogError",
-    "Expectation",
-    "RemoteRow",
-    "Row",
-    "SaveDir",
-    "expectation_from_args",
-    "find_save_dirs",
-    "format_age",
-    "ls_main",
-    "parse_duration",
-    "parse_size",
-    "plan_prune",
-    "prune_main",
-    "remove_files",
-    "scan_dir",
-]

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ..entries import cache_root
+from ..store.entries import cache_root
 from .dirs import resolve_dirs
 from .formats import CatalogError, RemoteFailure, display_path, parse_duration, parse_size, say
 from .match import expectation_from_args
@@ -25,7 +25,7 @@ from .scan import scan_dir
 from .shared import ENV_REMOTE_STORE, list_remote, remote_config, remote_rows, remote_url
 
 if TYPE_CHECKING:
-    from ..s3config import RemoteConfig
+    from ..remote.s3config import RemoteConfig
 
 EXIT_OK = 0
 EXIT_FAILED = 1

@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..entries import cache_root, is_slot_name
-from ..layout import ENTRIES_DIR, LOCK_NAME, MODELS_DIR, QUARANTINE_DIR
+from ..store.entries import cache_root, is_slot_name
+from ..store.layout import ENTRIES_DIR, LOCK_NAME, MODELS_DIR, QUARANTINE_DIR
 from .formats import CatalogError
 
 SLOT_FILE_SUFFIXES = ("bin", "json", "bin.partial", "json.partial")

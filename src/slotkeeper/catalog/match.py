@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cmdline import ConfigError, parse_llama_args
-from ..fingerprint import KV_FLAGS, kv_flags, model_identity, shareable
+from ..store.fingerprint import KV_FLAGS, kv_flags, model_identity, shareable
 from .formats import CatalogError
 from .rows import COMPARABLE, Listed
 

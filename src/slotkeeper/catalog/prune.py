@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..entries import Status, pair_paths, remove_pair
-from ..layout import StoreLockedError, lock_store
 from ..log import fmt_bytes
+from ..store.entries import Status, pair_paths, remove_pair
+from ..store.layout import StoreLockedError, lock_store
 from .dirs import LockState, lock_pid, lock_state
 from .formats import CatalogError, count, display_path, format_age, say
 from .match import Expectation
@@ -26,7 +26,7 @@ from .scan import SaveDir, scan_dir
 from .shared import open_bucket, remote_rows, run_remote
 
 if TYPE_CHECKING:
-    from ..s3config import RemoteConfig
+    from ..remote.s3config import RemoteConfig
 
 
 @dataclass
@@ -252,7 +252,7 @@ def prune_dirs(paths: Sequence[Path], now: float, *, dry_run: bool, force: bool,
 
 def prune_remote(config: RemoteConfig, now: float, dry_run: bool, **criteria: Any) -> list[Outcome]:
     """List the shared tier, plan, and delete (each manifest first: Bucket.delete)."""
-    from ..bucket import RemoteError
+    from ..remote.bucket import RemoteError
 
     async def go() -> list[Outcome]:
         bucket = open_bucket(config)

@@ -13,9 +13,9 @@ from json.encoder import encode_basestring_ascii
 from pathlib import Path
 from typing import Any
 
-from ..entries import Status
-from ..layout import SNAPSHOTS_DIR
 from ..log import fmt_bytes
+from ..store.entries import Status
+from ..store.layout import SNAPSHOTS_DIR
 from .formats import count, display_path, format_age
 from .match import Expectation, match_differences
 from .rows import COMPARABLE, Kind, Listed, RemoteRow, Row

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..entries import BIN_SUFFIX, Entry, Status
-from ..prefix import common_prefix
+from ..chat.prefix import common_prefix
+from ..store.entries import BIN_SUFFIX, Entry, Status
 from .formats import count, display_path
 
 SHORT_ID_MIN = 4

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..entries import (
+from ..store.entries import (
     BIN_SUFFIX,
     MANIFEST_SUFFIX,
     PARTIAL_SUFFIX,
@@ -30,8 +30,8 @@ from ..entries import (
     read_json,
     read_manifest,
 )
-from ..layout import ENTRIES_DIR, LOCK_NAME, QUARANTINE_DIR, SNAPSHOTS_DIR
-from ..statefile import StateFileError, read_header
+from ..store.layout import ENTRIES_DIR, LOCK_NAME, QUARANTINE_DIR, SNAPSHOTS_DIR
+from ..store.statefile import StateFileError, read_header
 from .dirs import LockState, list_names, lock_state
 from .formats import CatalogError
 from .rows import FileStat, Kind, Row, assign_short_ids

@@ -9,14 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..entries import Status, parse_entry
-from ..fingerprint import namespace_key
+from ..store.entries import Status, parse_entry
+from ..store.fingerprint import namespace_key
 from .formats import CatalogError, RemoteFailure
 from .rows import RemoteRow, assign_short_ids
 
 if TYPE_CHECKING:
-    from ..bucket import Bucket
-    from ..s3config import RemoteConfig
+    from ..remote.bucket import Bucket
+    from ..remote.s3config import RemoteConfig
 
 ENV_REMOTE_STORE = "SLOTKEEPER_REMOTE_STORE"
 T = TypeVar("T")
@@ -31,7 +31,7 @@ def remote_url(given: str | None, env: Mapping[str, str]) -> str:
 
 def remote_config(url: str, env: Mapping[str, str]) -> RemoteConfig:
     """RemoteConfig.from_url, its complaints as one line."""
-    from ..s3config import RemoteConfig
+    from ..remote.s3config import RemoteConfig
 
     try:
         return RemoteConfig.from_url(url, env)
@@ -41,7 +41,7 @@ def remote_config(url: str, env: Mapping[str, str]) -> RemoteConfig:
 
 def open_bucket(config: RemoteConfig) -> Bucket:
     """A client for the command's lifetime; RemoteError (one line) when it refuses its configuration."""
-    from ..bucket import Bucket, RemoteError
+    from ..remote.bucket import Bucket, RemoteError
 
     try:
         return Bucket(config)
@@ -53,7 +53,7 @@ def run_remote(job: Callable[[], Coroutine[Any, Any, T]]) -> T:
     """Run a job against the shared tier for the command's lifetime; its RemoteError is a RemoteFailure."""
     import asyncio
 
-    from ..bucket import RemoteError
+    from ..remote.bucket import RemoteError
 
     try:
         return asyncio.run(job())

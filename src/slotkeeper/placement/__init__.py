@@ -9,23 +9,3 @@ The parts, each importing only those before it:
 * prep.py and settle.py: a plan's steps before the request goes, and settling hybrid chats between turns;
 * hook.py: `Placement`, the proxy's completion hook, which strings them together.
 """
-
-from .decide import Outcome, Plan, Rules, decide
-from .hook import Placement
-from .request import NO_KEY, RequestKey, RequestView, request_key, with_id_slot
-from .slots import Slot, SlotTable
-
-__all__ = [
-    "NO_KEY",
-    "Outcome",
-    "Placement",
-    "Plan",
-    "RequestKey",
-    "RequestView",
-    "Rules",
-    "Slot",
-    "SlotTable",
-    "decide",
-    "request_key",
-    "with_id_slot",
-]

@@ -26,11 +26,12 @@ import enum
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 
-from ..media import shows_picture
-from ..openings import Opening
-from ..policy import CachePolicy
-from ..prefix import BLOCK_TOKENS, common_keys
-from ..store import ConversationStore, Entry
+from ..chat.media import shows_picture
+from ..chat.openings import Opening
+from ..chat.prefix import BLOCK_TOKENS, common_keys
+from ..llama.policy import CachePolicy
+from ..store.conversations import ConversationStore
+from ..store.entries import Entry
 from .request import NO_KEY, RequestKey, RequestView
 from .slots import Slot
 

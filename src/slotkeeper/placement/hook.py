@@ -16,15 +16,16 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ..apis import api_of
-from ..llama_client import LlamaClient
+from ..chat.apis import api_of
+from ..chat.prefix import block_keys
+from ..chat.replies import ReplyReader
+from ..llama.client import LlamaClient
+from ..llama.policy import CachePolicy
 from ..log import fmt_bytes, fmt_ms, log
 from ..metrics import Metrics
-from ..policy import CachePolicy
-from ..prefix import block_keys
 from ..proxy.hook import Placed
-from ..replies import ReplyReader
-from ..store import ConversationStore, Entry, SaveFailure
+from ..store.conversations import ConversationStore, SaveFailure
+from ..store.entries import Entry
 from .decide import Miss, Outcome, Plan, Rules, continuing, decide, worth_keeping
 from .keeper import Keeper
 from .prep import Preparer
@@ -33,7 +34,7 @@ from .settle import Settler
 from .slots import Slot, SlotTable
 
 if TYPE_CHECKING:  # (imported only with --remote-store: obstore is under it)
-    from ..remote import RemoteTier
+    from ..remote.tier import RemoteTier
 
 __all__ = ["Placement"]
 

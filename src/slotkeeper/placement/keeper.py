@@ -12,18 +12,19 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..apis import Api, api_of
-from ..boundary import Boundaries, Boundary, Reached, Turn, turns_of
-from ..llama_client import LlamaClient
+from ..chat.apis import Api, api_of
+from ..chat.boundary import Boundaries, Boundary, Reached, Turn, turns_of
+from ..chat.media import chat_pictures
+from ..chat.openings import Opening, Openings, is_opening, opening_turn
+from ..chat.prefix import BLOCK_TOKENS, block_keys, exact_key
+from ..chat.promptview import PromptViewer, Rendered
+from ..chat.replies import ReplyReader, Usage
+from ..llama.client import LlamaClient
+from ..llama.policy import CachePolicy
 from ..log import fmt_bytes, fmt_ms, log
-from ..media import chat_pictures
 from ..metrics import Metrics
-from ..openings import Opening, Openings, is_opening, opening_turn
-from ..policy import CachePolicy
-from ..prefix import BLOCK_TOKENS, block_keys, exact_key
-from ..promptview import PromptViewer, Rendered
-from ..replies import ReplyReader, Usage
-from ..store import ConversationStore, Entry, SaveFailure, SaveResult
+from ..store.conversations import ConversationStore, SaveFailure, SaveResult
+from ..store.entries import Entry
 from .decide import DEFAULT_PREFILL_TOKENS_PER_S, Rules, worth_keeping
 from .request import message_keys
 from .slots import Slot, SlotTable

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..chat.prefix import BLOCK_TOKENS, common_keys
+from ..llama.policy import CachePolicy
 from ..log import fmt_bytes, log
-from ..policy import CachePolicy
-from ..prefix import BLOCK_TOKENS, common_keys
 from .decide import DEFAULT_PREFILL_TOKENS_PER_S, RESTORE_MIN_GAIN_BLOCKS, Plan, worth_keeping
 from .keeper import Keeper
 from .slots import Slot, SlotTable
 
 if TYPE_CHECKING:  # (the shared tier, and obstore under it, is imported only with --remote-store)
-    from ..remote import RemoteTier
-    from ..store import Entry
+    from ..remote.tier import RemoteTier
+    from ..store.entries import Entry
 
 
 class Preparer:
@@ -109,7 +109,7 @@ class Preparer:
         remote, store, metrics = self.remote, self.keeper.store, self.keeper.metrics
         if remote is None:
             return
-        from ..remote import Fetched
+        from ..remote.tier import Fetched
 
         local = max([common_keys(s.keys, keys) for s in self.table] + [store.lookup(keys)[1]])
         if len(keys) - local < RESTORE_MIN_GAIN_BLOCKS:

@@ -11,11 +11,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from .. import chatform
-from ..apis import Api, api_of
-from ..llama_client import with_member
-from ..openings import Opening
-from ..prefix import common_keys, unit_keys
+from ..chat import convert
+from ..chat.apis import Api, api_of
+from ..chat.openings import Opening
+from ..chat.prefix import common_keys, unit_keys
+from ..llama.client import with_member
 
 # Body fields that do not change the prompt: a chat whose turns differ only in these is still one chat.
 # fmt: off
@@ -73,7 +73,7 @@ def request_key(path: str, data: dict[str, Any]) -> tuple[RequestKey, dict[str, 
     """A request's key, and its chat-form body (None for prompt-form requests)."""
     api = api_of(path)
     if api is not None and api.templated:
-        chat = chatform.to_chat_form(path, data)
+        chat = convert.to_chat_form(path, data)
         if chat is None:
             return NO_KEY, None
         messages = chat.get("messages")

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from ..chat.replies import ReplyReader
 from ..log import log
-from ..replies import ReplyReader
 from .keeper import Keeper
 from .request import RequestKey
 from .slots import Slot, SlotTable

@@ -14,9 +14,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..prefix import BLOCK_TOKENS, block_keys, common_keys, exact_key, extends_exactly
-from ..replies import ReplyReader
-from ..store import Entry
+from ..chat.prefix import BLOCK_TOKENS, block_keys, common_keys, exact_key, extends_exactly
+from ..chat.replies import ReplyReader
+from ..store.entries import Entry
 from .request import NO_KEY, RequestKey, RequestView
 
 

@@ -14,7 +14,7 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from ..target import RefusedTarget, read_path
+from .target import RefusedTarget, read_path
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from .upstream import ChildConnection

@@ -23,7 +23,7 @@ from .messages import OwnRoute, Request
 from .upstream import ChildPool
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from ..supervisor import ChildEndpoint
+    from ..llama.supervisor import ChildEndpoint
     from .hook import CompletionHook
 
 # GET requests llama-server answers without a task that moves its idle clock (b11434: /slots and /metrics post a

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 import httptools
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from ..supervisor import ChildEndpoint
+    from ..llama.supervisor import ChildEndpoint
 
 # Bound only what is safe to bound: reaching the child. Slot saves of large caches and long generations
 # legitimately take minutes, so callers bound their own waits.

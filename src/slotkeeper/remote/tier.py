@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
+from ..log import fmt_bytes, log
+from ..store.entries import BIN_SUFFIX, PARTIAL_SUFFIX, Entry, fsync_path
 from .bucket import INDEX_TIMEOUT_S, Bucket, Listed, RemoteError, RemoteStats, reason
-from .entries import BIN_SUFFIX, PARTIAL_SUFFIX, Entry, fsync_path
-from .log import fmt_bytes, log
 from .s3config import NAME_RE, RemoteConfig
 from .uploads import UploadQueue
 

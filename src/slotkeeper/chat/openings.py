@@ -16,8 +16,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from ..log import log
 from .boundary import Boundaries, Turn
-from .log import log
 from .prefix import exact_key, extends_exactly
 
 REMEMBERED = 256  # distinct openings whose tokens are kept

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # asyncio is imported after the child is spawned: its import would delay the model load
     import asyncio
 
-from .cmdline import CHILD_ENV_REMOVED
+from ..cmdline import CHILD_ENV_REMOVED
 
 RUNTIME_DIR_PREFIX = "slotkeeper-"
 CHILD_SOCKET_NAME = "llama-server.sock"
@@ -168,7 +168,7 @@ class ChildProcess:
             try:
                 await asyncio.wait_for(asyncio.shield(exited), timeout)
             except TimeoutError:
-                from .log import log
+                from ..log import log
 
                 log.warning("llama-server did not exit %.1f s after SIGTERM; sending SIGKILL", timeout)
                 self._signal_group(signal.SIGKILL)

@@ -17,6 +17,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from ..chat.prefix import block_keys, exact_key
+from ..log import fmt_bytes, log
 from .entries import (
     BIN_SUFFIX,
     TRANSIENT_PREFIX,
@@ -27,8 +29,6 @@ from .entries import (
     pair_paths,
     write_json_atomic,
 )
-from .log import fmt_bytes, log
-from .prefix import block_keys, exact_key
 from .statefile import StateFileError, StateHeader, read_header
 
 FREE_SPACE_HEADROOM = 1.1  # a save needs the expected size plus 10% free

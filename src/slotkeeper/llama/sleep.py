@@ -21,8 +21,8 @@ import asyncio
 import enum
 from collections.abc import Callable
 
-from .llama_client import LlamaClient
-from .log import log
+from ..log import log
+from .client import LlamaClient
 
 POLL_S = 1.0  # how often /props is asked while nothing runs
 PROPS_TIMEOUT_S = 2.0

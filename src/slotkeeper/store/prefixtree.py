@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .prefix import KeyChain, TreeKey, tree_key
+from ..chat.prefix import KeyChain, TreeKey, tree_key
 
 
 @dataclass(slots=True)

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..chat.prefix import KeyChain, common_keys, extends_exactly
 from .entries import Entry
-from .prefix import KeyChain, common_keys, extends_exactly
 from .prefixtree import PrefixTree
 
 SUPERSEDE_SLACK_BLOCKS = 1  # an entry whose blocks but this many a new save repeats is superseded by it

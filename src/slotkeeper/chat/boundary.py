@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .llama_client import LlamaClient
+from ..llama.client import LlamaClient
 from .media import MediaBoundary, media_prompt
 from .prefix import common_prefix
 from .promptview import PromptViewer, Rendered

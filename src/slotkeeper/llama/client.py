@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
 if TYPE_CHECKING:
-    from .proxy.upstream import ChildPool
+    from ..proxy.upstream import ChildPool
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ..log import fmt_bytes, log
+from ..store.entries import BIN_SUFFIX, MANIFEST_SUFFIX, PARTIAL_SUFFIX, write_json_atomic
 from .bucket import Bucket, RemoteStats, reason
-from .entries import BIN_SUFFIX, MANIFEST_SUFFIX, PARTIAL_SUFFIX, write_json_atomic
-from .log import fmt_bytes, log
 from .s3config import NAME_RE
 
 PART_BYTES = 8 * 1024 * 1024  # multipart part size for uploads

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import obstore
 from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
 
-from .entries import BIN_SUFFIX, MANIFEST_SUFFIX
-from .log import log
+from ..log import log
+from ..store.entries import BIN_SUFFIX, MANIFEST_SUFFIX
 from .s3config import NAME_RE, RemoteConfig
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .llama_client import LlamaClient
+from ..llama.client import LlamaClient
 from .media import MediaBook, Picture, chat_pictures
 
 

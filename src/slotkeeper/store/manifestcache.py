@@ -22,9 +22,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ..chat.prefix import KeyChain
 from .entries import MANIFEST_SUFFIX, PARTIAL_SUFFIX, Entry
 from .layout import ENTRIES_DIR
-from .prefix import KeyChain
 
 CACHE_NAME = "manifests.cache"  # in the save directory, beside entries/
 CACHE_VERSION = 4

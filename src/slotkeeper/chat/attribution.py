@@ -20,9 +20,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ..log import log
+from ..proxy.hook import CompletionHook, Placed
 from .apis import Api, api_of
-from .log import log
-from .proxy.hook import CompletionHook, Placed
 
 ATTRIBUTION_PREFIX = "x-anthropic-billing-header:"
 _MARKER = ATTRIBUTION_PREFIX.encode()

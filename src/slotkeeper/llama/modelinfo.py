@@ -27,8 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .ggufheader import ModelInfoError, SkippedArray, read_gguf_metadata
-from .llamaarch import (
+from .arch import (
     HYBRID_ARCHITECTURES,
     INTERVAL_HYBRIDS,
     KNOWN_ARCHITECTURES,
@@ -40,6 +39,7 @@ from .llamaarch import (
     SWA_RULES,
     SwaRule,
 )
+from .ggufheader import ModelInfoError, SkippedArray, read_gguf_metadata
 
 __all__ = [
     "KvLayer",

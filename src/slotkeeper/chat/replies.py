@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from . import chatform
+from . import convert
 from .apis import Api
 
 MAX_REPLY_BYTES = 8 * 1024 * 1024  # a longer response is not kept: its chat is saved without a boundary
@@ -169,7 +169,7 @@ def _responses(body: bytes, whole: bool) -> _Read:
     usage = response.get("usage") or {}
     cached = int((usage.get("input_tokens_details") or {}).get("cached_tokens", 0))
     counts = Usage(int(usage["input_tokens"]), cached, int(usage.get("output_tokens", 0))) if usage else None
-    return _Read(_one_assistant(chatform.responses_to_chat({"input": response["output"]})), counts)
+    return _Read(_one_assistant(convert.responses_to_chat({"input": response["output"]})), counts)
 
 
 # ---- Anthropic Messages -----------------------------------------------------------------------------------
@@ -226,7 +226,7 @@ def _anthropic_usage(usage: dict[str, Any], generated: Any) -> Usage | None:
 
 
 def _anthropic_message(content: list[Any]) -> dict[str, Any] | None:
-    return _one_assistant(chatform.anthropic_to_chat({"messages": [{"role": "assistant", "content": content}]}))
+    return _one_assistant(convert.anthropic_to_chat({"messages": [{"role": "assistant", "content": content}]}))
 
 
 def _one_assistant(chat: dict[str, Any]) -> dict[str, Any] | None:

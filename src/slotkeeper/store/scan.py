@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..chat.prefix import block_keys, exact_key
+from ..log import fmt_bytes, log
 from . import manifestcache
 from .entries import (
     BIN_SUFFIX,
@@ -33,8 +35,6 @@ from .entries import (
     write_json_atomic,
 )
 from .layout import ENTRIES_DIR, LOCK_NAME, SNAPSHOTS_DIR
-from .log import fmt_bytes, log
-from .prefix import block_keys, exact_key
 from .statefile import StateFileError, read_header
 
 

@@ -27,8 +27,8 @@ from typing import Any
 
 import xxhash
 
+from ..chat.prefix import BLOCK_TOKENS, KeyChain
 from .fingerprint import first_difference, shareable
-from .prefix import BLOCK_TOKENS, KeyChain
 from .statefile import SEQ_MAGIC
 
 BIN_SUFFIX = ".bin"

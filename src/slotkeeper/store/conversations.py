@@ -40,57 +40,43 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..chat.media import Learnt, MediaBook, MediaBoundary, Wrap
+from ..chat.prefix import exact_key
+from ..log import fmt_bytes, log
+from ..metrics import Metrics
 from . import manifestcache
 from .entries import (
     BIN_SUFFIX,
     MANIFEST_SUFFIX,
-    TRANSIENT_PREFIX,
     Entry,
     Status,
     compatible_format,
     discard,
     file_checksum,
     file_size,
-    fsync_path,
     is_link,
     judge,
     pair_paths,
-    read_json,
     remove_pair,
     write_json_atomic,
 )
+from .index import EntryIndex, extends
 from .layout import ENTRIES_DIR, QUARANTINE_DIR, SNAPSHOTS_DIR, prepare_layout
-from .log import fmt_bytes, log
-from .media import Learnt, MediaBook, MediaBoundary, Wrap
-from .metrics import Metrics
-from .prefix import exact_key
+from .scan import remove_transients, scan_entries, take_over_slot_files
 from .slotfiles import commit, low_space, report_progress, transient_path
 from .statefile import StateFileError, StateHeader, read_header
-from .storeindex import EntryIndex, extends
-from .storescan import remove_transients, scan_entries, take_over_slot_files
 
 if TYPE_CHECKING:  # `slotkeeper ls` reads a store without the client
-    from .llama_client import LlamaClient
+    from ..llama.client import LlamaClient
 
-# Entries and their files are entries.py's; these stay importable from here for the store's callers.
 __all__ = [
-    "BIN_SUFFIX",
-    "MANIFEST_SUFFIX",
-    "TRANSIENT_PREFIX",
     "ConversationStore",
-    "Entry",
     "RestoreResult",
     "SaveFailure",
     "SaveResult",
-    "compatible_format",
     "default_cap",
-    "extends",
     "format_entry",
-    "fsync_path",
-    "read_json",
-    "remove_pair",
     "server_identity",
-    "write_json_atomic",
 ]
 
 QUARANTINE_KEEP = 8  # newest pairs kept in quarantine/

@@ -20,7 +20,7 @@ from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
-from .media import ImageSpan, view_of
+from ..chat.media import ImageSpan, view_of
 
 SEQ_MAGIC = 0x67677371  # 'ggsq' (LLAMA_FILE_MAGIC_GGSQ)
 TOKEN_NULL = -1  # LLAMA_TOKEN_NULL: starts a packed payload; stands for media positions in it

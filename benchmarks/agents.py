@@ -29,9 +29,9 @@ from pathlib import Path
 from families import bench_spec
 
 from slotkeeper.cmdline import find_llama_server
-from slotkeeper.demo import PlainServer, clean_env, fmt_s
+from slotkeeper.demo import fmt_s
 from slotkeeper.testing.agents import APIS, AgentSession, claude_code_session
-from slotkeeper.testing.harness import Slotkeeper, free_port
+from slotkeeper.testing.harness import PlainServer, Slotkeeper, clean_env, free_port
 from slotkeeper.testing.tinymodel import BENCH_MODEL_E, write_tiny_model
 
 REQUESTS = {"llama": {}, "qwen35": {"chat_template_kwargs": {"enable_thinking": False}}}

@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from slotkeeper.cmdline import find_llama_server
-from slotkeeper.demo import Chat, PlainServer, Turn, clean_env, fmt_s
+from slotkeeper.demo import Chat, Turn, fmt_s
 from slotkeeper.store.entries import cache_root
-from slotkeeper.testing.harness import Slotkeeper, free_port, http_call
+from slotkeeper.testing.harness import PlainServer, Slotkeeper, clean_env, free_port, http_call
 from slotkeeper.testing.tinymodel import BENCH_MODEL_E, PRESETS, TinyModelSpec, write_tiny_model
 
 REACHED = re.compile(r"\(([\d,]+) prefilled to reach it in ([\d.,]+) (ms|s)\)")

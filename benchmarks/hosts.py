@@ -27,8 +27,8 @@ from typing import Any
 from benchsetup import bench_model, llama_server, model_e, slotkeeper_args, stop_slotkeeper, work_dir
 from families import bench_spec
 
-from slotkeeper.demo import Chat, PlainServer, Turn, clean_env, fmt_s, stream_chat
-from slotkeeper.testing.harness import Slotkeeper, free_port, http_call, wait_until
+from slotkeeper.demo import Chat, Turn, fmt_s, stream_chat
+from slotkeeper.testing.harness import PlainServer, Slotkeeper, clean_env, free_port, http_call, wait_until
 
 REQUESTS = {"llama": {}, "qwen35": {"chat_template_kwargs": {"enable_thinking": False}}}
 BASE = ["-c", "16384", "-np", "4", "-t", "2", "--no-warmup"]

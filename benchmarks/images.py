@@ -24,8 +24,8 @@ from typing import Any
 
 from benchsetup import llama_server, model_e, slotkeeper_args, stop_slotkeeper, work_dir
 
-from slotkeeper.demo import Chat, PlainServer, Turn, clean_env, fmt_s
-from slotkeeper.testing.harness import Slotkeeper, free_port, http_call
+from slotkeeper.demo import Chat, Turn, fmt_s
+from slotkeeper.testing.harness import PlainServer, Slotkeeper, clean_env, free_port, http_call
 from slotkeeper.testing.tinymodel import image_part, solid_png, write_tiny_mmproj
 
 BASE = ["-c", "16384", "-np", "1", "-t", "2", "--no-warmup"]

@@ -20,8 +20,8 @@ from typing import Any
 
 from benchsetup import llama_server, model_e, slotkeeper_args, stop_slotkeeper, work_dir
 
-from slotkeeper.demo import Chat, PlainServer, clean_env, fmt_s
-from slotkeeper.testing.harness import Slotkeeper, free_port
+from slotkeeper.demo import Chat, fmt_s
+from slotkeeper.testing.harness import PlainServer, Slotkeeper, clean_env, free_port
 
 
 def run(side: str, model: Path, binary: str, work: Path, chats: int) -> tuple[float, float, int]:

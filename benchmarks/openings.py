@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from families import FAMILIES, model_file
 
 from slotkeeper.cmdline import find_llama_server
-from slotkeeper.demo import PlainServer, Turn, clean_env, fmt_s, stream_chat
+from slotkeeper.demo import Turn, fmt_s, stream_chat
 from slotkeeper.store.entries import cache_root
-from slotkeeper.testing.harness import Slotkeeper, free_port, http_call
+from slotkeeper.testing.harness import PlainServer, Slotkeeper, clean_env, free_port, http_call
 from slotkeeper.testing.tinymodel import BENCH_MODEL_E, write_tiny_model
 
 SYSTEM = (

@@ -45,8 +45,8 @@ from pathlib import Path
 
 from benchsetup import llama_server, model_e, slotkeeper_args, stop_slotkeeper, work_dir
 
-from slotkeeper.demo import SYSTEM_PROMPT, TOPICS, Chat, PlainServer, Turn, clean_env, fmt_s, stream_chat
-from slotkeeper.testing.harness import Slotkeeper, free_port, wait_until
+from slotkeeper.demo import SYSTEM_PROMPT, TOPICS, Chat, Turn, fmt_s, stream_chat
+from slotkeeper.testing.harness import PlainServer, Slotkeeper, clean_env, free_port, wait_until
 
 SERVER_ARGS = ["-c", "24576", "-t", "2"]  # llama-server's default 4 slots, sharing one unified KV cache
 # Every synthesized entry counts its real one's bytes though they share one file: a cap of half the disk would

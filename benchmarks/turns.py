@@ -47,13 +47,13 @@ from typing import Any
 
 from benchsetup import bench_model, llama_server, slotkeeper_args, work_dir
 
-from slotkeeper.demo import Chat, clean_env, stream_chat
+from slotkeeper.demo import Chat, stream_chat
 from slotkeeper.llama.client import LlamaClient
 from slotkeeper.placement.hook import Placement
 from slotkeeper.placement.request import request_key
 from slotkeeper.proxy.upstream import ChildPool
 from slotkeeper.store.conversations import ConversationStore
-from slotkeeper.testing.harness import free_port, http_call, wait_until
+from slotkeeper.testing.harness import clean_env, free_port, http_call, wait_until
 from slotkeeper.testing.tinymodel import TinyModelSpec
 
 TURNS_MODEL = TinyModelSpec(n_layers=8, width=512, n_heads=8, n_kv_heads=8, f16=True, name="slotkeeper-bench-turns")

@@ -9,19 +9,12 @@ import pytest
 from family_helpers import BASE, Family, model_path
 
 from slotkeeper.cmdline import ConfigError, find_llama_server
-from slotkeeper.testing.harness import Slotkeeper, free_port
+from slotkeeper.testing.harness import Slotkeeper, clean_env, free_port
 from slotkeeper.testing.tinymodel import PRESETS, TinyModelSpec, write_tiny_model
 
 Starter = Callable[..., Slotkeeper]
 # The stub llama-server (faults on demand) lives with the tests: it is no part of the install.
 STUB_COMMAND = f"{sys.executable} {Path(__file__).resolve().parent / 'stub.py'}"
-
-
-def clean_env(tmp_path: Path) -> dict[str, str]:
-    """The test's environment without the developer's llama-server or slotkeeper settings."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_", "SLOTKEEPER_", "STUB_"))}
-    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg-cache")
-    return env
 
 
 @pytest.fixture
@@ -39,7 +32,7 @@ def starter(tmp_path: Path) -> Iterator[Callable[[str, list[str]], Starter]]:
             save_dir: Path | None = None,
             replace_args: list[str] | None = None,
         ) -> Slotkeeper:
-            full_env = clean_env(tmp_path)
+            full_env = clean_env(cache_home=tmp_path / "xdg-cache")
             full_env["LLAMA_SERVER"] = server
             full_env["STUB_LOG"] = str(tmp_path / "stub-events.jsonl")
             full_env.update(env or {})

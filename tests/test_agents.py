@@ -14,7 +14,6 @@ from family_helpers import BASE, FAMILIES, common_prefix, model_path, swap_out
 from slotkeeper.chat.attribution import is_attribution_line
 from slotkeeper.chat.convert import anthropic_to_chat
 from slotkeeper.chat.prefix import BLOCK_TOKENS
-from slotkeeper.demo import PlainServer, clean_env
 from slotkeeper.testing.agents import (
     AGENT_SYSTEM,
     APIS,
@@ -24,7 +23,7 @@ from slotkeeper.testing.agents import (
     post,
     prompt_tokens,
 )
-from slotkeeper.testing.harness import free_port
+from slotkeeper.testing.harness import PlainServer, clean_env, free_port
 
 AGENT_FAMILIES = ("llama", "qwen35-thinking-off")
 # The session test runs on every tiny family: sliding-window (where a restored state a request does not extend

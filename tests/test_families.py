@@ -31,8 +31,7 @@ from family_helpers import (
     tokens_of,
 )
 
-from slotkeeper.demo import PlainServer, clean_env
-from slotkeeper.testing.harness import free_port, http_call
+from slotkeeper.testing.harness import PlainServer, clean_env, free_port, http_call
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

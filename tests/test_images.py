@@ -25,9 +25,8 @@ from family_helpers import (
     swap_out,
 )
 
-from slotkeeper.demo import PlainServer, clean_env
 from slotkeeper.testing.agents import AgentSession
-from slotkeeper.testing.harness import free_port, http_call, wait_until
+from slotkeeper.testing.harness import PlainServer, clean_env, free_port, http_call, wait_until
 from slotkeeper.testing.tinymodel import image_part, solid_png
 
 RED, BLUE, GREEN = (230, 20, 20), (20, 20, 230), (20, 200, 20)

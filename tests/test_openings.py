@@ -27,8 +27,7 @@ from family_helpers import (
     tokens_of,
 )
 
-from slotkeeper.demo import PlainServer, clean_env
-from slotkeeper.testing.harness import free_port, http_call
+from slotkeeper.testing.harness import PlainServer, clean_env, free_port, http_call
 
 # About 2,000 tokens on the test models' tokenizers, shared by the chats of these tests.
 OPENING = "You are the support assistant of a small bookshop. " + " ".join(

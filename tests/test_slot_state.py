@@ -14,7 +14,6 @@ from conftest import clean_env
 
 from slotkeeper.chat.boundary import Boundary
 from slotkeeper.chat.prefix import exact_key
-from slotkeeper.demo import PlainServer
 from slotkeeper.llama.client import LlamaClient
 from slotkeeper.llama.policy import CachePolicy
 from slotkeeper.placement.decide import Rules
@@ -22,7 +21,7 @@ from slotkeeper.placement.hook import Placement
 from slotkeeper.proxy.upstream import ChildPool
 from slotkeeper.store.conversations import ConversationStore
 from slotkeeper.store.layout import prepare_layout
-from slotkeeper.testing.harness import free_port
+from slotkeeper.testing.harness import PlainServer, free_port
 
 
 @pytest.fixture

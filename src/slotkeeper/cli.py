@@ -103,7 +103,7 @@ def run(argv: list[str]) -> int:
     endpoint = make_endpoint(raw_flag(plan.own, "child_tcp"))
     try:
         try:
-            child = ChildProcess(plan.child_command(endpoint.host_arg), endpoint)
+            child = ChildProcess(plan.child_command(endpoint.host_arg), endpoint, plan.child_env(os.environ))
         except OSError as exc:
             print(f"slotkeeper: error: cannot start {plan.binary[0]}: {exc.strerror or exc}", file=sys.stderr)
             return EXIT_USAGE

@@ -378,6 +378,11 @@ class LaunchPlan:
         snapshots = self.save_dir / SNAPSHOTS_DIR
         return [*self.binary, *self.child_args, *endpoint_args, "--slot-save-path", str(snapshots)]
 
+    @staticmethod
+    def child_env(env: Env) -> dict[str, str]:
+        """The child's environment: ours, without the address variables (it gets a private one as arguments)."""
+        return {name: value for name, value in env.items() if name not in CHILD_ENV_REMOVED}
+
 
 def plan_launch(argv: list[str], env: Env) -> LaunchPlan:
     """Read the command line far enough to start llama-server; ConfigError (one line) on bad input."""

@@ -278,7 +278,7 @@ class Daemon:
                 if (await client.health()).ok:
                     self.healthy_at = time.monotonic()
                     return
-            except (OSError, Exception):  # noqa: BLE001 - socket not there yet, connection refused while loading
+            except OSError:  # the socket not there yet, or refused while the model loads (ConnectionError)
                 pass
             await asyncio.sleep(HEALTH_POLL_S)
 

@@ -7,19 +7,16 @@ and sends each chat's next turn. The same turns then go to plain llama-server, r
 swap costs without slotkeeper. Per chat: first-token time cold vs warm, and the tokens llama-server reused
 (`timings.cache_n`).
 
-The pieces (Chat, stream_chat, PlainServer) are shared with benchmarks/conversations.py and
-benchmarks/turns.py.
+The pieces (Chat, stream_chat) are shared with benchmarks/conversations.py and benchmarks/turns.py; plain
+llama-server is run by `testing.harness.PlainServer`.
 """
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -101,42 +98,34 @@ def stream_chat(
 ) -> Turn:
     """POST /v1/chat/completions with stream: time to the first content (or reasoning), and the final timings.
     `request`: more fields of the body (e.g. chat_template_kwargs)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    from .testing.harness import stream_events
+
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True, **(request or {})}
-    started = time.monotonic()
-    first: float | None = None
+    stream = stream_events(port, "/v1/chat/completions", body, first=_chat_text, timeout=timeout)
     content: list[str] = []
     timings: dict[str, Any] = {}
-    try:
-        conn.request(
-            "POST", "/v1/chat/completions", body=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"/v1/chat/completions answered {resp.status}: {resp.read()[:300]!r}")
-        while line := resp.readline():
-            if not line.startswith(b"data: {"):
-                continue
-            event = json.loads(line[6:])
-            for choice in event.get("choices") or ():
-                delta = choice.get("delta") or {}
-                text = delta.get("content")
-                if (text or delta.get("reasoning_content")) and first is None:
-                    first = time.monotonic() - started
-                if text:
-                    content.append(text)
-            timings = event.get("timings", timings)
-    finally:
-        conn.close()
-    total = time.monotonic() - started
+    for event in stream.events:
+        for choice in event.get("choices") or ():
+            text = (choice.get("delta") or {}).get("content")
+            if text:
+                content.append(text)
+        timings = event.get("timings", timings)
     return Turn(
-        first if first is not None else total,
-        total,
+        stream.first_s,
+        stream.total_s,
         "".join(content),
         int(timings.get("cache_n", 0)),
         int(timings.get("prompt_n", 0)),
         timings.get("prompt_ms", 0.0) + timings.get("predicted_ms", 0.0),
         timings,
+    )
+
+
+def _chat_text(event: dict[str, Any]) -> bool:
+    """A chat completion event that brings text (content, or reasoning: the first token either way)."""
+    return any(
+        (choice.get("delta") or {}).get("content") or (choice.get("delta") or {}).get("reasoning_content")
+        for choice in event.get("choices") or ()
     )
 
 
@@ -194,52 +183,6 @@ class Chat:
         )
 
 
-class PlainServer:
-    """Plain llama-server, started and stopped the way llama-swap does (own process group, SIGTERM to it)."""
-
-    def __init__(self, binary: str, args: list[str], port: int, log_path: Path, env: dict[str, str]) -> None:
-        self.port = port
-        self.log_path = log_path
-        self._log = open(log_path, "ab")  # noqa: SIM115 - the server's output, open for its whole life (stop() closes it)
-        self.proc = subprocess.Popen(
-            [binary, *args, "--host", "127.0.0.1", "--port", str(port)],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        from .testing.harness import http_call, wait_until
-
-        def healthy() -> bool:
-            try:
-                return http_call(self.port, "GET", "/health", timeout=2).status == 200
-            except OSError:
-                return self.proc.poll() is not None
-
-        if not wait_until(healthy, timeout, interval=0.005) or self.proc.poll() is not None:
-            raise RuntimeError(f"llama-server did not start; log: {self.log_path}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._log.close()
-
-
-def clean_env(binary: str) -> dict[str, str]:
-    """The environment without llama-server or slotkeeper settings of the user's, so both sides run alike."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_ARG_", "SLOTKEEPER_"))}
-    env["LLAMA_SERVER"] = binary
-    return env
-
-
 # ---- the demo -----------------------------------------------------------------------------------------------
 
 
@@ -272,7 +215,7 @@ def main(argv: list[str]) -> int:  # noqa: C901 - the demo's run, step by step
         print(f"slotkeeper demo: {exc}", file=sys.stderr)
         return 2
     try:
-        from .testing.harness import Slotkeeper, free_port, http_call
+        from .testing.harness import PlainServer, Slotkeeper, clean_env, free_port, http_call
         from .testing.tinymodel import BENCH_MODEL_E, write_tiny_model
     except ImportError as exc:
         print(

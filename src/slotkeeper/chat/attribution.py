@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,46 +117,45 @@ def _skip(text: str, at: int) -> int:
 
 def _members(text: str, at: int) -> dict[str, _Span]:
     """The members of the object that starts at `at`, by key (the last of duplicates, as llama-server keeps)."""
-    if text[at] != "{":
-        raise ValueError("not an object")
     members: dict[str, _Span] = {}
-    at = _skip(text, at + 1)
-    if text[at] == "}":
-        return members
-    while True:
-        key, at = _DECODER.raw_decode(text, at)
-        if not isinstance(key, str):
+    for key, value in _items(text, at, "{}"):
+        if key is None:
             raise ValueError("not a key")
-        at = _skip(text, at)
-        if text[at] != ":":
-            raise ValueError("no colon")
-        start = _skip(text, at + 1)
-        value, end = _DECODER.raw_decode(text, start)
-        members[key] = _Span(start, end, value)
-        at = _skip(text, end)
-        if text[at] == "}":
-            return members
-        if text[at] != ",":
-            raise ValueError("no comma")
-        at = _skip(text, at + 1)
+        members[key] = value
+    return members
 
 
 def _elements(text: str, at: int, limit: int = 2) -> list[_Span]:
     """The first `limit` elements of the array that starts at `at` (the rest is not parsed)."""
-    if text[at] != "[":
-        raise ValueError("not an array")
     elements: list[_Span] = []
-    at = _skip(text, at + 1)
-    if text[at] == "]":
-        return elements
-    while True:
-        value, end = _DECODER.raw_decode(text, at)
-        elements.append(_Span(at, end, value))
+    for _, value in _items(text, at, "[]"):
+        elements.append(value)
         if len(elements) == limit:
-            return elements
+            break
+    return elements
+
+
+def _items(text: str, at: int, brackets: str) -> Iterator[tuple[str | None, _Span]]:
+    """The members (key and value) of an object, or the elements (no key) of an array, that starts at `at`;
+    each is parsed only when it is reached."""
+    if text[at] != brackets[0]:
+        raise ValueError(f"not {brackets}")
+    at = _skip(text, at + 1)
+    if text[at] == brackets[1]:
+        return
+    while True:
+        key = None
+        if brackets == "{}":
+            key, at = _DECODER.raw_decode(text, at)
+            at = _skip(text, at)
+            if not isinstance(key, str) or text[at] != ":":
+                raise ValueError("not a member")
+            at = _skip(text, at + 1)
+        value, end = _DECODER.raw_decode(text, at)
+        yield key, _Span(at, end, value)
         at = _skip(text, end)
-        if text[at] == "]":
-            return elements
+        if text[at] == brackets[1]:
+            return
         if text[at] != ",":
             raise ValueError("no comma")
         at = _skip(text, at + 1)

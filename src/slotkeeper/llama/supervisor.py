@@ -24,8 +24,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # asyncio is imported after the child is spawned: its import would delay the model load
     import asyncio
 
-from ..cmdline import CHILD_ENV_REMOVED
-
 RUNTIME_DIR_PREFIX = "slotkeeper-"
 CHILD_SOCKET_NAME = "llama-server.sock"
 PR_SET_PDEATHSIG = 1
@@ -101,9 +99,7 @@ class ChildProcess:
     """One llama-server; stop() is idempotent and escalates from SIGTERM to SIGKILL."""
 
     def __init__(self, command: list[str], endpoint: ChildEndpoint, env: dict[str, str] | None = None) -> None:
-        child_env = dict(os.environ if env is None else env)
-        for name in CHILD_ENV_REMOVED:
-            child_env.pop(name, None)
+        """`env`: the child's environment (the caller's choice of what it inherits; default: ours)."""
         parent_pid = os.getpid()
         self.command = command
         self.endpoint = endpoint
@@ -111,7 +107,7 @@ class ChildProcess:
         self.popen = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,
-            env=child_env,
+            env=env,
             process_group=0,
             preexec_fn=lambda: _die_with_parent(parent_pid),
         )

@@ -376,7 +376,7 @@ class Keeper:
         )  # fmt: skip
 
     async def settle(self, slot: Slot, chat: dict[str, Any], reply: ReplyReader) -> None:
-        """Bring an idle slot to its chat's latest turn boundary, nothing written (see `Placement.settle_later`)."""
+        """Bring an idle slot to its chat's latest turn boundary, nothing written (see `settle.Settler.later`)."""
         current, _ = turns_of(chat.get("messages") or [], reply.message())
         boundary = None if current is None else await self.boundaries.find(chat, current)
         if boundary is None or not boundary.whole or not slot.may_reach(boundary.tokens):

@@ -1,6 +1,6 @@
 """The proxy's one hook into slotkeeper: what a completion request's placement returns to the proxy.
 
-A module of its own so that what implements the hook (placement.py) depends on these two types only, not on
+A module of its own so that what implements the hook (placement/hook.py) depends on these two types only, not on
 the proxy that calls it.
 """
 

@@ -20,10 +20,9 @@ from typing import TYPE_CHECKING
 from ..log import log
 from .connection import ClientConnection
 from .messages import OwnRoute, Request
-from .upstream import ChildPool
+from .upstream import ChildPool, Endpoint
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from ..llama.supervisor import ChildEndpoint
     from .hook import CompletionHook
 
 # GET requests llama-server answers without a task that moves its idle clock (b11434: /slots and /metrics post a
@@ -69,7 +68,7 @@ class Proxy:
 
     def __init__(
         self,
-        endpoint: ChildEndpoint,
+        endpoint: Endpoint,
         gate: Gate,
         describe_state: Callable[[], str],
         startup_deadline: float,

@@ -12,12 +12,10 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from typing import TYPE_CHECKING, Protocol
+from pathlib import Path
+from typing import Protocol
 
 import httptools
-
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from ..llama.supervisor import ChildEndpoint
 
 # Bound only what is safe to bound: reaching the child. Slot saves of large caches and long generations
 # legitimately take minutes, so callers bound their own waits.
@@ -25,6 +23,17 @@ CONNECT_TIMEOUT_S = 10.0
 POOL_IDLE_S = 2.0  # drop an idle connection before the child does (llama-server: 5 s) to avoid a reuse race
 POOL_MAX_IDLE = 64
 CONNECT_RETRY_S = 0.002  # first wait when the child's accept queue is full (doubling, up to 0.1 s)
+
+
+class Endpoint(Protocol):
+    """Where the child listens, as the pool reaches it: a unix socket, or a loopback port (the supervisor's
+    endpoint is one; the proxy does not import the supervisor)."""
+
+    @property
+    def socket_path(self) -> Path | None: ...
+
+    @property
+    def tcp_port(self) -> int | None: ...
 
 
 class Exchange(Protocol):
@@ -241,7 +250,7 @@ class ChildPool:
         self._idle: list[ChildConnection] = []
 
     @classmethod
-    def for_endpoint(cls, endpoint: ChildEndpoint) -> ChildPool:
+    def for_endpoint(cls, endpoint: Endpoint) -> ChildPool:
         if endpoint.socket_path is not None:
             return cls(socket_path=str(endpoint.socket_path))
         assert endpoint.tcp_port is not None

@@ -165,6 +165,55 @@ class Slotkeeper:
         self.log_file.close()
 
 
+class PlainServer:
+    """Plain llama-server, started and stopped the way llama-swap does (own process group, SIGTERM to it)."""
+
+    def __init__(self, binary: str, args: list[str], port: int, log_path: Path, env: dict[str, str]) -> None:
+        self.port = port
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115 - the server's output, open for its whole life (stop() closes it)
+        self.proc = subprocess.Popen(
+            [binary, *args, "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        def healthy() -> bool:
+            try:
+                return http_call(self.port, "GET", "/health", timeout=2).status == 200
+            except OSError:
+                return self.proc.poll() is not None
+
+        if not wait_until(healthy, timeout, interval=0.005) or self.proc.poll() is not None:
+            raise RuntimeError(f"llama-server did not start; log: {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+
+
+def clean_env(binary: str | None = None, *, cache_home: Path | None = None) -> dict[str, str]:
+    """The environment without the user's llama-server, slotkeeper or stub settings (`LLAMA_*`, `SLOTKEEPER_*`,
+    `STUB_*`), so that slotkeeper and plain llama-server run alike; `binary` as LLAMA_SERVER, `cache_home` as
+    XDG_CACHE_HOME (slotkeeper's default save directories and the demo's model)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_", "SLOTKEEPER_", "STUB_"))}
+    if binary is not None:
+        env["LLAMA_SERVER"] = binary
+    if cache_home is not None:
+        env["XDG_CACHE_HOME"] = str(cache_home)
+    return env
+
+
 def stream_lines(port: int, path: str, body: Any, timeout: float = 30.0) -> Iterator[tuple[float, bytes]]:
     """(arrival time, line) for each line of a streamed response, as it arrives."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
@@ -181,6 +230,55 @@ def stream_lines(port: int, path: str, body: Any, timeout: float = 30.0) -> Iter
 
 
 @dataclass
+class Stream:
+    """A streamed answer as a user feels it: the time to its first event that brings text, and its events."""
+
+    first_s: float  # the whole answer's time when no event brought text
+    total_s: float
+    events: list[dict[str, Any]]
+
+
+def stream_events(
+    port: int,
+    path: str,
+    body: dict[str, Any],
+    *,
+    first: Callable[[dict[str, Any]], bool],
+    headers: dict[str, str] | None = None,
+    timeout: float = 600.0,
+) -> Stream:
+    """POST a streamed completion and read its SSE events as they come; `first` says which event is the first
+    token's (its text, reasoning, ...). Stops at an event with `"stop": true` (llama-server's /completion)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    started = time.monotonic()
+    first_s: float | None = None
+    events: list[dict[str, Any]] = []
+    try:
+        conn.request(
+            "POST",
+            path,
+            body=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise AssertionError(f"{path} answered {resp.status}: {resp.read()[:300]!r}")
+        while line := resp.readline():
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            events.append(event)
+            if first_s is None and first(event):
+                first_s = time.monotonic() - started
+            if event.get("stop") is True:
+                break
+    finally:
+        conn.close()
+    total = time.monotonic() - started
+    return Stream(first_s if first_s is not None else total, total, events)
+
+
+@dataclass
 class StreamTiming:
     """One streamed completion as a user feels it: time to the first token, and llama-server's own timings."""
 
@@ -193,32 +291,17 @@ class StreamTiming:
 def stream_completion(
     port: int, body: dict[str, Any], headers: dict[str, str] | None = None, timeout: float = 600.0
 ) -> StreamTiming:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    started = time.monotonic()
-    first: float | None = None
-    content: list[str] = []
+    """POST /completion with stream: the time to the first content, the content, and llama-server's timings."""
+    stream = stream_events(
+        port,
+        "/completion",
+        {**body, "stream": True},
+        first=lambda e: bool(e.get("content")),
+        headers=headers,
+        timeout=timeout,
+    )
     timings: dict[str, Any] = {}
-    try:
-        conn.request(
-            "POST",
-            "/completion",
-            body=json.dumps({**body, "stream": True}).encode(),
-            headers={"Content-Type": "application/json", **(headers or {})},
-        )
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise AssertionError(f"/completion answered {resp.status}: {resp.read()[:300]!r}")
-        while line := resp.readline():
-            if not line.startswith(b"data: "):
-                continue
-            event = json.loads(line[6:])
-            if event.get("content") and first is None:
-                first = time.monotonic() - started
-            content.append(event.get("content", ""))
-            timings = event.get("timings", timings)
-            if event.get("stop"):
-                break
-    finally:
-        conn.close()
-    total = time.monotonic() - started
-    return StreamTiming(first if first is not None else total, total, "".join(content), timings)
+    for event in stream.events:
+        timings = event.get("timings", timings)
+    content = "".join(event.get("content", "") for event in stream.events)
+    return StreamTiming(stream.first_s, stream.total_s, content, timings)

@@ -73,7 +73,7 @@ async def measure(port: int, root: Path, tokens: list[int], repeat: int) -> None
         result = await store.restore(entry, 0)
         assert result.ok, result.reason
 
-    print(f"{checked.tokens:,} tokens, {checked.nbytes / 1e6:.1f} MB; {repeat} of each, alternating")
+    print(f"{checked.n_tokens:,} tokens, {checked.nbytes / 1e6:.1f} MB; {repeat} of each, alternating")
     print(f"{'':12}{'unchecked':>11}{'checked':>10}{'added':>8}{'alone':>10}{'alone/unchecked':>17}")
     for label, cold in (("page cache", False), ("disk", True)):
         plain, with_check, alone = [], [], []

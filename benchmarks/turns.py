@@ -178,7 +178,7 @@ async def in_process(port: int, store_root: Path, chat: Chat, long_chat: Chat, r
     slot = placement.slots[0]
     times = []
     for _ in range(repeat * 5):
-        slot.last_request, slot.tokens, slot.dirty, slot.last_used = previous_fast, chat.last_prompt_tokens, True, 1.0
+        slot.last_request, slot.n_tokens, slot.dirty, slot.last_used = previous_fast, chat.last_prompt_tokens, True, 1.0
         started = time.perf_counter()
         placed = await placement.place(CHAT_PATH, body)
         times.append(time.perf_counter() - started)
@@ -194,7 +194,7 @@ async def in_process(port: int, store_root: Path, chat: Chat, long_chat: Chat, r
     long_data = json.loads(long_body)
     rendered = await placement.keeper.ask_tokens(CHAT_PATH, long_body, long_data, long_data)
     assert rendered is not None, "the long chat was not tokenized"
-    out["long_tokens"] = len(rendered.tokens)
+    out["long_tokens"] = len(rendered.token_ids)
     times = []
     for _ in range(repeat):
         started = time.perf_counter()
@@ -216,7 +216,7 @@ async def in_process(port: int, store_root: Path, chat: Chat, long_chat: Chat, r
     data = json.loads(body)
     rendered = await placement.keeper.ask_tokens(CHAT_PATH, body, data, data)
     assert rendered is not None, "the chat was not tokenized"
-    tokens = rendered.tokens
+    tokens = rendered.token_ids
     slots = (await client.slots()).body
     held = max(slots, key=lambda s: s.get("n_prompt_tokens", 0))["id"]
     other = 1 - held
@@ -235,7 +235,7 @@ async def in_process(port: int, store_root: Path, chat: Chat, long_chat: Chat, r
     out["sizes"] = []
     for entry in entries:
         path = store.entries_dir / f"{entry.id}.bin"
-        row: dict[str, Any] = {"tokens": entry.tokens, "bytes": entry.nbytes}
+        row: dict[str, Any] = {"tokens": entry.n_tokens, "bytes": entry.nbytes}
         for mode in ("page cache", "disk"):
             walls, direct, own = [], [], []
             for _ in range(5):

@@ -83,7 +83,7 @@ def entry_tokens(save_dir: Path, entry_id: str) -> list[int]:
     path = entry_bin(save_dir, entry_id)
     header = read_header(path)
     tokens = decode_slot_file(path.read_bytes())
-    assert list(header.tokens) == tokens, f"entry {entry_id}: header and stub disagree on its tokens"
+    assert list(header.token_ids) == tokens, f"entry {entry_id}: header and stub disagree on its tokens"
     return tokens
 
 

@@ -1,6 +1,6 @@
 """`slotkeeper ls` and `slotkeeper prune` on save directories of the conversation store.
 
-The directories are built with the store's own mechanism (ConversationStore._commit renames a slot file from
+The directories are built with the store's own mechanism (store.slotfiles.commit renames a slot file from
 snapshots/ into entries/ and writes its manifest with Entry.manifest() and write_json_atomic), and one test
 runs a real slotkeeper around the stub llama-server and lists and prunes what it left.
 """
@@ -40,6 +40,7 @@ from slotkeeper.store.conversations import ConversationStore
 from slotkeeper.store.entries import TRANSIENT_PREFIX, Entry, Status, read_json, write_json_atomic
 from slotkeeper.store.fingerprint import build_fingerprint, model_identity, namespace_key
 from slotkeeper.store.layout import lock_store, prepare_layout
+from slotkeeper.store.slotfiles import commit, read_saved
 from slotkeeper.testing.harness import free_port, wait_until
 from slotkeeper.testing.s3server import S3Server
 
@@ -76,27 +77,30 @@ def write_entry(
     version: int = 4,
     entry_id: str | None = None,
 ) -> Entry:
-    """An entry as a save leaves it: the slot file lands in snapshots/ under a transient name and
-    ConversationStore._commit (the store's own code) renames it into entries/ and writes its manifest."""
+    """An entry as a save leaves it: the slot file lands in snapshots/ under a transient name, is read
+    (store.slotfiles.read_saved) and committed into entries/ with its manifest (store.slotfiles.commit), the
+    store's own code."""
     directory.mkdir(parents=True, exist_ok=True)
     prepare_layout(directory)
     fp = dict(FP if fingerprint is None else fingerprint)
-    store = ConversationStore(directory, None, fp, fsync=False)
     transient = directory / "snapshots" / f"{TRANSIENT_PREFIX}{secrets.token_hex(16)}.bin"
     transient.write_bytes(encode_slot_file(list(range(1, tokens + 1)), "m.gguf", bytes_per_token, version=version))
+    saved = read_saved(transient)
     entry = Entry(
         id=entry_id or secrets.token_hex(8),
-        tokens=0,
+        n_tokens=saved.header.n_tokens,
         nbytes=transient.stat().st_size,
-        keys=[],
+        keys=saved.keys,
         saved_at=NOW - age,
         last_used=NOW - (age if used_age is None else used_age),
         fingerprint=fp,
-        seq_version=0,
-        layout="",
+        seq_version=saved.header.version,
+        layout=saved.header.layout,
         save_ms=12.5,
+        exact=saved.exact,
+        checksum=saved.checksum,
     )
-    store._commit(transient, entry)
+    commit(transient, entry.id, entry.manifest(), directory / "entries", fsync=False)
     return entry
 
 
@@ -203,7 +207,7 @@ def mixed_dir(tmp_path: Path) -> dict[str, Any]:
     (d / "quarantine").mkdir()
     quarantined = Entry(
         id="4444" + "99" * 6,
-        tokens=77,
+        n_tokens=77,
         nbytes=700,
         keys=[],
         saved_at=NOW - 3 * DAY,
@@ -414,7 +418,7 @@ def test_ls_without_dirs_lists_the_default_cache_dirs(capsys, tmp_path):
 
 
 def test_ls_reads_what_the_store_writes(capsys, tmp_path):
-    """The format ls reads is the one the daemon writes (the store's _commit and _take_over_slot_files)."""
+    """The format ls reads is the one the daemon writes (the store's slotfiles.commit and _take_over_slot_files)."""
     d = tmp_path / "cache"
     model = write_model(tmp_path / "a.gguf")
     fp = fingerprint_for(str(model), ["-ctk", "q8_0"], 2, 512)
@@ -849,7 +853,7 @@ def put_remote(
     from slotkeeper.remote.tier import RemoteConfig
 
     bucket = RemoteConfig.from_url(URL, s3.env()).store(timedelta(seconds=10), timedelta(seconds=10))
-    data = encode_slot_file(list(range(1, (entry.tokens if entry else 10) + 1)), "m.gguf")
+    data = encode_slot_file(list(range(1, (entry.n_tokens if entry else 10) + 1)), "m.gguf")
     entry_id = entry.id if entry else entry_id or secrets.token_hex(8)
     obstore.put(bucket, f"{namespace}/{entry_id}.bin", data)
     body = manifest if manifest is not None else entry.manifest() if entry else {}
@@ -861,7 +865,7 @@ def put_remote(
 def remote_entry(tokens: int, used_age: float, fingerprint: dict[str, Any]) -> Entry:
     return Entry(
         id=secrets.token_hex(8),
-        tokens=tokens,
+        n_tokens=tokens,
         nbytes=0,
         keys=["k"],
         saved_at=NOW - used_age,

@@ -26,7 +26,7 @@ def write_store(root: Path, n: int) -> list[str]:
         tokens = [1] * 640 + [i + 2] * (64 * (1 + i % 3))
         entry = Entry(
             id=secrets.token_hex(8),
-            tokens=len(tokens),
+            n_tokens=len(tokens),
             nbytes=100 + i,
             keys=block_keys(tokens),
             saved_at=time.time(),
@@ -35,7 +35,7 @@ def write_store(root: Path, n: int) -> list[str]:
             seq_version=2,
             layout="packed-1",
             server=dict(SERVER),
-            messages=block_keys(tokens)[:3],
+            message_keys=block_keys(tokens)[:3],
             exact=exact_key(tokens),
             boundary=bool(i % 2),
             checksum="xxh3_128:" + "0" * 32,

@@ -64,9 +64,9 @@ def slot_file(tmp_path: Path, words: list[int], version: int = 4, magic: int = S
 
 def test_plain_and_packed_token_lists_are_read(tmp_path):
     plain = read_header(slot_file(tmp_path, [5, 6, 7]))
-    assert (plain.layout, list(plain.tokens), plain.version) == ("plain", [5, 6, 7], 4)
+    assert (plain.layout, list(plain.token_ids), plain.version) == ("plain", [5, 6, 7], 4)
     packed = read_header(slot_file(tmp_path, [-1, 1, 3, 5, 6, 7, 0], version=5))
-    assert (packed.layout, list(packed.tokens), packed.version) == ("packed-1", [5, 6, 7], 5)
+    assert (packed.layout, list(packed.token_ids), packed.version) == ("packed-1", [5, 6, 7], 5)
 
 
 @pytest.mark.parametrize("words, magic", [([-1, 1, 9, 5], SEQ_MAGIC), ([1, 2], 0x12345678)])
@@ -145,7 +145,7 @@ def keys_of(n_tokens: int, seed: int) -> list[str]:
 
 def held(placement: Placement, slot: int, keys: list[str], *, dirty: bool = True, last_used: float = 1.0) -> None:
     s = placement.slots[slot]
-    s.keys, s.tokens, s.dirty, s.last_used = keys, len(keys) * BLOCK_TOKENS, dirty, last_used
+    s.keys, s.n_tokens, s.dirty, s.last_used = keys, len(keys) * BLOCK_TOKENS, dirty, last_used
 
 
 def test_a_chat_in_its_slot_goes_there_without_a_write_back(placement):
@@ -361,10 +361,23 @@ def test_a_short_chat_is_not_superseded_by_another_that_shares_its_opening():
     from slotkeeper.store.index import extends
 
     opening = list(range(8026))
-    first = Entry("one1", 8091, 1, block_keys(opening + [1] * 65), 0, 0, {}, 4, "packed-1", messages=["s", "o", "u1"])
-    second = Entry("two2", 8093, 1, block_keys(opening + [2] * 67), 0, 0, {}, 4, "packed-1", messages=["s", "o", "u2"])
+    first = Entry(
+        "one1", 8091, 1, block_keys(opening + [1] * 65), 0, 0, {}, 4, "packed-1", message_keys=["s", "o", "u1"]
+    )
+    second = Entry(
+        "two2", 8093, 1, block_keys(opening + [2] * 67), 0, 0, {}, 4, "packed-1", message_keys=["s", "o", "u2"]
+    )
     grown = Entry(
-        "one2", 8200, 1, block_keys(opening + [1] * 174), 0, 0, {}, 4, "packed-1", messages=["s", "o", "u1", "a1", "u3"]
+        "one2",
+        8200,
+        1,
+        block_keys(opening + [1] * 174),
+        0,
+        0,
+        {},
+        4,
+        "packed-1",
+        message_keys=["s", "o", "u1", "a1", "u3"],
     )
     assert not extends(second, first)
     assert extends(grown, first)
@@ -378,9 +391,9 @@ def test_a_slot_whose_chat_differs_only_in_its_last_block_is_another_chat_by_its
     placement.store.index(opening)
     # 7 blocks; both sessions' messages open alike ("Task: ..."), so the request shares 6 of them
     held(placement, 0, block_keys(system + [1] * 54 + [5] * 70), last_used=9.0)
-    placement.slots[0].last_request = RequestKey(messages=("s", "o", "u1"))
+    placement.slots[0].last_request = RequestKey(message_keys=("s", "o", "u1"))
     request = system + [1] * 54 + [6] * 70
-    new_session = RequestKey(messages=("s", "o", "u2"))
+    new_session = RequestKey(message_keys=("s", "o", "u2"))
     plan = choose(
         placement,
         block_keys(request),
@@ -393,7 +406,9 @@ def test_a_slot_whose_chat_differs_only_in_its_last_block_is_another_chat_by_its
     )
     assert (plan.slot.id, plan.outcome) != (0, "resident") and (plan.slot.id != 0 or plan.write_back), plan
     placement.slots.release(plan.slot)
-    same_chat = RequestKey(messages=("s", "o", "u1", "a1", "u3"))  # its messages continue the slot's: the slack holds
+    same_chat = RequestKey(
+        message_keys=("s", "o", "u1", "a1", "u3")
+    )  # its messages continue the slot's: the slack holds
     grown = system + [1] * 54 + [5] * 70 + [3] * 10
     plan = choose(
         placement,

@@ -109,7 +109,7 @@ class Model:
         per_token = store.bytes_per_token() or 0.0
         largest = max((e.nbytes for e in store.entries.values()), default=0)
         if served:
-            nbytes = sum(int(s.tokens * per_token) if s.tokens else largest for s in self.placement.dirty_slots())
+            nbytes = sum(int(s.n_tokens * per_token) if s.n_tokens else largest for s in self.placement.dirty_slots())
         else:  # before any request: what the slots could hold, the largest entries' sizes
             nbytes = sum(sorted((e.nbytes for e in store.entries.values()), reverse=True)[: self.facts.n_slots])
         return {"bytes": nbytes, "bytes_per_s": rate, "seconds": nbytes / rate, "budget_s": budget_s}
@@ -176,7 +176,7 @@ async def open_model(
         on_commit=None if remote is None else remote.upload_committed,
         snapshots=None if root is None else config.save_dir / SNAPSHOTS_DIR, media=MediaBook(facts.media_marker),
     )  # fmt: skip
-    await asyncio.to_thread(store.open)
+    await store.load()
     if store.cap_bytes is None:
         store.cap_bytes = default_cap(store_root, store.total_bytes)
     await store.check_format()

@@ -148,7 +148,7 @@ class Listed(abc.ABC):
 
     @property
     def tokens(self) -> int | None:
-        return self.entry.tokens if self.entry else None
+        return self.entry.n_tokens if self.entry else None
 
     @property
     def detail(self) -> str:

@@ -200,7 +200,7 @@ def _scan_slot_files(save_dir: SaveDir, names: list[str]) -> None:
             fingerprint = (old or {}).get("fingerprint")
             entry = Entry(
                 id=stem,
-                tokens=header.n_tokens,
+                n_tokens=header.n_tokens,
                 nbytes=bin_stat.size,
                 keys=[],
                 saved_at=saved_at,

@@ -39,7 +39,7 @@ class Turn:
 
 @dataclass(frozen=True)
 class Reached:
-    tokens: int  # the slot now holds this many tokens
+    n_tokens: int  # the slot now holds this many tokens
     prefilled: int  # of which llama-server had to process this many
     seconds: float
 
@@ -77,14 +77,14 @@ class Boundary:
     (`whole` False), `tokens` ends before it, and the saved file is checked once it has shown them (`check`).
     """
 
-    tokens: list[int]
+    token_ids: list[int]
     prompt: Any  # the /completion prompt: the tokens, or {"prompt_string", "multimodal_data"}
     whole: bool = True
     check: list[int] | MediaBoundary | None = None  # what the saved file must hold (None: `tokens`)
 
     @property
     def expected(self) -> list[int] | MediaBoundary:
-        return self.tokens if self.check is None else self.check
+        return self.token_ids if self.check is None else self.check
 
 
 class Boundaries:
@@ -98,9 +98,9 @@ class Boundaries:
         first, second = await asyncio.gather(*(self._render(chat, turn, text) for text in PLACEHOLDERS))
         if first is None or second is None:
             return None
-        n = common_prefix(first.tokens, second.tokens)
+        n = common_prefix(first.token_ids, second.token_ids)
         if not first.pictures:
-            return Boundary(first.tokens[:n], first.tokens[:n])
+            return Boundary(first.token_ids[:n], first.token_ids[:n])
         return await self._with_pictures(first, second, n)
 
     async def _with_pictures(self, first: Rendered, second: Rendered, n: int) -> Boundary | None:
@@ -116,11 +116,11 @@ class Boundaries:
             return None
         prompt = media_prompt(text, pictures)
         if first.whole and second.whole and found.whole:
-            return Boundary(found.tokens, prompt) if found.tokens == first.tokens[:n] else None
+            return Boundary(found.token_ids, prompt) if found.token_ids == first.token_ids[:n] else None
         last, ends = found.pieces[-1], (first.pieces[len(found.pieces) - 1], second.pieces[len(found.pieces) - 1])
         if common_prefix(*ends) != len(last) or tuple(ends[0][: len(last)]) != last:
             return None
-        return Boundary(found.tokens, prompt, found.whole, MediaBoundary(found.pieces, tuple(pictures)))
+        return Boundary(found.token_ids, prompt, found.whole, MediaBoundary(found.pieces, tuple(pictures)))
 
     async def _render(self, chat: dict[str, Any], turn: Turn, placeholder: str) -> Rendered | None:
         """The chat's history followed by one placeholder message (both renders run at once)."""
@@ -138,7 +138,7 @@ class Boundaries:
         if not reply.ok or not isinstance(reply.body, dict):
             return None
         timings = reply.body.get("timings") or {}
-        return Reached(len(boundary.tokens), int(timings.get("prompt_n", 0)), time.monotonic() - started)
+        return Reached(len(boundary.token_ids), int(timings.get("prompt_n", 0)), time.monotonic() - started)
 
     @property
     def client(self) -> LlamaClient:

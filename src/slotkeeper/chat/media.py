@@ -150,7 +150,7 @@ class MediaBoundary:
     pieces: tuple[tuple[int, ...], ...]
     pictures: tuple[Picture, ...]
 
-    def tokens(self, book: MediaBook) -> list[int] | None:
+    def token_ids(self, book: MediaBook) -> list[int] | None:
         tokens, placed = book.compose(self.pieces, self.pictures)
         return tokens if placed == len(self.pictures) else None
 

@@ -26,11 +26,11 @@ REMEMBERED = 256  # distinct openings whose tokens are kept
 @dataclass(frozen=True)
 class Opening:
     """A chat's opening: its exact tokens, their `prefix.exact_key`, and the keys of the messages (with the
-    chat's settings first) that lead to it (`placement.request.message_keys`)."""
+    chat's settings first) that lead to it (`placement.request.message_keys_of`)."""
 
-    tokens: list[int]
+    token_ids: list[int]
     key: str
-    messages: list[str]
+    message_keys: list[str]
 
 
 def opening_turn(messages: list[Any]) -> Turn | None:
@@ -54,11 +54,11 @@ class Openings:
         self._tokens: OrderedDict[str, list[int]] = OrderedDict()  # the opening's last message key -> its tokens
         self._with_pictures: set[str] = set()  # openings with pictures, said once each
 
-    async def of(self, chat: dict[str, Any], turn: Turn, messages: list[str], request: list[int]) -> Opening | None:
+    async def of(self, chat: dict[str, Any], turn: Turn, message_keys: list[str], request: list[int]) -> Opening | None:
         """The opening of a chat whose request has the tokens `request`; None when it cannot be rendered or the
         request does not extend it exactly (a template that renders the system part differently once a real
         message follows: then an opening entry would not be reused, and is not made)."""
-        key = messages[-1]
+        key = message_keys[-1]
         tokens = self._tokens.get(key)
         if tokens is None:
             found = await self.boundaries.find(chat, turn)
@@ -71,7 +71,7 @@ class Openings:
                 return None
             if found is None:
                 return None
-            tokens = found.tokens
+            tokens = found.token_ids
             self._tokens[key] = tokens
             while len(self._tokens) > REMEMBERED:
                 self._tokens.popitem(last=False)
@@ -80,4 +80,4 @@ class Openings:
         exact = exact_key(tokens)
         if not tokens or not extends_exactly(request, len(tokens), exact):
             return None
-        return Opening(tokens, exact, messages)
+        return Opening(tokens, exact, message_keys)

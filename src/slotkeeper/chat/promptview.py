@@ -22,7 +22,7 @@ class Rendered:
     """A chat prompt: its view (`tokens`), its text, its pictures, and how many of them the view holds (it ends
     before the first one not known yet)."""
 
-    tokens: list[int]
+    token_ids: list[int]
     text: str
     pictures: tuple[Picture, ...] = ()
     placed: int = 0

@@ -108,7 +108,7 @@ def continuing(slots: Sequence[Slot], key: RequestKey) -> Slot | None:
         return None
     continued = [s for s in slots if s.last_request.continued_by(key) and (s.restored is None or s.restored_extended)]
     return max(
-        continued, key=lambda s: len(s.last_request.messages), default=None
+        continued, key=lambda s: len(s.last_request.message_keys), default=None
     )  # (a restored entry, and its turn on)
 
 
@@ -122,14 +122,14 @@ def decide(
         slot = slots[view.pinned]
         if slot.busy:
             return None
-        shared = shared_blocks(slot, view.keys, view.tokens) if view.keys else 0
+        shared = shared_blocks(slot, view.keys, view.token_ids) if view.keys else 0
         return _complete(Plan(slot, Outcome.PINNED, view, write_back=not holds(slot, shared, view)), store, rules, ())
     idle = [s for s in slots if not s.busy]
     if not idle:
         return None
     if view.keys is None:  # tokens unknown: a victim, whose content then is unknown too
         return _complete(Plan(victim(idle, rules), Outcome.UNPLACED, view, write_back=True), store, rules, ())
-    lookup = _lookup(view.keys, view.tokens, store, rules)
+    lookup = _lookup(view.keys, view.token_ids, store, rules)
     if view.unpinnable:
         plan = _decide_unpinnable(slots, idle, view, lookup, store, rules)
     else:
@@ -141,16 +141,16 @@ def _complete(plan: Plan, store: ConversationStore, rules: Rules, saving_opening
     """The plan with what follows from its slot: the tokens left to prefill, an erase, an opening to save."""
     view, slot = plan.view, plan.slot
     cold = 0
-    if view.tokens is not None and view.keys is not None:
-        reused = len(plan.restore.keys) if plan.restore is not None else shared_blocks(slot, view.keys, view.tokens)
-        cold = max(0, len(view.tokens) - reused * BLOCK_TOKENS)
+    if view.token_ids is not None and view.keys is not None:
+        reused = len(plan.restore.keys) if plan.restore is not None else shared_blocks(slot, view.keys, view.token_ids)
+        cold = max(0, len(view.token_ids) - reused * BLOCK_TOKENS)
     erase = (
         rules.extend_only and plan.restore is None and slot.restored is not None
-        and (view.tokens is None or not slot.extended_by(view.tokens))
+        and (view.token_ids is None or not slot.extended_by(view.token_ids))
     )  # fmt: skip
     opening = view.opening
     new_opening = (
-        opening is not None and plan.outcome is Outcome.NEW and len(opening.tokens) >= rules.min_tokens
+        opening is not None and plan.outcome is Outcome.NEW and len(opening.token_ids) >= rules.min_tokens
         and opening.key not in saving_openings and store.find_exact(opening.key) is None
     )  # fmt: skip
     return replace(plan, erase=erase, opening=opening if new_opening else None, cold=cold)
@@ -160,10 +160,10 @@ def _decide_pinnable(
     slots: Sequence[Slot], idle: list[Slot], view: RequestView, lookup: Lookup, store: ConversationStore,
     rules: Rules,
 ) -> Plan:  # fmt: skip
-    keys, tokens, opening = view.keys or [], view.tokens, view.opening
+    keys, tokens, opening = view.keys or [], view.token_ids, view.opening
     best, shared = max(((s, shared_blocks(s, keys, tokens)) for s in idle), key=lambda p: (p[1], p[0].last_used))
     start = starting_opening(opening, lookup, store)
-    if worth_restoring(slots, lookup, shared, start, rules, view.tokens):
+    if worth_restoring(slots, lookup, shared, start, rules, view.token_ids):
         return Plan(victim(idle, rules), Outcome.RESTORED, view, lookup.entry, True, lookup=lookup)
     if shared and holds(best, shared, view) and not other_chat(best, shared, opening, view.key, rules):
         return Plan(best, Outcome.RESIDENT, view, lookup=lookup)
@@ -201,11 +201,11 @@ def _decide_unpinnable(
     """llama-server chooses the slot of a request it cannot be told one for: slotkeeper predicts that choice
     and prepares the slot there. A restore keeps the prediction true: the slot it restores into then shares
     more of the prompt than any other idle one."""
-    keys, tokens, opening = view.keys or [], view.tokens, view.opening
+    keys, tokens, opening = view.keys or [], view.token_ids, view.opening
     choice = llama_choice(idle, keys, view.n_tokens, tokens)
     shared = shared_blocks(choice, keys, tokens)
     start = starting_opening(opening, lookup, store)
-    if worth_restoring(slots, lookup, shared, start, rules, view.tokens):
+    if worth_restoring(slots, lookup, shared, start, rules, view.token_ids):
         return Plan(choice, Outcome.RESTORED, view, lookup.entry, True, lookup=lookup)
     if shared and holds(choice, shared, view) and not other_chat(choice, shared, opening, view.key, rules):
         return Plan(choice, Outcome.RESIDENT, view, lookup=lookup)
@@ -249,7 +249,7 @@ def holds(slot: Slot, shared: int, view: RequestView) -> bool:
     (`promptview`). Such a slot is saved first (its file shows what it held, pictures included)."""
     if not slot.keys or shared < len(slot.keys) - 1:
         return False
-    return not slot.hidden_tail and not (view.partial and slot.tokens > view.n_tokens)
+    return not slot.hidden_tail and not (view.partial and slot.n_tokens > view.n_tokens)
 
 
 def worth_keeping(slot: Slot, rules: Rules) -> bool:
@@ -259,8 +259,8 @@ def worth_keeping(slot: Slot, rules: Rules) -> bool:
     if not slot.dirty:
         return False
     if rules.extend_only:
-        return slot.chat is not None and slot.tokens >= rules.min_tokens
-    return slot.tokens >= rules.min_tokens or not slot.keys
+        return slot.chat is not None and slot.n_tokens >= rules.min_tokens
+    return slot.n_tokens >= rules.min_tokens or not slot.keys
 
 
 def victim(idle: list[Slot], rules: Rules) -> Slot:
@@ -333,15 +333,15 @@ def other_chat(slot: Slot, shared: int, opening: Opening | None, key: RequestKey
     overwrite that chat unsaved. The request's messages tell (they do not continue the slot's), else its
     blocks (the slot holds a block past the opening that the request does not share); on a hybrid the slot
     must be exactly at the opening, as a live state may not go back there."""
-    if opening is None or shared > len(opening.tokens) // BLOCK_TOKENS + 1:
+    if opening is None or shared > len(opening.token_ids) // BLOCK_TOKENS + 1:
         return False
-    messages = slot.last_request.messages
+    messages = slot.last_request.message_keys
     if (
-        messages and tuple(opening.messages) == messages[: len(opening.messages)]
+        messages and tuple(opening.message_keys) == messages[: len(opening.message_keys)]
         and not slot.last_request.continued_by(key)
     ):  # fmt: skip
         return slot.exact != opening.key
-    if shared <= len(opening.tokens) // BLOCK_TOKENS < len(slot.keys):
+    if shared <= len(opening.token_ids) // BLOCK_TOKENS < len(slot.keys):
         return True
     return rules.extend_only and slot.exact != opening.key
 

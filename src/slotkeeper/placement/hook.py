@@ -121,8 +121,8 @@ class Placement:
                 if not resident.busy:
                     return Plan(self.slots.reserve(resident), Outcome.RESIDENT, view)
                 await self.slots.wait_freed()  # its own previous request: this one goes after it, as in llama-server
-        rendered = await self.keeper.tokens(path, body, data, chat)
-        tokens = None if rendered is None else rendered.tokens
+        rendered = await self.keeper.render_prompt(path, body, data, chat)
+        tokens = None if rendered is None else rendered.token_ids
         keys = block_keys(tokens) if tokens is not None else None
         if keys:
             await self.prep.fetch_if_faster(keys)
@@ -130,7 +130,7 @@ class Placement:
         if chat is not None and tokens is not None and view.pinned is None:
             opening = await self.keeper.opening(chat, tokens)
         partial = rendered is not None and not rendered.whole
-        view = replace(view, keys=keys, n_tokens=len(tokens or ()), tokens=tokens, opening=opening, partial=partial)
+        view = replace(view, keys=keys, n_tokens=len(tokens or ()), token_ids=tokens, opening=opening, partial=partial)
         rules = replace(self.rules, prefill_rate=self.keeper.known_prefill_rate())
         while (plan := decide(self.slots.slots, view, self.store, rules, self._opening_saves)) is None:
             await self.slots.wait_freed()
@@ -196,10 +196,10 @@ class Placement:
             return
         self.store.started_from(entry)
         self.metrics.opening_hits += 1
-        self.metrics.opening_tokens_saved += entry.tokens
+        self.metrics.opening_tokens_saved += entry.n_tokens
         if plan.restore is None:
             log.info(
-                "a new chat starts from opening %s in slot %d: %s tokens", entry.short, slot.id, f"{entry.tokens:,}"
+                "a new chat starts from opening %s in slot %d: %s tokens", entry.short, slot.id, f"{entry.n_tokens:,}"
             )
 
     # ---- after the request --------------------------------------------------------------------------------
@@ -240,7 +240,7 @@ class Placement:
         )  # fmt: skip
         self.metrics.unpinned_elsewhere += 1
         self.slots.reserve(ran)
-        tokens = plan.view.tokens
+        tokens = plan.view.token_ids
         if tokens is None or not ran.extended_by(tokens):
             self.slots.lost_restored(ran)  # it ran there all the same: that state is gone
         # (a resident plan's tokens were not counted: what that slot holds is unknown)
@@ -282,7 +282,9 @@ class Placement:
         def skip(entry: Entry) -> bool:
             """Chats only (openings are restored for the new chats that need them); on extend-only models, their
             latest boundaries only (not a fallback, or an older kind of entry)."""
-            return entry.opening or (extend_only and (not entry.boundary or self.store.saved_beyond(entry.messages)))
+            return entry.opening or (
+                extend_only and (not entry.boundary or self.store.saved_beyond(entry.message_keys))
+            )
 
         for slot, entry in zip(self.slots, self.store.most_recent(len(self.slots), skip)):
             self.slots.reserve(slot)

@@ -26,7 +26,7 @@ from ..metrics import Metrics
 from ..store.conversations import ConversationStore, SaveFailure, SaveResult
 from ..store.entries import Entry
 from .decide import DEFAULT_PREFILL_TOKENS_PER_S, Rules, worth_keeping
-from .request import message_keys
+from .request import message_keys_of
 from .slots import Slot, SlotTable
 
 TOKENIZE_TIMEOUT_S = 30.0
@@ -60,7 +60,7 @@ class Keeper:
 
     # ---- what llama-server says ---------------------------------------------------------------------------
 
-    async def tokens(
+    async def render_prompt(
         self, path: str, body: bytes, data: dict[str, Any], chat: dict[str, Any] | None
     ) -> Rendered | None:
         """The prompt's tokens, as llama-server will see them (template applied); None when it cannot say."""
@@ -97,7 +97,7 @@ class Keeper:
             return None
         try:
             return await asyncio.wait_for(
-                self.openings.of(chat, turn, message_keys(chat, turn.history), tokens), TOKENIZE_TIMEOUT_S
+                self.openings.of(chat, turn, message_keys_of(chat, turn.history), tokens), TOKENIZE_TIMEOUT_S
             )
         except (TimeoutError, ConnectionError, ValueError, KeyError, TypeError) as exc:
             log.debug("the opening of a chat is unknown: %r", exc)
@@ -175,7 +175,7 @@ class Keeper:
         pictures = f" with {len(entry.images)} picture(s)" if entry.images else ""
         log.info(
             "%s %s restored into slot %d: %s tokens%s, %s in %s", "opening" if entry.opening else "chat",
-            entry.short, slot.id, f"{result.tokens:,}", pictures, fmt_bytes(result.nbytes), fmt_ms(result.seconds),
+            entry.short, slot.id, f"{result.n_tokens:,}", pictures, fmt_bytes(result.nbytes), fmt_ms(result.seconds),
         )  # fmt: skip
         return True
 
@@ -198,10 +198,10 @@ class Keeper:
         result = await asyncio.wait_for(self._save_whole(slot), timeout)
         if result.entry is None:
             if result.failure is SaveFailure.EMPTY:
-                if slot.tokens:
+                if slot.n_tokens:
                     log.warning(
                         "slot %d held nothing to save (%s), though chat %s was placed there: %s tokens of it are "
-                        "not kept", slot.id, why, slot.label or "-", f"{slot.tokens:,}",
+                        "not kept", slot.id, why, slot.label or "-", f"{slot.n_tokens:,}",
                     )  # fmt: skip
                     self.metrics.chats_found_empty += 1
                 self.table.saved(slot, complete=True)
@@ -209,10 +209,10 @@ class Keeper:
             log.warning("slot %d not saved (%s): %s; its previous entries are kept", slot.id, why, result.reason)
             return False
         entry = result.entry
-        self.table.held(slot, entry, entry.keys, entry.tokens)
+        self.table.held(slot, entry, entry.keys, entry.n_tokens)
         superseding = f", superseding {result.superseded}" if result.superseded else ""
         log.info(
-            "chat %s saved from slot %d (%s): %s tokens, %s in %s%s", entry.short, slot.id, why, f"{entry.tokens:,}",
+            "chat %s saved from slot %d (%s): %s tokens, %s in %s%s", entry.short, slot.id, why, f"{entry.n_tokens:,}",
             fmt_bytes(entry.nbytes), fmt_ms(result.seconds), superseding,
         )  # fmt: skip
         return True
@@ -221,7 +221,7 @@ class Keeper:
         """Save all the slot holds. The free-space check needs its size: llama-server's own count of the slot's
         tokens (`n_prompt_tokens` of /slots: the prompt and what it generated), not slotkeeper's (the prompt it
         placed), which a chat of long replies exceeds many times over."""
-        held = slot.tokens
+        held = slot.n_tokens
         try:
             reply = await self.client.slots()
             if reply.ok and isinstance(reply.body, list):
@@ -229,7 +229,9 @@ class Keeper:
                 held = max(held, int(info.get("n_prompt_tokens") or 0))
         except (ConnectionError, TypeError, ValueError):
             pass  # the save itself will say what is wrong
-        return await self.store.save_slot(slot.id, self._expected_bytes(held), list(slot.last_request.messages))
+        return await self.store.save_slot(
+            slot.id, expected_bytes=self._expected_bytes(held), message_keys=slot.last_request.message_keys
+        )
 
     def _expected_bytes(self, tokens: int) -> int:
         rate = self.store.bytes_per_token()
@@ -276,7 +278,7 @@ class Keeper:
                     "template that renders them apart), so it is not saved there", slot.label or "-", slot.id,
                 )  # fmt: skip
             return None, False
-        tokens = boundary.tokens
+        tokens = boundary.token_ids
         if len(tokens) < self.rules.min_tokens and boundary.whole:
             return None, False
         if not slot.may_reach(tokens):
@@ -287,7 +289,12 @@ class Keeper:
             self.store.touch(existing)
             return existing, False
         reached, result = await self.reach_and_save(
-            slot, boundary, key, message_keys(chat, turn.history), self._older_boundary, is_opening(turn)
+            slot,
+            boundary,
+            key=key,
+            message_keys=message_keys_of(chat, turn.history),
+            supersedes=self._older_boundary,
+            opening=is_opening(turn),
         )
         if reached is None or result is None:
             log.warning("slot %d not saved (%s): llama-server did not take it to its turn boundary", slot.id, why)
@@ -305,17 +312,24 @@ class Keeper:
         )  # fmt: skip
         log.info(
             "chat %s saved from slot %d at its turn boundary (%s): %s tokens (%s), %s in %s%s", entry.short, slot.id,
-            why, f"{entry.tokens:,}", how, fmt_bytes(entry.nbytes), fmt_ms(result.seconds), superseding,
+            why, f"{entry.n_tokens:,}", how, fmt_bytes(entry.nbytes), fmt_ms(result.seconds), superseding,
         )  # fmt: skip
         return entry, True
 
     async def reach_and_save(
-        self, slot: Slot, boundary: Boundary, key: str, messages: list[str], supersedes: Supersedes, opening: bool
+        self,
+        slot: Slot,
+        boundary: Boundary,
+        *,
+        key: str,
+        message_keys: list[str],
+        supersedes: Supersedes,
+        opening: bool,
     ) -> tuple[Reached | None, SaveResult | None]:
         """Bring the slot to exactly the boundary (`key`), unless it is there already (`Reached` with no time
         spent), and save it as a boundary entry, which the slot then holds; (None, None) when llama-server did
         not take it there. Turn boundaries and openings are saved alike."""
-        tokens = boundary.tokens
+        tokens = boundary.token_ids
         if slot.exact == key and boundary.whole:  # brought there once its turn was over, or by the last save
             reached = Reached(len(tokens), 0, 0.0)
         else:
@@ -328,34 +342,46 @@ class Keeper:
         if boundary.whole:
             self.table.held(slot, None, block_keys(tokens), len(tokens), key)
         result = await self.store.save_slot(
-            slot.id, self._expected_bytes(len(tokens)), messages, boundary=boundary.expected, supersedes=supersedes,
+            slot.id,
+            expected_bytes=self._expected_bytes(len(tokens)),
+            message_keys=message_keys,
+            boundary=boundary.expected,
+            supersedes=supersedes,
             opening=opening,
-        )  # fmt: skip
+        )
         if result.entry is not None:
             entry = result.entry
-            self.table.held(slot, entry, entry.keys, entry.tokens, entry.exact)
+            self.table.held(slot, entry, entry.keys, entry.n_tokens, entry.exact)
         return reached, result
 
     def _older_boundary(self, new: Entry, old: Entry) -> bool:
         """A chat keeps its latest boundary and the one before it: a new boundary supersedes the chat's
         boundaries that another one lies between (never an opening: a system prompt that chats share)."""
-        if old.opening or not (old.boundary and len(old.messages) >= 3 and _strict_prefix(old.messages, new.messages)):
+        if old.opening or not (
+            old.boundary and len(old.message_keys) >= 3 and _strict_prefix(old.message_keys, new.message_keys)
+        ):
             return False
         return any(
-            mid.boundary and _strict_prefix(old.messages, mid.messages) and _strict_prefix(mid.messages, new.messages)
-            for mid in self.store.saved_within(new.messages)
+            mid.boundary
+            and _strict_prefix(old.message_keys, mid.message_keys)
+            and _strict_prefix(mid.message_keys, new.message_keys)
+            for mid in self.store.saved_within(new.message_keys)
         )
 
     async def save_opening(self, slot: Slot, opening: Opening) -> None:
         """Bring the slot to a new chat's opening and save it there, for the chats that share it; the request
         then extends it, so nothing is prefilled twice. A failure costs only the entry."""
-        if not slot.may_reach(opening.tokens):
+        if not slot.may_reach(opening.token_ids):
             return  # a restored state that goes past it: this slot cannot go back there
         try:
             reached, result = await self.reach_and_save(
-                slot, Boundary(opening.tokens, opening.tokens), opening.key, opening.messages, supersedes_nothing,
-                True,
-            )  # fmt: skip
+                slot,
+                Boundary(opening.token_ids, opening.token_ids),
+                key=opening.key,
+                message_keys=opening.message_keys,
+                supersedes=supersedes_nothing,
+                opening=True,
+            )
         except (ConnectionError, ValueError) as exc:
             reached = result = None
             log.debug("reaching an opening failed: %r", exc)
@@ -371,7 +397,7 @@ class Keeper:
         self.metrics.openings_saved += 1
         log.info(
             "opening %s saved from slot %d at its turn boundary (before the first user message, for the chats that "
-            "share it): %s tokens (%s prefilled in %s), %s in %s", entry.short, slot.id, f"{entry.tokens:,}",
+            "share it): %s tokens (%s prefilled in %s), %s in %s", entry.short, slot.id, f"{entry.n_tokens:,}",
             f"{reached.prefilled:,}", fmt_ms(reached.seconds), fmt_bytes(entry.nbytes), fmt_ms(result.seconds),
         )  # fmt: skip
 
@@ -379,13 +405,13 @@ class Keeper:
         """Bring an idle slot to its chat's latest turn boundary, nothing written (see `settle.Settler.later`)."""
         current, _ = turns_of(chat.get("messages") or [], reply.message())
         boundary = None if current is None else await self.boundaries.find(chat, current)
-        if boundary is None or not boundary.whole or not slot.may_reach(boundary.tokens):
+        if boundary is None or not boundary.whole or not slot.may_reach(boundary.token_ids):
             return
         reached = await self.boundaries.reach(slot.id, boundary)
         self.table.task_ran(slot)
         if reached is not None:
             self._measured(reached)
-            self.table.reached(slot, boundary.tokens)
+            self.table.reached(slot, boundary.token_ids)
             self.metrics.boundary_settled(reached.prefilled, reached.seconds)
 
 

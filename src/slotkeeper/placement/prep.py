@@ -61,7 +61,7 @@ class Preparer:
         """Before a request llama-server places itself, on an extend-only model: every other idle slot holding a
         restored state the request does not extend is saved if it changed, and erased. llama-server might
         choose one of them, and on a sliding-window model reusing such a state answers wrongly."""
-        tokens = plan.view.tokens
+        tokens = plan.view.token_ids
         if tokens is None:
             return  # its chat continues in its slot (which shares the most with it), or its tokens are unknown
         for slot in self.table:
@@ -87,7 +87,7 @@ class Preparer:
         from the start of the cache again once most of it is free, and a prompt attends up to its highest cell.
         A slot whose save fails keeps its chat."""
         for slot in self.table:
-            if slot is active or slot.busy or not (slot.keys or slot.tokens or slot.dirty or slot.entry):
+            if slot is active or slot.busy or not (slot.keys or slot.n_tokens or slot.dirty or slot.entry):
                 continue
             self.table.reserve(slot)
             try:

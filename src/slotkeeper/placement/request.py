@@ -1,7 +1,7 @@
 """A completion request as placement sees it: which chat it continues (its request key), its body with the slot
 pinned, and the frozen view that `decide()` reads.
 
-Nothing here does I/O: the request's tokens come from llama-server (`keeper.Keeper.tokens`) and are put in
+Nothing here does I/O: the request's tokens come from llama-server (`keeper.Keeper.render_prompt`) and are put in
 the view before a decision.
 """
 
@@ -39,14 +39,14 @@ class RequestKey:
     prompt itself (text, or canonical JSON of a token list, open-ended so that only whole items compare).
     """
 
-    messages: tuple[str, ...] = ()
+    message_keys: tuple[str, ...] = ()
     prompt: str | None = None
 
     def continued_by(self, other: RequestKey) -> bool:
         """`other` opens with everything this request had: the same chat, one turn on."""
-        if self.messages:
-            n = len(self.messages)
-            return n >= 2 and n <= len(other.messages) and common_keys(self.messages, other.messages) == n
+        if self.message_keys:
+            n = len(self.message_keys)
+            return n >= 2 and n <= len(other.message_keys) and common_keys(self.message_keys, other.message_keys) == n
         if self.prompt and other.prompt is not None:
             return other.prompt.startswith(self.prompt)
         return False
@@ -61,7 +61,7 @@ class RequestView:
 
     keys: list[str] | None  # the prompt's block keys; None when its tokens are unknown
     n_tokens: int  # how many tokens its prompt has (0 when unknown)
-    tokens: list[int] | None = None  # the prompt's tokens (extend-only models need them)
+    token_ids: list[int] | None = None  # the prompt's tokens (extend-only models need them)
     pinned: int | None = None  # the slot the client chose (`id_slot`)
     unpinnable: bool = False  # llama-server chooses its slot itself (see apis.Api.pinnable)
     opening: Opening | None = None  # its chat's opening (system prompt, tools), when known
@@ -79,7 +79,7 @@ def request_key(path: str, data: dict[str, Any]) -> tuple[RequestKey, dict[str, 
         messages = chat.get("messages")
         if not isinstance(messages, list):
             return NO_KEY, chat
-        return RequestKey(messages=tuple(message_keys(chat, messages))), chat
+        return RequestKey(message_keys=tuple(message_keys_of(chat, messages))), chat
     prompt = data.get("prompt")
     if api is Api.INFILL or prompt is None:
         return NO_KEY, None
@@ -89,7 +89,7 @@ def request_key(path: str, data: dict[str, Any]) -> tuple[RequestKey, dict[str, 
     return RequestKey(prompt=text[:-1] + "," if text.endswith("]") else text), None
 
 
-def message_keys(chat: dict[str, Any], messages: list[Any]) -> list[str]:
+def message_keys_of(chat: dict[str, Any], messages: list[Any]) -> list[str]:
     """The chained keys of a chat's prompt-relevant settings and of each of these messages."""
     settings = {k: v for k, v in chat.items() if k not in NOT_PROMPT_FIELDS}
     return unit_keys([canonical(settings), *map(canonical, messages)])

@@ -27,7 +27,7 @@ class Slot:
     id: int
     keys: Sequence[str] = field(default_factory=list)  # block keys of a prefix of what it holds
     last_request: RequestKey = NO_KEY  # the key of the last request placed here
-    tokens: int = 0  # tokens known to be there (a lower bound after a turn that was not tokenized)
+    n_tokens: int = 0  # tokens known to be there (a lower bound after a turn that was not tokenized)
     entry: Entry | None = None  # the entry its content is saved as, while it has not changed since
     dirty: bool = False  # changed since its content was last saved
     busy: bool = False  # reserved: a request or a slot action runs on it
@@ -45,13 +45,13 @@ class Slot:
         """The slot may be brought to hold exactly these tokens: they do not go back before its restored state."""
         restored = self.restored
         return restored is None or (
-            len(tokens) >= restored.tokens and exact_key(tokens, restored.tokens) == restored.exact
+            len(tokens) >= restored.n_tokens and exact_key(tokens, restored.n_tokens) == restored.exact
         )
 
     def extended_by(self, tokens: Sequence[int]) -> bool:
         """A request with these tokens may run here: it extends the restored state, if there is one."""
         restored = self.restored
-        return restored is None or extends_exactly(tokens, restored.tokens, restored.exact)
+        return restored is None or extends_exactly(tokens, restored.n_tokens, restored.exact)
 
 
 class SlotTable:
@@ -96,7 +96,7 @@ class SlotTable:
     def held(self, slot: Slot, entry: Entry | None, keys: Sequence[str], tokens: int, exact: str = "") -> None:
         """It now holds exactly `keys`/`tokens`, saved as `entry` (when that is not None); `exact`: the exact key
         of those tokens, when they are known to the token."""
-        slot.entry, slot.keys, slot.tokens, slot.dirty, slot.exact = entry, keys, tokens, False, exact
+        slot.entry, slot.keys, slot.n_tokens, slot.dirty, slot.exact = entry, keys, tokens, False, exact
         slot.hidden_tail = False
         if entry is not None:
             slot.label = entry.short
@@ -104,8 +104,8 @@ class SlotTable:
     def restored(self, slot: Slot, entry: Entry, *, extend_only: bool) -> None:
         """The entry was restored into it: it holds that, unchanged since saved; on an extend-only model,
         requests must extend it."""
-        self.held(slot, entry, entry.keys, entry.tokens, entry.exact)
-        slot.last_request = RequestKey(messages=tuple(entry.messages))
+        self.held(slot, entry, entry.keys, entry.n_tokens, entry.exact)
+        slot.last_request = RequestKey(message_keys=tuple(entry.message_keys))
         slot.chat = slot.reply = None
         if extend_only:
             slot.restored, slot.restored_extended = entry, False
@@ -113,7 +113,12 @@ class SlotTable:
 
     def reached(self, slot: Slot, tokens: Sequence[int]) -> None:
         """llama-server brought it to exactly these tokens (a turn boundary), its content otherwise unchanged."""
-        slot.keys, slot.tokens, slot.exact, slot.hidden_tail = block_keys(tokens), len(tokens), exact_key(tokens), False
+        slot.keys, slot.n_tokens, slot.exact, slot.hidden_tail = (
+            block_keys(tokens),
+            len(tokens),
+            exact_key(tokens),
+            False,
+        )
 
     def task_ran(self, slot: Slot) -> None:
         """llama-server ran a task of slotkeeper's there, taken or not: its LRU clock moved."""
@@ -126,7 +131,7 @@ class SlotTable:
 
     def cleared(self, slot: Slot) -> None:
         """It holds nothing known (erased, or a restore into it failed)."""
-        slot.keys, slot.last_request, slot.tokens, slot.entry, slot.dirty = [], NO_KEY, 0, None, False
+        slot.keys, slot.last_request, slot.n_tokens, slot.entry, slot.dirty = [], NO_KEY, 0, None, False
         slot.hidden_tail = False
         slot.label, slot.restored, slot.restored_extended, slot.chat, slot.reply, slot.exact = (
             "",
@@ -139,7 +144,7 @@ class SlotTable:
 
     def unseen(self, slot: Slot) -> None:
         """A request slotkeeper did not place ran here: what it holds is unknown, and worth a save to find out."""
-        slot.dirty, slot.keys, slot.tokens, slot.hidden_tail = True, [], 0, False
+        slot.dirty, slot.keys, slot.n_tokens, slot.hidden_tail = True, [], 0, False
 
     def lost_restored(self, slot: Slot) -> None:
         """A request that does not extend its restored state ran there all the same: that state is gone."""
@@ -163,20 +168,20 @@ class SlotTable:
         slot.restored_extended = slot.restored_extended or keys is not None
         if keys is not None:
             reused = common_keys(slot.keys, keys) * BLOCK_TOKENS
-            slot.keys, slot.tokens = keys, len(keys) * BLOCK_TOKENS
+            slot.keys, slot.n_tokens = keys, len(keys) * BLOCK_TOKENS
             usage = reply.usage() if view.partial and reply is not None else None
-            slot.tokens = max(slot.tokens, usage.prompt if usage is not None else 0)
+            slot.n_tokens = max(slot.n_tokens, usage.prompt if usage is not None else 0)
             slot.hidden_tail = view.partial
         elif resident:
-            reused = slot.tokens
+            reused = slot.n_tokens
             slot.hidden_tail = True
         else:  # unplaced: what it holds is unknown
             reused = 0
-            slot.keys, slot.tokens, slot.hidden_tail = [], 0, False
+            slot.keys, slot.n_tokens, slot.hidden_tail = [], 0, False
         slot.last_request, slot.entry, slot.dirty, slot.last_used = request, None, True, self.tick()
         slot.task_ended = slot.last_used
         if not resident or not slot.label:
-            slot.label = request.messages[-1][:4] if request.messages else f"s{slot.id}"
+            slot.label = request.message_keys[-1][:4] if request.message_keys else f"s{slot.id}"
         slot.exact = ""
         return reused
 
@@ -187,7 +192,7 @@ class SlotTable:
                 "slot": s.id,
                 "chat": s.label or None,
                 "entry": s.entry.id if s.entry else None,
-                "tokens_known": s.tokens,
+                "tokens_known": s.n_tokens,
                 "images": len(s.entry.images) if s.entry is not None else 0,
                 "dirty": s.dirty,
                 "busy": s.busy,

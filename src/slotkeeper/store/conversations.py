@@ -35,7 +35,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,7 +44,7 @@ from ..chat.media import Learnt, MediaBook, MediaBoundary, Wrap
 from ..chat.prefix import exact_key
 from ..log import fmt_bytes, log
 from ..metrics import Metrics
-from . import manifestcache
+from . import manifestcache, slotfiles
 from .entries import (
     BIN_SUFFIX,
     MANIFEST_SUFFIX,
@@ -63,7 +63,7 @@ from .entries import (
 from .index import EntryIndex, extends
 from .layout import ENTRIES_DIR, QUARANTINE_DIR, SNAPSHOTS_DIR, prepare_layout
 from .scan import remove_transients, scan_entries, take_over_slot_files
-from .slotfiles import commit, low_space, report_progress, transient_path
+from .slotfiles import SavedFile, low_space, read_saved, report_progress, transient_path
 from .statefile import StateFileError, StateHeader, read_header
 
 if TYPE_CHECKING:  # `slotkeeper ls` reads a store without the client
@@ -120,7 +120,7 @@ class RestoreResult:
     ok: bool
     reason: str = ""
     quarantined: bool = False  # the entry was bad and is gone (the store said so in its own line)
-    tokens: int = 0
+    n_tokens: int = 0
     nbytes: int = 0
     seconds: float = 0.0
 
@@ -170,6 +170,13 @@ class ConversationStore(EntryIndex):
         self.on_commit = on_commit  # told of each new local save (the remote tier's uploads)
 
     # ---- opening ------------------------------------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Open the store in a thread (`open`), then teach the media book what its entries show of pictures,
+        here on the event loop."""
+        await asyncio.to_thread(self.open)
+        for entry in self.entries.values():
+            self._remember_pictures(entry)
 
     def open(self) -> None:
         """Finish what a killed run left, take over a directory of the slot-file layout, read the manifests.
@@ -304,9 +311,9 @@ class ConversationStore(EntryIndex):
     async def save_slot(
         self,
         slot_id: int,
-        expected_bytes: int = 0,
-        messages: list[str] | None = None,
         *,
+        expected_bytes: int = 0,
+        message_keys: Sequence[str] = (),
         boundary: list[int] | MediaBoundary | None = None,
         supersedes: Callable[[Entry, Entry], bool] | None = None,
         opening: bool = False,
@@ -347,24 +354,13 @@ class ConversationStore(EntryIndex):
                     None, SaveFailure.SIZE_MISMATCH, f"file has {size} bytes, llama-server reported {written}"
                 )
             progress.cancel()
-            entry = Entry(
-                id=secrets.token_hex(8),
-                tokens=tokens,
-                nbytes=written,
-                keys=[],
-                saved_at=time.time(),
-                last_used=time.time(),
-                fingerprint=self.fingerprint,
-                seq_version=0,
-                layout="",
-                server=self.server,
-                messages=list(messages or []),
-                save_ms=reply.body.get("timings", {}).get("save_ms"),
-                boundary=boundary is not None,
-                opening=opening,
-                uses=int(opening),
+            saved = await asyncio.to_thread(read_saved, transient)
+            save_ms = reply.body.get("timings", {}).get("save_ms")
+            entry = self._new_entry(saved, written, message_keys, boundary=boundary, opening=opening, save_ms=save_ms)
+            manifest = entry.manifest()
+            commit = asyncio.ensure_future(
+                asyncio.to_thread(slotfiles.commit, transient, entry.id, manifest, self.entries_dir, fsync=self.fsync)
             )
-            commit = asyncio.ensure_future(asyncio.to_thread(self._commit, transient, entry, boundary))
             try:
                 await asyncio.shield(commit)
             except asyncio.CancelledError:  # a budget ran out during the commit: it completes all the same
@@ -389,11 +385,71 @@ class ConversationStore(EntryIndex):
             self.on_commit(entry, self.entries_dir / f"{entry.id}{BIN_SUFFIX}")
         elapsed = time.monotonic() - started
         self.bytes_per_s = entry.nbytes / elapsed if elapsed > 0 else self.bytes_per_s
-        self.metrics.saved(elapsed, entry.nbytes, entry.tokens)
+        self.metrics.saved(elapsed, entry.nbytes, entry.n_tokens)
         return SaveResult(entry, seconds=elapsed, superseded=superseded)
+
+    def _new_entry(
+        self,
+        saved: SavedFile,
+        nbytes: int,
+        message_keys: Sequence[str],
+        *,
+        boundary: list[int] | MediaBoundary | None,
+        opening: bool,
+        save_ms: float | None,
+    ) -> Entry:
+        """The complete entry a saved file makes, before its commit; StateFileError when it is not the boundary
+        it must be. Its pictures teach the media book first (here, on the event loop), so that a boundary with
+        pictures is checked against what they take."""
+        header = saved.header
+        if header.images:
+            self._learn_pictures(header)
+        if boundary is not None:
+            tokens = boundary if isinstance(boundary, list) else boundary.token_ids(self.media)
+            if tokens is None or exact_key(tokens) != saved.exact:
+                raise StateFileError(f"the slot holds {header.n_tokens:,} tokens that are not its turn boundary")
+        wrap = self.media.wrap
+        now = time.time()
+        return Entry(
+            id=secrets.token_hex(8),
+            n_tokens=header.n_tokens,
+            nbytes=nbytes,
+            keys=saved.keys,
+            saved_at=now,
+            last_used=now,
+            fingerprint=self.fingerprint,
+            seq_version=header.version,
+            layout=header.layout,
+            server=self.server,
+            message_keys=list(message_keys),
+            save_ms=save_ms,
+            exact=saved.exact,
+            boundary=boundary is not None,
+            opening=opening,
+            uses=int(opening),
+            checksum=saved.checksum,
+            images=header.image_positions,
+            image_wrap=(wrap.begin, wrap.end) if header.images and wrap is not None else None,
+        )
+
+    def _learn_pictures(self, header: StateHeader) -> None:
+        """What a saved file shows of its pictures joins the media book (one line when it teaches the wrap)."""
+        learnt = self.media.learn_file(header.token_ids, header.images)
+        wrap = self.media.wrap
+        if learnt is Learnt.WRAP and wrap is not None:
+            log.info(
+                "pictures: llama-server puts %d token(s) before each and %d after; image chats are now "
+                "placed by their pictures", len(wrap.begin), len(wrap.end),
+            )  # fmt: skip
+        elif learnt is Learnt.UNFIT:
+            log.warning(
+                "pictures: a slot file does not hold its prompt's pictures the way slotkeeper reads them (a "
+                "tiling projector?); image chats are placed by what comes before their first picture"
+            )
 
     def _admit_saved(self, entry: Entry, supersedes: Callable[[Entry, Entry], bool] | None = None) -> int:
         """A committed save joins the index; the entries it supersedes go. Returns how many went."""
+        self.cache_changes += 1
         self.current_format = (entry.seq_version, entry.layout)
         rule = supersedes or extends
         superseded = [old for i in self.near(entry.keys) if i != entry.id and rule(entry, old := self.entries[i])]
@@ -402,44 +458,16 @@ class ConversationStore(EntryIndex):
             self._remove(old)
         return len(superseded)
 
-    def _commit(self, transient: Path, entry: Entry, boundary: list[int] | MediaBoundary | None = None) -> None:
-        """In a thread: commit a saved file as `entry` (slotfiles.commit). Whatever fails, nothing it made is
-        left (the caller may have stopped waiting: a budget ran out). The file's pictures teach the media book
-        first, so that a boundary with pictures is checked against what they take."""
-
-        def expected(header: StateHeader) -> str | None:
-            learnt = self.media.learn_file(header.tokens, header.images) if header.images else Learnt.POSITIONS
-            wrap = self.media.wrap
-            if learnt is Learnt.WRAP and wrap is not None:
-                log.info(
-                    "pictures: llama-server puts %d token(s) before each and %d after; image chats are now "
-                    "placed by their pictures", len(wrap.begin), len(wrap.end),
-                )  # fmt: skip
-            elif learnt is Learnt.UNFIT:
-                log.warning(
-                    "pictures: a slot file does not hold its prompt's pictures the way slotkeeper reads them (a "
-                    "tiling projector?); image chats are placed by what comes before their first picture"
-                )
-            if header.images and wrap is not None:
-                entry.image_wrap = (wrap.begin, wrap.end)
-            if boundary is None:
-                return None
-            tokens = boundary if isinstance(boundary, list) else boundary.tokens(self.media)
-            return exact_key(tokens) if tokens is not None else "unknown"  # (never an entry's key)
-
-        commit(transient, entry, self.entries_dir, fsync=self.fsync, expected=expected)
-        self.cache_changes += 1
-
     def image_counts(self) -> dict[str, int]:
         """How many entries hold pictures, and how many pictures they hold (status, metrics)."""
         with_images = [len(e.images) for e in self.entries.values() if e.images]
         return {"entries_with_images": len(with_images), "images": sum(with_images)}
 
-    def index(self, entry: Entry) -> None:
-        """Make a usable entry findable; what its manifest says of its pictures joins the media book."""
+    def _remember_pictures(self, entry: Entry) -> None:
+        """What an entry's manifest says of its pictures joins the media book (on the event loop: its one
+        writer's thread)."""
         if entry.images:
             self.media.remember(entry.images, Wrap(*entry.image_wrap) if entry.image_wrap else None)
-        super().index(entry)
 
     def adopt(self, manifest: dict[str, Any]) -> Entry | None:
         """Take in an entry whose file was just downloaded to entries/<id>.bin (the shared tier): it joins the
@@ -460,6 +488,7 @@ class ConversationStore(EntryIndex):
             write_json_atomic(manifest_path, entry.manifest(), self.fsync)
             self.cache_changes += 1
             self.index(entry)
+            self._remember_pictures(entry)
             return entry
         if entry is None or verdict.status is Status.NO_BIN:
             log.warning("remote entry not used: %s", verdict.reason)
@@ -526,7 +555,7 @@ class ConversationStore(EntryIndex):
         if elapsed > 0:
             self.restore_bytes_per_s = nbytes / elapsed
         self.touch(entry)
-        return RestoreResult(True, tokens=tokens, nbytes=nbytes, seconds=elapsed)
+        return RestoreResult(True, n_tokens=tokens, nbytes=nbytes, seconds=elapsed)
 
     async def _expose(self, source: Path, link: Path) -> None:
         """Make an entry readable by llama-server under a transient name: a hard link (free), or a copy on a
@@ -546,15 +575,22 @@ class ConversationStore(EntryIndex):
         entry.last_used = time.time()
         if entry.id not in self.entries:
             return
-        future = asyncio.ensure_future(asyncio.to_thread(self._rewrite_manifest, entry))
+        future = asyncio.ensure_future(asyncio.to_thread(self._rewrite_manifest, entry.id, entry.manifest()))
         self._pending.add(future)
-        future.add_done_callback(self._pending.discard)
+        future.add_done_callback(self._rewritten)
 
-    def _rewrite_manifest(self, entry: Entry) -> None:
+    def _rewrite_manifest(self, entry_id: str, manifest: dict[str, Any]) -> bool:
+        """In a thread: an entry's manifest written again (its file still there); whether it was."""
         with contextlib.suppress(OSError):
-            if (self.entries_dir / f"{entry.id}{BIN_SUFFIX}").exists():
-                write_json_atomic(self.entries_dir / f"{entry.id}{MANIFEST_SUFFIX}", entry.manifest(), False)
-                self.cache_changes += 1
+            if (self.entries_dir / f"{entry_id}{BIN_SUFFIX}").exists():
+                write_json_atomic(self.entries_dir / f"{entry_id}{MANIFEST_SUFFIX}", manifest, False)
+                return True
+        return False
+
+    def _rewritten(self, future: asyncio.Future[bool]) -> None:
+        self._pending.discard(future)
+        if not future.cancelled() and future.exception() is None and future.result():
+            self.cache_changes += 1
 
     async def flush(self) -> None:
         """Wait for background manifest updates."""
@@ -611,7 +647,7 @@ class ConversationStore(EntryIndex):
             log.info(
                 "entry %s evicted (%s tokens, %s, unused for %.0f s): the store is over its cap %s",
                 entry.short,
-                f"{entry.tokens:,}",
+                f"{entry.n_tokens:,}",
                 fmt_bytes(entry.nbytes),
                 time.time() - entry.last_used,
                 fmt_bytes(self.cap_bytes),
@@ -652,4 +688,4 @@ def default_cap(root: Path, store_bytes: int) -> int:
 
 
 def format_entry(entry: Entry) -> str:
-    return f"entry {entry.short} ({entry.tokens:,} tokens, {fmt_bytes(entry.nbytes)})"
+    return f"entry {entry.short} ({entry.n_tokens:,} tokens, {fmt_bytes(entry.nbytes)})"

@@ -189,7 +189,7 @@ class Entry:
     """One saved conversation state and what its manifest says about it."""
 
     id: str
-    tokens: int
+    n_tokens: int
     nbytes: int
     keys: Sequence[str]  # block keys (a prefix.KeyChain once indexed)
     saved_at: float
@@ -198,9 +198,9 @@ class Entry:
     seq_version: int
     layout: str
     server: dict[str, Any] = field(default_factory=dict)
-    # the keys of the request's settings and messages that led to it (placement.request.message_keys); its
+    # the keys of the request's settings and messages that led to it (placement.request.message_keys_of); its
     # manifest keeps them as "units"
-    messages: Sequence[str] = field(default_factory=list)
+    message_keys: Sequence[str] = field(default_factory=list)
     save_ms: float | None = None
     exact: str = ""  # prefix.exact_key of all its tokens ("" in manifests older than this field)
     boundary: bool = False  # saved at a turn boundary: a prefix of what its chat's next request sends
@@ -214,7 +214,7 @@ class Entry:
         return {
             "version": MANIFEST_VERSION,
             "id": self.id,
-            "tokens": self.tokens,
+            "tokens": self.n_tokens,
             "bytes": self.nbytes,
             "saved_at": self.saved_at,
             "last_used": self.last_used,
@@ -224,7 +224,7 @@ class Entry:
             "llama_server": self.server,
             "block_tokens": BLOCK_TOKENS,
             "blocks": list(self.keys),
-            "units": list(self.messages),
+            "units": list(self.message_keys),
             "exact": self.exact,
             "boundary": self.boundary,
             "opening": self.opening,
@@ -241,7 +241,7 @@ class Entry:
         fmt = data.get("format") or {}
         return cls(
             id=str(data["id"]),
-            tokens=int(data["tokens"]),
+            n_tokens=int(data["tokens"]),
             nbytes=int(data["bytes"]),
             keys=_chain(data["blocks"]),
             saved_at=float(data.get("saved_at", 0)),
@@ -250,7 +250,7 @@ class Entry:
             seq_version=int(fmt.get("seq_version", 0)),
             layout=str(fmt.get("layout", "")),
             server=_mapping(data.get("llama_server")),
-            messages=_chain(data.get("units") or []),
+            message_keys=_chain(data.get("units") or []),
             save_ms=data.get("save_ms"),
             exact=str(data.get("exact") or ""),
             boundary=bool(data.get("boundary", False)),

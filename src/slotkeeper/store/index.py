@@ -33,7 +33,7 @@ class EntryIndex:
         self._tree = PrefixTree()  # entries by their block keys
         # ... and by their message keys (chained too: a chat's turns are a path), built when first asked (only
         # hybrid and sliding-window models keep a chat's boundaries, and ask)
-        self._by_messages: PrefixTree | None = None
+        self._by_message_keys: PrefixTree | None = None
         self._keyless: set[str] = set()  # entries without a full block
         self._by_exact: dict[str, list[str]] = {}  # exact key -> entry ids
         self._opening_ids: set[str] = set()
@@ -49,15 +49,17 @@ class EntryIndex:
             entry.fingerprint = self.fingerprint
         if entry.server == self.server:
             entry.server = self.server
-        entry.keys = KeyChain(entry.keys) if not isinstance(entry.keys, KeyChain) else entry.keys
-        entry.messages = KeyChain(entry.messages) if not isinstance(entry.messages, KeyChain) else entry.messages
+        if not isinstance(entry.keys, KeyChain):
+            entry.keys = KeyChain(entry.keys)
+        if not isinstance(entry.message_keys, KeyChain):
+            entry.message_keys = KeyChain(entry.message_keys)
         self.entries[entry.id] = entry
         if entry.keys:
             self._tree.add(entry.id, entry.keys)
         else:
             self._keyless.add(entry.id)
-        if entry.messages and self._by_messages is not None:
-            self._by_messages.add(entry.id, entry.messages)
+        if entry.message_keys and self._by_message_keys is not None:
+            self._by_message_keys.add(entry.id, entry.message_keys)
         if entry.exact:
             self._by_exact.setdefault(entry.exact, []).append(entry.id)
         if entry.opening:
@@ -72,8 +74,8 @@ class EntryIndex:
             self._tree.remove(entry.id)
         else:
             self._keyless.discard(entry.id)
-        if entry.messages and self._by_messages is not None:
-            self._by_messages.remove(entry.id)
+        if entry.message_keys and self._by_message_keys is not None:
+            self._by_message_keys.remove(entry.id)
         if entry.exact:
             _drop(self._by_exact, entry.exact, entry.id)
         self._opening_ids.discard(entry.id)
@@ -91,7 +93,7 @@ class EntryIndex:
         found = self._tree.deepest(keys)
         if not found.depth:
             return None, 0
-        best = min((self.entries[i] for i in found.ends or found.holders), key=lambda e: (e.tokens, -e.last_used))
+        best = min((self.entries[i] for i in found.ends or found.holders), key=lambda e: (e.n_tokens, -e.last_used))
         return best, found.depth
 
     def lookup_extended(self, tokens: list[int], keys: list[str]) -> Entry | None:
@@ -103,8 +105,8 @@ class EntryIndex:
             if (
                 entry.boundary
                 and entry.exact
-                and (best is None or entry.tokens > best.tokens)
-                and extends_exactly(tokens, entry.tokens, entry.exact)
+                and (best is None or entry.n_tokens > best.n_tokens)
+                and extends_exactly(tokens, entry.n_tokens, entry.exact)
             ):
                 best = entry
         return best
@@ -115,22 +117,22 @@ class EntryIndex:
         system prompt."""
         return {*self._keyless, *self._tree.near(keys)}
 
-    def _messages_tree(self) -> PrefixTree:
-        if self._by_messages is None:
-            self._by_messages = PrefixTree()
+    def _message_keys_tree(self) -> PrefixTree:
+        if self._by_message_keys is None:
+            self._by_message_keys = PrefixTree()
             for entry in self.entries.values():
-                if entry.messages:
-                    self._by_messages.add(entry.id, entry.messages)
-        return self._by_messages
+                if entry.message_keys:
+                    self._by_message_keys.add(entry.id, entry.message_keys)
+        return self._by_message_keys
 
-    def saved_within(self, messages: Sequence[str]) -> list[Entry]:
+    def saved_within(self, message_keys: Sequence[str]) -> list[Entry]:
         """The entries whose message keys `messages` open with (a chat's earlier saves, its opening)."""
-        return [self.entries[i] for i in self._messages_tree().within(messages)]
+        return [self.entries[i] for i in self._message_keys_tree().within(message_keys)]
 
-    def saved_beyond(self, messages: Sequence[str]) -> bool:
+    def saved_beyond(self, message_keys: Sequence[str]) -> bool:
         """Whether some entry's message keys go on past all of `messages` (a later save of the same chat)."""
-        found = self._messages_tree().deepest(messages)
-        return found.depth == len(messages) > 0 and len(found.holders) > len(found.ends)
+        found = self._message_keys_tree().deepest(message_keys)
+        return found.depth == len(message_keys) > 0 and len(found.holders) > len(found.ends)
 
     def find_exact(self, key: str) -> Entry | None:
         """The entry holding exactly these tokens (by `prefix.exact_key`), if one is saved."""
@@ -155,7 +157,7 @@ class EntryIndex:
     def bytes_per_token(self) -> float | None:
         """What a token of cache costs on disk here, from the entries (None before the first one)."""
         totals = self._totals
-        return totals.nbytes / totals.tokens if totals.tokens else None
+        return totals.nbytes / totals.n_tokens if totals.n_tokens else None
 
     def timed_save_rate(self) -> float | None:
         """Bytes per second of the saves llama-server timed, from the manifests (None: none was timed)."""
@@ -170,13 +172,13 @@ class _Totals:
     20,000 entries each time cost more than the save's own bookkeeping."""
 
     nbytes: int = 0
-    tokens: int = 0
+    n_tokens: int = 0
     timed_bytes: int = 0  # of the entries with llama-server's save time ...
     save_ms: float = 0.0  # ... and those times
 
     def add(self, entry: Entry, sign: int) -> None:
         self.nbytes += sign * entry.nbytes
-        self.tokens += sign * entry.tokens
+        self.n_tokens += sign * entry.n_tokens
         if entry.save_ms:
             self.timed_bytes += sign * entry.nbytes
             self.save_ms += sign * entry.save_ms
@@ -203,9 +205,9 @@ def extends(new: Entry, old: Entry) -> bool:
     chat whose opening is all but the last block of a short chat (an agent session after its tools) would
     supersede it.
     """
-    if old.id == new.id or old.opening or not old.keys or old.tokens > new.tokens:
+    if old.id == new.id or old.opening or not old.keys or old.n_tokens > new.n_tokens:
         return False
-    if old.messages and new.messages and new.messages[: len(old.messages)] != old.messages:
+    if old.message_keys and new.message_keys and new.message_keys[: len(old.message_keys)] != old.message_keys:
         return False
     shared = common_keys(old.keys, new.keys)
     return shared >= len(old.keys) - SUPERSEDE_SLACK_BLOCKS and shared * 2 >= len(old.keys)

@@ -113,7 +113,7 @@ def _line(entry: Entry, shared: dict[str, list[Any]]) -> bytes | None:
     """An entry as one line of fields (a tenth of parsing its manifest); None for one whose keys are not
     digests (made-up keys in tests: read from its manifest). The objects that the entries of one
     configuration repeat are an index into `shared`, which only grows, so that old lines stay valid."""
-    keys, units = KeyChain(entry.keys).hex(), KeyChain(entry.messages).hex()
+    keys, units = KeyChain(entry.keys).hex(), KeyChain(entry.message_keys).hex()
     if keys is None or units is None:
         return None
     refs = []
@@ -123,7 +123,7 @@ def _line(entry: Entry, shared: dict[str, list[Any]]) -> bytes | None:
             table.append(value)
         refs.append(table.index(value))
     fields = (
-        entry.tokens,
+        entry.n_tokens,
         entry.nbytes,
         keys,
         repr(entry.saved_at),
@@ -168,7 +168,7 @@ def _entry(entry_id: str, raw: bytes, shared: dict[str, list[Any]]) -> Entry:
     ) = raw.decode().rstrip("\n").split("\t")
     return Entry(
         id=entry_id,
-        tokens=int(tokens),
+        n_tokens=int(tokens),
         nbytes=int(nbytes),
         keys=KeyChain.from_hex(keys),
         saved_at=float(saved_at),
@@ -177,7 +177,7 @@ def _entry(entry_id: str, raw: bytes, shared: dict[str, list[Any]]) -> Entry:
         seq_version=int(seq_version),
         layout="" if layout == "-" else sys.intern(layout),
         server=shared["llama_server"][int(server)],
-        messages=KeyChain.from_hex("" if units == "-" else units),
+        message_keys=KeyChain.from_hex("" if units == "-" else units),
         save_ms=float(save_ms) if save_ms else None,
         exact="" if exact == "-" else exact,
         boundary=boundary == "1",

@@ -91,7 +91,7 @@ def _take_over_one(
     saved_at = float((old or {}).get("saved_at", bin_path.stat().st_mtime))
     entry = Entry(
         id=secrets.token_hex(8),
-        tokens=header.n_tokens,
+        n_tokens=header.n_tokens,
         nbytes=bin_path.stat().st_size,
         keys=block_keys(header.view),
         saved_at=saved_at,
@@ -111,7 +111,7 @@ def _take_over_one(
         "slot file %s taken over as entry %s: %s tokens, %s (%.0f s old)",
         bin_path.name,
         entry.short,
-        f"{entry.tokens:,}",
+        f"{entry.n_tokens:,}",
         fmt_bytes(entry.nbytes),
         now - saved_at,
     )

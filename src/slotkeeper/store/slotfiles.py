@@ -14,22 +14,22 @@ import contextlib
 import os
 import secrets
 import shutil
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..chat.prefix import block_keys, exact_key
 from ..log import fmt_bytes, log
 from .entries import (
     BIN_SUFFIX,
     TRANSIENT_PREFIX,
-    Entry,
     discard,
     file_checksum,
     fsync_path,
     pair_paths,
     write_json_atomic,
 )
-from .statefile import StateFileError, StateHeader, read_header
+from .statefile import StateHeader, read_header
 
 FREE_SPACE_HEADROOM = 1.1  # a save needs the expected size plus 10% free
 PROGRESS_INTERVAL_S = 2.0
@@ -60,33 +60,36 @@ async def report_progress(label: str, path: Path, expected: int) -> None:
             log.info("%s saving: %s%s", label, fmt_bytes(path.stat().st_size), of_expected)
 
 
-def commit(
-    transient: Path, entry: Entry, entries_dir: Path, *, fsync: bool,
-    expected: Callable[[StateHeader], str | None] | None = None,
-) -> None:  # fmt: skip
-    """Read the tokens from a saved file into `entry`, checksum and fsync the file, rename it into entries/,
-    write its manifest last. Whatever fails, nothing it made is left: not the file, not a partial manifest.
-    `expected` is shown the file's header first, and when it names a `prefix.exact_key`, the file must hold
-    exactly those tokens (its view: `statefile.StateHeader.view`)."""
-    bin_path, manifest_path = pair_paths(entries_dir, entry.id)
+@dataclass(frozen=True)
+class SavedFile:
+    """What a saved slot file holds, read once in a thread: its header, and what slotkeeper keys it by."""
+
+    header: StateHeader
+    keys: list[str]  # prefix.block_keys of its view (pictures standing for their ids)
+    exact: str  # prefix.exact_key of its view
+    checksum: str  # entries.file_checksum of its bytes
+
+
+def read_saved(transient: Path) -> SavedFile:
+    """Read a file llama-server just saved: its header, its keys and its checksum (in a thread: a large file's
+    view and checksum take milliseconds to hundreds of them). StateFileError when it is not a slot file."""
+    header = read_header(transient)
+    view = header.view
+    return SavedFile(header, block_keys(view), exact_key(view), file_checksum(transient))
+
+
+def commit(transient: Path, entry_id: str, manifest: dict[str, Any], entries_dir: Path, *, fsync: bool) -> None:
+    """Make a saved file the entry `manifest` describes: fsync it, rename it into entries/, write its manifest
+    last (the commit). Whatever fails, nothing it made is left: not the file, not a partial manifest. Runs in a
+    thread, on plain data: the store alone makes and changes entries, on the event loop."""
+    bin_path, manifest_path = pair_paths(entries_dir, entry_id)
     renamed = False
     try:
-        header = read_header(transient)
-        view = header.view
-        entry.exact = exact_key(view)
-        expected_key = None if expected is None else expected(header)
-        if expected_key is not None and entry.exact != expected_key:
-            raise StateFileError(f"the slot holds {header.n_tokens:,} tokens that are not its turn boundary")
-        entry.keys = block_keys(view)
-        entry.images = header.image_positions
-        entry.tokens = header.n_tokens
-        entry.seq_version, entry.layout = header.version, header.layout
-        entry.checksum = file_checksum(transient)
         if fsync:
             fsync_path(transient)
         os.replace(transient, bin_path)
         renamed = True
-        write_json_atomic(manifest_path, entry.manifest(), fsync)
+        write_json_atomic(manifest_path, manifest, fsync)
     except BaseException:
         discard(transient)
         if renamed:

@@ -35,13 +35,13 @@ class StateFileError(ValueError):
 class StateHeader:
     version: int  # LLAMA_STATE_SEQ_VERSION of the llama.cpp that wrote it
     layout: str  # "plain", or "packed-<n>" for server_tokens' packed payload version n
-    tokens: array[int]  # array('i'); media positions are TOKEN_NULL
+    token_ids: array[int]  # array('i'); media positions are TOKEN_NULL
     media_chunks: int = 0
     images: tuple[ImageSpan, ...] = ()  # where each media chunk sits, and whose it is
 
     @property
     def n_tokens(self) -> int:
-        return len(self.tokens)
+        return len(self.token_ids)
 
     @property
     def image_positions(self) -> tuple[tuple[str, int], ...]:
@@ -51,7 +51,7 @@ class StateHeader:
     @property
     def view(self) -> array[int]:
         """The tokens with each image's positions standing for that image (what slotkeeper keys files by)."""
-        return view_of(self.tokens, self.images) if self.images else self.tokens
+        return view_of(self.token_ids, self.images) if self.images else self.token_ids
 
 
 def read_header(path: Path) -> StateHeader:

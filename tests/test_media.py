@@ -44,7 +44,7 @@ def test_a_slot_file_says_where_each_picture_sits_and_whose_it_is(tmp_path):
     assert list(header.view[4:8]) == image_tokens(RED, 4) and list(header.view[11:14]) == image_tokens(BLUE, 3)
     assert header.n_tokens == len(header.view) == 18
     other = file_of(tmp_path, BLUE, RED)
-    assert list(other.tokens) == list(header.tokens), "llama-server's token list is the same for both"
+    assert list(other.token_ids) == list(header.token_ids), "llama-server's token list is the same for both"
     assert list(other.view) != list(header.view), "the views differ by their pictures"
 
 
@@ -55,7 +55,7 @@ def test_the_book_learns_the_wrap_from_a_file_and_composes_the_same_view(tmp_pat
     book = MediaBook("<m>")
     assert book.compose(pieces, pictures) == ([BOS, 10, 11], 0), "nothing known: the view ends before it"
     book.pending(pieces, pictures)
-    assert book.learn_file(header.tokens, header.images) is Learnt.WRAP
+    assert book.learn_file(header.token_ids, header.images) is Learnt.WRAP
     assert (book.wrap.begin, book.wrap.end) == ((BEGIN,), (END,))
     view, placed = book.compose(pieces, pictures)
     assert placed == 2 and view == list(header.view[:16])
@@ -69,8 +69,8 @@ def test_a_file_that_fits_no_wrap_teaches_none(tmp_path):
     header = file_of(tmp_path, RED, BLUE)
     book = MediaBook("<m>")
     book.pending(((BOS, 10, 99), (12,), (13,)), [Picture(RED, "r"), Picture(BLUE, "b")])
-    assert book.learn_file(header.tokens, header.images) is Learnt.UNFIT and book.wrap is None
-    assert book.learn_file(header.tokens, header.images) is Learnt.POSITIONS, "said once"
+    assert book.learn_file(header.token_ids, header.images) is Learnt.UNFIT and book.wrap is None
+    assert book.learn_file(header.token_ids, header.images) is Learnt.POSITIONS, "said once"
     assert book.positions == {RED: 4, BLUE: 3}, "the positions are learnt all the same"
 
 

@@ -54,9 +54,13 @@ async def test_a_slot_saved_at_its_turn_boundary_is_known_to_be_there(hybrid):
     slot = hybrid.slots[0]
     hybrid.slots.reserve(slot)
     boundary = Boundary(tokens, tokens)
-    reached, result = await hybrid.keeper.reach_and_save(slot, boundary, key, ["s", "u"], lambda n, o: False, False)
+    reached, result = await hybrid.keeper.reach_and_save(
+        slot, boundary, key=key, message_keys=["s", "u"], supersedes=lambda n, o: False, opening=False
+    )
     assert reached is not None and reached.seconds > 0, "the first save brings the slot to its boundary"
     assert result is not None and result.entry is not None, result
     assert slot.exact == key, "the table forgot that the slot sits at its boundary"
-    again, _ = await hybrid.keeper.reach_and_save(slot, boundary, key, ["s", "u"], lambda n, o: False, False)
+    again, _ = await hybrid.keeper.reach_and_save(
+        slot, boundary, key=key, message_keys=["s", "u"], supersedes=lambda n, o: False, opening=False
+    )
     assert again is not None and again.seconds == 0.0, "the slot was brought again to where it already was"

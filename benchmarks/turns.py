@@ -50,7 +50,7 @@ from benchsetup import bench_model, llama_server, slotkeeper_args, work_dir
 from slotkeeper.demo import Chat, stream_chat
 from slotkeeper.llama.client import LlamaClient
 from slotkeeper.placement.hook import Placement
-from slotkeeper.placement.request import request_key
+from slotkeeper.placement.request import RequestView, read_request, request_key
 from slotkeeper.proxy.upstream import ChildPool
 from slotkeeper.store.conversations import ConversationStore
 from slotkeeper.testing.harness import clean_env, free_port, http_call, wait_until
@@ -96,7 +96,7 @@ class Server:
                 return self.proc.poll() is not None
 
         if not wait_until(healthy, timeout, interval=0.01) or self.proc.poll() is not None:
-            raise RuntimeError(f"{self.proc.args[0]} did not start; log: {self.log_path}")
+            raise RuntimeError(f"{self.proc.args!r} did not start; log: {self.log_path}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -178,7 +178,7 @@ async def in_process(port: int, store_root: Path, chat: Chat, long_chat: Chat, r
     slot = placement.slots[0]
     times = []
     for _ in range(repeat * 5):
-        slot.last_request, slot.n_tokens, slot.dirty, slot.last_used = previous_fast, chat.last_prompt_tokens, True, 1.0
+        placement.slots.ran(slot, RequestView(key=previous_fast), resident=True, chat=None, reply=None)  # the last turn
         started = time.perf_counter()
         placed = await placement.place(CHAT_PATH, body)
         times.append(time.perf_counter() - started)
@@ -191,30 +191,33 @@ async def in_process(port: int, store_root: Path, chat: Chat, long_chat: Chat, r
 
     # (c) for comparison: the /apply-template + /tokenize round trip for a 10k-token chat
     long_body = chat_body(long_chat.messages)
-    long_data = json.loads(long_body)
-    rendered = await placement.keeper.ask_tokens(CHAT_PATH, long_body, long_data, long_data)
+    long_request = read_request(CHAT_PATH, long_body, len(placement.slots))
+    assert long_request is not None
+    rendered = await placement.keeper.render_prompt(long_request)
     assert rendered is not None, "the long chat was not tokenized"
     out["long_tokens"] = len(rendered.token_ids)
     times = []
     for _ in range(repeat):
         started = time.perf_counter()
-        await placement.keeper.ask_tokens(CHAT_PATH, long_body, long_data, long_data)
+        await placement.keeper.render_prompt(long_request)
         times.append(time.perf_counter() - started)
     out["tokenize"] = times
     times = []
     long_fast_prev, _ = request_key(CHAT_PATH, json.loads(chat_body(long_chat.messages[:-2])))
     for _ in range(repeat * 5):  # the hook on that 10k-token chat, continuing in its slot
-        slot.last_request, slot.busy = long_fast_prev, False
+        placement.slots.ran(slot, RequestView(key=long_fast_prev), resident=True, chat=None, reply=None)
         started = time.perf_counter()
         placed = await placement.place(CHAT_PATH, long_body)
         times.append(time.perf_counter() - started)
+        assert placed.done is not None
         placed.done(200)
     out["place_long"] = times
 
     # (d) entries of several sizes: the chat as its slot holds it (llama-server chose that slot), then prefixes
     # of it (the slot truncated to them by a request for the prefix itself, so nothing is computed again)
-    data = json.loads(body)
-    rendered = await placement.keeper.ask_tokens(CHAT_PATH, body, data, data)
+    request = read_request(CHAT_PATH, body, len(placement.slots))
+    assert request is not None
+    rendered = await placement.keeper.render_prompt(request)
     assert rendered is not None, "the chat was not tokenized"
     tokens = rendered.token_ids
     slots = (await client.slots()).body
@@ -288,6 +291,7 @@ async def in_process(port: int, store_root: Path, chat: Chat, long_chat: Chat, r
         placed = await fresh.place(CHAT_PATH, full_body)
         times.append(time.perf_counter() - started)
         assert fresh.metrics.placements["restored"] == 1, dict(fresh.metrics.placements)
+        assert placed.done is not None
         placed.done(200)
     out["place_restore"] = times
     await store.flush()

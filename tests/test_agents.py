@@ -240,8 +240,8 @@ def test_every_new_claude_code_session_starts_from_the_one_saved_opening(
     try:
         plain.wait_ready()
         for body, turn in ((first_body, first_turn), (second_body, second_turn), (third_body, third_turn)):
-            status, raw, _ = post(plain.port, "/v1/messages", _without_line(body))
-            assert status == 200, raw[:500]
+            code, raw, _ = post(plain.port, "/v1/messages", _without_line(body))
+            assert code == 200, raw[:500]
             cold = json.loads(raw)
             assert "".join(b.get("text", "") for b in cold["content"] if b["type"] == "text") == turn.text
     finally:

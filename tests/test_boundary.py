@@ -7,6 +7,7 @@ test_families.py; these pin the rules down.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -108,7 +109,7 @@ def test_after_tool_calls_the_next_message_is_a_tool_result():
     }
     current, _ = turns_of([SYSTEM, U1], calls)
     assert current is not None and current.next_role == "tool"
-    results = [SYSTEM, U1, calls, {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    results: list[dict[str, Any]] = [SYSTEM, U1, calls, {"role": "tool", "tool_call_id": "c1", "content": "42"}]
     _, previous = turns_of(results, REPLY)
     assert previous is not None and (previous.history, previous.next_role) == ([SYSTEM, U1, calls], "tool")
 

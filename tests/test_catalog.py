@@ -29,7 +29,7 @@ from stub import encode_slot_file
 
 from slotkeeper.catalog import prune as catalog  # prune looks remove_pair up where the tests patch it
 from slotkeeper.catalog.cli import ls_main, prune_main
-from slotkeeper.catalog.formats import parse_duration, parse_size
+from slotkeeper.catalog.formats import CatalogError, format_age, parse_duration, parse_size
 from slotkeeper.catalog.match import expectation_from_args
 from slotkeeper.catalog.prune import plan_prune
 from slotkeeper.catalog.render import dumps_indented, json_records
@@ -37,9 +37,9 @@ from slotkeeper.catalog.rows import FileStat, Kind, RemoteRow, Row, assign_short
 from slotkeeper.catalog.scan import scan_dir
 from slotkeeper.log import fmt_bytes
 from slotkeeper.store.conversations import ConversationStore
-from slotkeeper.store.entries import TRANSIENT_PREFIX, Entry, Status, read_json, write_json_atomic
+from slotkeeper.store.entries import TRANSIENT_PREFIX, Entry, Status, read_json, remove_pair, write_json_atomic
 from slotkeeper.store.fingerprint import build_fingerprint, model_identity, namespace_key
-from slotkeeper.store.layout import lock_store, prepare_layout
+from slotkeeper.store.layout import StoreLockedError, lock_store, prepare_layout
 from slotkeeper.store.slotfiles import commit, read_saved
 from slotkeeper.testing.harness import free_port, wait_until
 from slotkeeper.testing.s3server import S3Server
@@ -578,13 +578,13 @@ def test_prune_holds_the_lock_while_it_removes(capsys, tmp_path, monkeypatch):
     write_entry(d, age=30 * DAY)
     (d / ".lock").write_text("12345\n")
     seen: list[str] = []
-    real = catalog.remove_pair
+    real = remove_pair
 
     def remove_pair_then_try_to_start(folder: Path, name: str) -> None:
         try:
             os.close(lock_store(d))
             seen.append("started")
-        except catalog.StoreLockedError as exc:
+        except StoreLockedError as exc:
             seen.append(f"refused: pid {exc}")
         real(folder, name)
 
@@ -803,7 +803,7 @@ def test_ls_and_prune_what_a_real_slotkeeper_saved(capsys, stub_slotkeeper):
     assert code == 0
     directory, *rows = json.loads(out)
     assert directory["entries"] == directory["usable"] == 2 and directory["in_use"] is False
-    manifests = {p.stem: read_json(p) for p in (save_dir / "entries").glob("*.json")}
+    manifests = {p.stem: read_json(p) or {} for p in (save_dir / "entries").glob("*.json")}
     assert {r["id"] for r in rows} == set(manifests) and len(manifests) == 2
     for row in rows:
         assert row["status"] == "usable" and row["model_name"] == "stub-model.gguf" and row["match"] is True
@@ -1041,15 +1041,15 @@ def test_parse_duration_and_size():
     assert parse_size("20GB") == 20_000_000_000 and parse_size("20G") == 20_000_000_000
     assert parse_size("8GiB") == 8 * 1024**3 and parse_size("1.5 MB") == 1_500_000 and parse_size("4096") == 4096
     for bad in ("", "7", "d", "-1d", "1y"):
-        with pytest.raises(catalog.CatalogError):
+        with pytest.raises(CatalogError):
             parse_duration(bad)
     for bad in ("", "GB", "-5GB", "20 parsecs", "1e9"):
-        with pytest.raises(catalog.CatalogError):
+        with pytest.raises(CatalogError):
             parse_size(bad)
 
 
 def test_format_age():
-    assert [catalog.format_age(s) for s in (-5, 0, 59, 60, 3 * MIN + 59, HOUR, 2 * HOUR + 1, DAY - 1, 5 * DAY)] == [
+    assert [format_age(s) for s in (-5, 0, 59, 60, 3 * MIN + 59, HOUR, 2 * HOUR + 1, DAY - 1, 5 * DAY)] == [
         "0 s",
         "0 s",
         "59 s",

@@ -325,7 +325,7 @@ def non_shortest_floats(n: int) -> list[float]:
     def digits(s: str) -> str:
         return s.split("e")[0].lstrip("-").replace(".", "").strip("0")
 
-    rnd, found = random.Random(0), []
+    rnd, found = random.Random(0), list[float]()
     while len(found) < n:
         x = struct.unpack("<d", struct.pack("<Q", rnd.getrandbits(64)))[0]
         if math.isfinite(x) and len(digits(_dump_float(x))) > len(digits(repr(x))):

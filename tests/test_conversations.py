@@ -38,6 +38,7 @@ class Chat:
     n: int
     messages: list[dict[str, str]] = field(default_factory=list)
     last_prompt_tokens: int = 0
+    last_prompt_tokens_before: int = 0  # before the round that is under way (a turn reuses at least that)
 
     def __post_init__(self) -> None:
         topic = ["the sea", "mountains", "old maps", "rivers", "lighthouses", "deserts", "forests", "cities"][
@@ -91,7 +92,7 @@ def warm(chat: Chat, timings: dict) -> bool:
 def converse_round(chats: list[Chat], port: int, titles: bool = True) -> list[dict]:
     out = []
     for chat in chats:
-        chat.last_prompt_tokens_before = chat.last_prompt_tokens  # type: ignore[attr-defined]
+        chat.last_prompt_tokens_before = chat.last_prompt_tokens
         out.append(chat.turn(port))
         if titles:
             chat.title(port)
@@ -176,7 +177,7 @@ def test_four_chats_at_once_on_four_slots_run_in_parallel_and_stay_warm(real):
         return spans
 
     for chat in chats:
-        chat.last_prompt_tokens_before = chat.last_prompt_tokens  # type: ignore[attr-defined]
+        chat.last_prompt_tokens_before = chat.last_prompt_tokens
     spans = streamed(sk.port)
     assert max(first for first, _, _ in spans) < min(last for _, last, _ in spans), f"not in parallel: {spans}"
     assert all(warm(c, t) for c, (_, _, t) in zip(chats, spans)), [t.get("cache_n") for _, _, t in spans]

@@ -70,7 +70,7 @@ def fill_inodes(path: Path, leave: int) -> list[Path]:
     """Empty files until only `leave` inodes are free: the next files created after those fail with ENOSPC."""
     folder = path / "filler"
     folder.mkdir(exist_ok=True)
-    made = []
+    made: list[Path] = []
     while free_inodes(path) > leave:
         made.append(folder / f"f{len(made)}")
         made[-1].touch()

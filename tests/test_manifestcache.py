@@ -68,7 +68,7 @@ def test_a_start_from_the_cache_finds_what_the_manifests_say(tmp_path):
     assert warm.cache_changes == 0, "every manifest was taken from the cache"
     assert seen(warm) == seen(cold) and len(warm.entries) == 30
     probe = block_keys([1] * 640 + [5] * 200)
-    assert warm.lookup(probe)[0].id == cold.lookup(probe)[0].id
+    assert warm.lookup(probe)[0] == cold.lookup(probe)[0] is not None
 
 
 def test_a_manifest_written_after_the_cache_is_read_from_disk(tmp_path):

@@ -6,7 +6,7 @@ import base64
 import struct
 from array import array
 
-from slotkeeper.chat.media import Learnt, MediaBook, Picture, chat_pictures, image_id, image_tokens
+from slotkeeper.chat.media import Learnt, MediaBook, Picture, Wrap, chat_pictures, image_id, image_tokens
 from slotkeeper.store.statefile import SEQ_MAGIC, read_header
 
 BOS, BEGIN, END = 2, 255999, 256000
@@ -56,7 +56,7 @@ def test_the_book_learns_the_wrap_from_a_file_and_composes_the_same_view(tmp_pat
     assert book.compose(pieces, pictures) == ([BOS, 10, 11], 0), "nothing known: the view ends before it"
     book.pending(pieces, pictures)
     assert book.learn_file(header.token_ids, header.images) is Learnt.WRAP
-    assert (book.wrap.begin, book.wrap.end) == ((BEGIN,), (END,))
+    assert book.wrap == Wrap((BEGIN,), (END,))
     view, placed = book.compose(pieces, pictures)
     assert placed == 2 and view == list(header.view[:16])
     swapped, _ = book.compose(pieces, pictures[::-1])

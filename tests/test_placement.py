@@ -11,6 +11,7 @@ import dataclasses
 import json
 import struct
 from array import array
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -124,18 +125,30 @@ def test_prompt_form_continues_only_on_whole_items():
 def placement(tmp_path) -> Placement:
     store = ConversationStore(tmp_path, None, {"model": "m"})
     store.open()
-    return Placement(store, None, 3, Rules(min_tokens=128))  # type: ignore[arg-type]
+    return Placement(store, None, 3, rules=Rules(min_tokens=128))  # type: ignore[arg-type]
+
+
+def choose_or_wait(
+    placement: Placement, keys: list[str] | None, n_tokens: int, pinned: int | None, unpinnable: bool,
+    tokens: list[int] | None = None, opening: Opening | None = None, key: RequestKey = NO_KEY,
+) -> Plan | None:  # fmt: skip
+    """The decision for a request (None: it waits), its slot reserved in the same step, as the hook does."""
+    view = RequestView(
+        keys=keys, n_tokens=n_tokens, token_ids=tokens, pinned=pinned, unpinnable=unpinnable, opening=opening, key=key
+    )
+    plan = decide(placement.slots.slots, view, placement.store, placement.rules)
+    if plan is not None:
+        placement.slots.reserve(plan.slot)
+    return plan
 
 
 def choose(
     placement: Placement, keys: list[str] | None, n_tokens: int, pinned: int | None, unpinnable: bool,
     tokens: list[int] | None = None, opening: Opening | None = None, key: RequestKey = NO_KEY,
-) -> Plan | None:  # fmt: skip
-    """The decision for a request, its slot reserved in the same step, as the hook does."""
-    view = RequestView(keys, n_tokens, tokens, pinned, unpinnable, opening, key)
-    plan = decide(placement.slots.slots, view, placement.store, placement.rules)
-    if plan is not None:
-        placement.slots.reserve(plan.slot)
+) -> Plan:  # fmt: skip
+    """The decision for a request that need not wait (a slot is idle)."""
+    plan = choose_or_wait(placement, keys, n_tokens, pinned, unpinnable, tokens, opening, key)
+    assert plan is not None, "the request waits"
     return plan
 
 
@@ -143,9 +156,29 @@ def keys_of(n_tokens: int, seed: int) -> list[str]:
     return block_keys([seed * 100_000 + i for i in range(n_tokens)])
 
 
-def held(placement: Placement, slot: int, keys: list[str], *, dirty: bool = True, last_used: float = 1.0) -> None:
-    s = placement.slots[slot]
-    s.keys, s.n_tokens, s.dirty, s.last_used = keys, len(keys) * BLOCK_TOKENS, dirty, last_used
+def saved_entry(
+    entry_id: str, n_tokens: int, keys: Sequence[str], *, nbytes: int = 1, last_used: float = 0,
+    fingerprint: dict | None = None, **fields,
+) -> Entry:  # fmt: skip
+    """An entry as a save leaves it (what a decision reads of it; the rest as these tests' saves make it)."""
+    return Entry(
+        id=entry_id, n_tokens=n_tokens, nbytes=nbytes, keys=keys, saved_at=0, last_used=last_used,
+        fingerprint={"model": "m"} if fingerprint is None else fingerprint, seq_version=4, layout="packed-1",
+        **fields,
+    )  # fmt: skip
+
+
+def held(
+    placement: Placement, slot: int, keys: Sequence[str], *, dirty: bool = True, entry: Entry | None = None,
+    key: RequestKey = NO_KEY, partial: bool = False, chat: dict | None = None,
+) -> None:  # fmt: skip
+    """What the slot table records when a request with these block keys ran on the slot (changed since saved);
+    `dirty` False: then saved, as `entry` when given. Each call makes the slot the most recently used."""
+    table, s = placement.slots, placement.slots[slot]
+    view = RequestView(keys=list(keys), n_tokens=len(keys) * BLOCK_TOKENS, key=key, partial=partial)
+    table.ran(s, view, resident=False, chat=chat, reply=None)
+    if not dirty:
+        table.held(s, entry, keys, len(keys) * BLOCK_TOKENS)
 
 
 def test_a_chat_in_its_slot_goes_there_without_a_write_back(placement):
@@ -156,22 +189,22 @@ def test_a_chat_in_its_slot_goes_there_without_a_write_back(placement):
 
 
 def test_a_new_chat_takes_an_empty_slot_first_then_the_least_recently_used(placement):
-    for i in range(3):
-        held(placement, i, keys_of(640, i), last_used=[3.0, 1.0, 2.0][i])
-    placement.slots[2].keys, placement.slots[2].dirty, placement.slots[2].tokens = [], False, 0
+    for i in (1, 2, 0):  # least recently used first
+        held(placement, i, keys_of(640, i))
+    placement.slots.cleared(placement.slots[2])
     plan = choose(placement, keys_of(640, 9), 640, None, False)
     assert (plan.slot.id, plan.outcome) == (2, "new")
     placement.slots.release(plan.slot)
-    held(placement, 2, keys_of(640, 2), last_used=2.0)
+    held(placement, 2, keys_of(640, 2))
     assert choose(placement, keys_of(640, 8), 640, None, False).slot.id == 1  # LRU
 
 
 def test_a_chat_in_the_store_only_is_restored_into_a_victim(placement):
     chat_a = keys_of(640, 1)
-    entry = Entry("aaaa", 640, 1, chat_a, 0, 0, {"model": "m"}, 4, "packed-1")
+    entry = saved_entry("aaaa", 640, chat_a)
     placement.store.index(entry)
     for i in range(3):
-        held(placement, i, keys_of(640, 10 + i), last_used=float(i))
+        held(placement, i, keys_of(640, 10 + i))
     plan = choose(placement, chat_a + keys_of(64, 5), 704, None, False)
     assert (plan.slot.id, plan.restore, plan.write_back, plan.outcome) == (0, entry, True, "restored")
 
@@ -179,8 +212,8 @@ def test_a_chat_in_the_store_only_is_restored_into_a_victim(placement):
 def test_concurrent_decisions_never_share_a_slot_and_wait_when_all_are_busy(placement):
     plans = [choose(placement, keys_of(640, i), 640, None, False) for i in range(3)]
     assert sorted(p.slot.id for p in plans) == [0, 1, 2]
-    assert choose(placement, keys_of(640, 7), 640, None, False) is None  # waits
-    assert choose(placement, keys_of(640, 7), 640, 1, False) is None  # the client's slot is busy: waits too
+    assert choose_or_wait(placement, keys_of(640, 7), 640, None, False) is None  # waits
+    assert choose_or_wait(placement, keys_of(640, 7), 640, 1, False) is None  # the client's slot is busy: waits too
 
 
 def test_a_decision_changes_nothing_until_its_slot_is_reserved(placement):
@@ -188,7 +221,7 @@ def test_a_decision_changes_nothing_until_its_slot_is_reserved(placement):
     chat_a = keys_of(640, 1)
     held(placement, 1, chat_a[:8])
     before = [dataclasses.replace(s) for s in placement.slots]
-    view = RequestView(chat_a, 640)
+    view = RequestView(keys=chat_a, n_tokens=640)
     first = decide(placement.slots.slots, view, placement.store, placement.rules)
     again = decide(placement.slots.slots, view, placement.store, placement.rules)
     assert first is not None and again is not None
@@ -200,22 +233,21 @@ def test_a_decision_changes_nothing_until_its_slot_is_reserved(placement):
 async def test_a_waiting_request_gets_the_slot_once_it_is_freed(tmp_path):
     store = ConversationStore(tmp_path, None, {"model": "m"})
     store.open()
-    p = Placement(store, None, 1, Rules(min_tokens=128))  # type: ignore[arg-type]
+    p = Placement(store, None, 1, rules=Rules(min_tokens=128))  # type: ignore[arg-type]
     busy = choose(p, keys_of(640, 1), 640, None, False)
     asyncio.get_running_loop().call_later(0.05, p.slots.release, busy.slot)
     waited = 0
-    while (plan := choose(p, keys_of(640, 2), 640, None, False)) is None:
+    while (plan := choose_or_wait(p, keys_of(640, 2), 640, None, False)) is None:
         waited += 1
         await asyncio.wait_for(p.slots.wait_freed(), 5)
     assert (plan.slot.id, waited) == (0, 1)
 
 
 def test_a_title_slot_goes_before_a_saved_chat_and_a_saved_chat_before_a_changed_one(placement):
-    saved = Entry("bbbb", 640, 1, keys_of(640, 1), 0, 0, {"model": "m"}, 4, "packed-1")
-    held(placement, 0, keys_of(640, 1), dirty=False, last_used=1.0)
-    placement.slots[0].entry = saved
-    held(placement, 1, keys_of(64, 2), last_used=5.0)  # a title request: under min_tokens
-    held(placement, 2, keys_of(640, 3), last_used=0.5)  # changed, and the least recently used
+    saved = saved_entry("bbbb", 640, keys_of(640, 1))
+    held(placement, 2, keys_of(640, 3))  # changed, and the least recently used
+    held(placement, 0, keys_of(640, 1), dirty=False, entry=saved)
+    held(placement, 1, keys_of(64, 2))  # a title request: under min_tokens
     order = []
     for _ in range(3):
         plan = choose(placement, keys_of(640, 9), 640, None, False)
@@ -225,9 +257,8 @@ def test_a_title_slot_goes_before_a_saved_chat_and_a_saved_chat_before_a_changed
 
 def test_a_new_chat_reuses_a_saved_slot_that_holds_its_system_prompt(placement):
     system = [7] * 320
-    saved = Entry("cccc", 640, 1, block_keys(system + [1] * 320), 0, 0, {"model": "m"}, 4, "packed-1")
-    held(placement, 0, saved.keys, dirty=False, last_used=9.0)
-    placement.slots[0].entry = saved
+    saved = saved_entry("cccc", 640, block_keys(system + [1] * 320))
+    held(placement, 0, saved.keys, dirty=False, entry=saved)
     plan = choose(placement, block_keys(system + [2] * 320), 640, None, False)
     assert (plan.slot.id, plan.write_back) == (0, False)
 
@@ -236,10 +267,10 @@ def test_a_grown_chat_supersedes_its_older_save_despite_a_re_templated_answer():
     from slotkeeper.store.index import extends
 
     old_tokens = list(range(1000))
-    old = Entry("old1", 1000, 1, block_keys(old_tokens), 0, 0, {}, 4, "packed-1")
+    old = saved_entry("old1", 1000, block_keys(old_tokens), fingerprint={})
     grown = old_tokens[:930] + [-5] * 370  # the answer's last tokens came back re-templated (its last block differs)
-    new = Entry("new1", 1300, 1, block_keys(grown), 0, 0, {}, 4, "packed-1")
-    other = Entry("oth1", 1300, 1, block_keys(old_tokens[:800] + [-6] * 500), 0, 0, {}, 4, "packed-1")
+    new = saved_entry("new1", 1300, block_keys(grown), fingerprint={})
+    other = saved_entry("oth1", 1300, block_keys(old_tokens[:800] + [-6] * 500), fingerprint={})
     assert extends(new, old) and not extends(other, old) and not extends(old, new)
 
 
@@ -247,16 +278,11 @@ def test_a_grown_chat_supersedes_its_older_save_despite_a_re_templated_answer():
 
 
 def opening_entry(tokens: list[int], entry_id: str = "open") -> Entry:
-    return Entry(
+    return saved_entry(
         entry_id,
         len(tokens),
-        1000,
         block_keys(tokens),
-        0,
-        0,
-        {"model": "m"},
-        4,
-        "packed-1",
+        nbytes=1000,
         exact=exact_key(tokens),
         boundary=True,
         opening=True,
@@ -270,14 +296,22 @@ def test_a_new_chat_reuses_its_opening_live_after_the_chat_there_is_written_back
     another slot); the opening is not restored, and the chat there is not lost."""
     system = [7] * 320
     opening = opening_entry(system)
-    chat = Entry("chat", 640, 9000, block_keys(system + [1] * 320), 0, 5, {"model": "m"}, 4, "packed-1")
+    chat = saved_entry("chat", 640, block_keys(system + [1] * 320), nbytes=9000, last_used=5)
     placement.store.index(opening)
     placement.store.index(chat)
-    held(placement, 0, chat.keys, last_used=9.0)  # the chat, changed since: worth keeping
-    held(placement, 1, keys_of(640, 1), last_used=2.0)
-    held(placement, 2, keys_of(640, 2), last_used=1.0)
+    held(placement, 2, keys_of(640, 2))
+    held(placement, 1, keys_of(640, 1))
+    held(placement, 0, chat.keys)  # the chat, changed since: worth keeping
     request = system + [3] * 320
-    plan = choose(placement, block_keys(request), 640, None, False, request, Opening(system, opening.exact, []))
+    plan = choose(
+        placement,
+        block_keys(request),
+        640,
+        None,
+        False,
+        request,
+        Opening(token_ids=system, key=opening.exact, message_keys=[]),
+    )
     assert (plan.slot.id, plan.restore, plan.outcome, plan.write_back) == (0, None, "new", True)
 
 
@@ -286,15 +320,22 @@ def test_on_a_hybrid_a_new_chat_gets_its_opening_restored_into_a_victim(tmp_path
     least recently used slot instead (not a chat that shares the opening, though it shares as much)."""
     store = ConversationStore(tmp_path, None, {"model": "m"})
     store.open()
-    hybrid = Placement(store, None, 3, Rules(CachePolicy.EXTEND_ONLY, min_tokens=128))  # type: ignore[arg-type]
+    hybrid = Placement(store, None, 3, rules=Rules(policy=CachePolicy.EXTEND_ONLY, min_tokens=128))  # type: ignore[arg-type]
     system = [7] * 320
     opening = opening_entry(system)
     store.index(opening)
-    for i, last_used in enumerate((9.0, 2.0, 1.0)):
-        held(hybrid, i, block_keys(system + [i + 1] * 320) if i == 0 else keys_of(640, i), last_used=last_used)
-        hybrid.slots[i].chat = {"messages": []}  # a chat whose boundaries are known: worth keeping
+    for i in (2, 1, 0):  # least recently used first; each a chat whose boundaries are known: worth keeping
+        held(hybrid, i, block_keys(system + [i + 1] * 320) if i == 0 else keys_of(640, i), chat={"messages": []})
     request = system + [3] * 320
-    plan = choose(hybrid, block_keys(request), 640, None, False, request, Opening(system, opening.exact, []))
+    plan = choose(
+        hybrid,
+        block_keys(request),
+        640,
+        None,
+        False,
+        request,
+        Opening(token_ids=system, key=opening.exact, message_keys=[]),
+    )
     assert (plan.slot.id, plan.restore, plan.outcome, plan.write_back) == (2, opening, "opening", True)
 
 
@@ -304,7 +345,15 @@ def test_an_opening_is_not_restored_when_prefilling_it_is_estimated_faster(place
     placement.store.index(opening)
     placement.store.restore_bytes_per_s = 100.0  # 10 s to read its 1,000 bytes; 320 tokens prefill in 0.64 s
     request = system + [3] * 320
-    plan = choose(placement, block_keys(request), 640, None, False, request, Opening(system, opening.exact, []))
+    plan = choose(
+        placement,
+        block_keys(request),
+        640,
+        None,
+        False,
+        request,
+        Opening(token_ids=system, key=opening.exact, message_keys=[]),
+    )
     assert (plan.restore, plan.outcome) == (None, "new")
 
 
@@ -312,10 +361,17 @@ def test_a_slot_holding_just_the_opening_is_used_first(placement):
     system = [7] * 320
     opening = opening_entry(system)
     placement.store.index(opening)
-    held(placement, 1, opening.keys, dirty=False, last_used=9.0)
-    placement.slots[1].entry = opening
+    held(placement, 1, opening.keys, dirty=False, entry=opening)
     request = system + [3] * 320
-    plan = choose(placement, block_keys(request), 640, None, False, request, Opening(system, opening.exact, []))
+    plan = choose(
+        placement,
+        block_keys(request),
+        640,
+        None,
+        False,
+        request,
+        Opening(token_ids=system, key=opening.exact, message_keys=[]),
+    )
     assert (plan.slot.id, plan.restore, plan.write_back) == (1, None, False)
 
 
@@ -324,15 +380,15 @@ def test_an_opening_is_never_superseded_by_the_chats_that_start_from_it():
 
     system = list(range(640))
     opening = opening_entry(system)
-    chat = Entry("chat", 660, 1, block_keys(system + [1] * 20), 0, 0, {}, 4, "packed-1")
+    chat = saved_entry("chat", 660, block_keys(system + [1] * 20), fingerprint={})
     assert not extends(chat, opening)
-    opening.opening = False  # the same pair of files as a chat's earlier save: superseded
-    assert extends(chat, opening)
+    earlier = dataclasses.replace(opening, opening=False)  # the same pair of files as a chat's earlier save
+    assert extends(chat, earlier)
 
 
 def test_of_the_entries_sharing_a_prefix_the_smallest_is_found(placement):
     system = [7] * 320
-    long_chat = Entry("long", 4000, 9000, block_keys(system + [1] * 3680), 0, 9, {"model": "m"}, 4, "packed-1")
+    long_chat = saved_entry("long", 4000, block_keys(system + [1] * 3680), nbytes=9000, last_used=9)
     opening = opening_entry(system)
     for entry in (long_chat, opening):
         placement.store.index(entry)
@@ -346,10 +402,16 @@ def test_a_slot_whose_chat_shares_only_the_opening_is_not_taken_for_continuing(p
     opening = opening_entry(system)
     placement.store.index(opening)
     short_chat = system + [1] * 64  # the opening, a short first message and a reply: one block more
-    held(placement, 0, block_keys(short_chat), last_used=9.0)
+    held(placement, 0, block_keys(short_chat))
     request = system + [3] * 40
     plan = choose(
-        placement, block_keys(request), len(request), None, False, request, Opening(system, opening.exact, [])
+        placement,
+        block_keys(request),
+        len(request),
+        None,
+        False,
+        request,
+        Opening(token_ids=system, key=opening.exact, message_keys=[]),
     )
     assert (plan.slot.id, plan.outcome) != (0, "resident"), plan
     assert plan.slot.id != 0 or plan.write_back, plan  # that chat is written back before its slot is reused
@@ -361,23 +423,10 @@ def test_a_short_chat_is_not_superseded_by_another_that_shares_its_opening():
     from slotkeeper.store.index import extends
 
     opening = list(range(8026))
-    first = Entry(
-        "one1", 8091, 1, block_keys(opening + [1] * 65), 0, 0, {}, 4, "packed-1", message_keys=["s", "o", "u1"]
-    )
-    second = Entry(
-        "two2", 8093, 1, block_keys(opening + [2] * 67), 0, 0, {}, 4, "packed-1", message_keys=["s", "o", "u2"]
-    )
-    grown = Entry(
-        "one2",
-        8200,
-        1,
-        block_keys(opening + [1] * 174),
-        0,
-        0,
-        {},
-        4,
-        "packed-1",
-        message_keys=["s", "o", "u1", "a1", "u3"],
+    first = saved_entry("one1", 8091, block_keys(opening + [1] * 65), fingerprint={}, message_keys=["s", "o", "u1"])
+    second = saved_entry("two2", 8093, block_keys(opening + [2] * 67), fingerprint={}, message_keys=["s", "o", "u2"])
+    grown = saved_entry(
+        "one2", 8200, block_keys(opening + [1] * 174), fingerprint={}, message_keys=["s", "o", "u1", "a1", "u3"]
     )
     assert not extends(second, first)
     assert extends(grown, first)
@@ -390,8 +439,7 @@ def test_a_slot_whose_chat_differs_only_in_its_last_block_is_another_chat_by_its
     opening = opening_entry(system)
     placement.store.index(opening)
     # 7 blocks; both sessions' messages open alike ("Task: ..."), so the request shares 6 of them
-    held(placement, 0, block_keys(system + [1] * 54 + [5] * 70), last_used=9.0)
-    placement.slots[0].last_request = RequestKey(message_keys=("s", "o", "u1"))
+    held(placement, 0, block_keys(system + [1] * 54 + [5] * 70), key=RequestKey(message_keys=("s", "o", "u1")))
     request = system + [1] * 54 + [6] * 70
     new_session = RequestKey(message_keys=("s", "o", "u2"))
     plan = choose(
@@ -401,7 +449,7 @@ def test_a_slot_whose_chat_differs_only_in_its_last_block_is_another_chat_by_its
         None,
         False,
         request,
-        Opening(system, opening.exact, ["s", "o"]),
+        Opening(token_ids=system, key=opening.exact, message_keys=["s", "o"]),
         new_session,
     )
     assert (plan.slot.id, plan.outcome) != (0, "resident") and (plan.slot.id != 0 or plan.write_back), plan
@@ -417,7 +465,7 @@ def test_a_slot_whose_chat_differs_only_in_its_last_block_is_another_chat_by_its
         None,
         False,
         grown,
-        Opening(system, opening.exact, ["s", "o"]),
+        Opening(token_ids=system, key=opening.exact, message_keys=["s", "o"]),
         same_chat,
     )
     assert (plan.slot.id, plan.outcome) == (0, "resident"), plan
@@ -431,13 +479,12 @@ def test_a_slot_whose_tokens_stop_before_a_picture_is_saved_before_a_request_tha
     tokens are alike up to the picture. The slot holding the red one is saved before the blue one runs there;
     a slot whose tokens show all it holds is not."""
     text = keys_of(640, 1)
-    held(placement, 0, text)
-    placement.slots[0].hidden_tail = True  # (what SlotTable.ran records for a partial view)
-    partial_view = RequestView(text, 640, partial=True)
+    held(placement, 0, text, partial=True)  # its view stopped before a picture: it holds more, unseen
+    partial_view = RequestView(keys=text, n_tokens=640, partial=True)
     plan = decide(placement.slots.slots, partial_view, placement.store, placement.rules)
     assert plan is not None and plan.outcome != "resident" and plan.write_back, plan
-    placement.slots[0].hidden_tail = False
-    plan = decide(placement.slots.slots, RequestView(text, 640), placement.store, placement.rules)
+    held(placement, 0, text)  # a view that shows all it holds
+    plan = decide(placement.slots.slots, RequestView(keys=text, n_tokens=640), placement.store, placement.rules)
     assert plan is not None and (plan.slot.id, plan.outcome, plan.write_back) == (0, "resident", False), plan
 
 
@@ -446,10 +493,14 @@ def test_a_request_whose_tokens_stop_before_a_picture_does_not_take_a_slot_holdi
     another picture or other text: it is saved first. A slot holding no more than the request shows is its."""
     text = keys_of(640, 1)
     held(placement, 0, text + keys_of(64, 2))
-    plan = decide(placement.slots.slots, RequestView(text, 640, partial=True), placement.store, placement.rules)
+    plan = decide(
+        placement.slots.slots, RequestView(keys=text, n_tokens=640, partial=True), placement.store, placement.rules
+    )
     assert plan is not None and plan.outcome != "resident" and plan.write_back, plan
     held(placement, 0, text)
-    plan = decide(placement.slots.slots, RequestView(text, 640, partial=True), placement.store, placement.rules)
+    plan = decide(
+        placement.slots.slots, RequestView(keys=text, n_tokens=640, partial=True), placement.store, placement.rules
+    )
     assert plan is not None and (plan.outcome, plan.write_back) == ("resident", False), plan
 
 
@@ -460,10 +511,15 @@ def test_an_entry_one_block_ahead_is_restored_when_that_block_shows_a_picture(pl
     text = [100_000 + i for i in range(600)]
     tokens = text + (image_tokens("ab" * 32, 40) if shows_picture else [7] * 40)  # 10 blocks
     keys = block_keys(tokens)
-    entry = Entry("eeee", len(keys) * BLOCK_TOKENS, 1, keys, 0, 0, {"model": "m"}, 4, "packed-1")
+    entry = saved_entry("eeee", len(keys) * BLOCK_TOKENS, keys)
     placement.store.index(entry)
-    held(placement, 0, keys[:9], last_used=3.0)  # the live slot shares the text before the picture
-    plan = decide(placement.slots.slots, RequestView(keys, len(tokens), tokens), placement.store, placement.rules)
+    held(placement, 0, keys[:9])  # the live slot shares the text before the picture
+    plan = decide(
+        placement.slots.slots,
+        RequestView(keys=keys, n_tokens=len(tokens), token_ids=tokens),
+        placement.store,
+        placement.rules,
+    )
     assert plan is not None and plan.outcome == ("restored" if shows_picture else "resident"), plan
 
 
@@ -473,7 +529,7 @@ def test_a_slot_whose_chat_went_on_untokenized_is_saved_before_a_request_that_sh
     slot is written back first. Its own next turn needs no tokens (`continuing`)."""
     keys = keys_of(640, 1)
     slot = placement.slots[0]
-    placement.slots.ran(slot, RequestView(keys, 640), resident=False, chat=None, reply=None)
-    placement.slots.ran(slot, RequestView(None, 0), resident=True, chat=None, reply=None)
-    plan = decide(placement.slots.slots, RequestView(keys, 640), placement.store, placement.rules)
+    placement.slots.ran(slot, RequestView(keys=keys, n_tokens=640), resident=False, chat=None, reply=None)
+    placement.slots.ran(slot, RequestView(keys=None, n_tokens=0), resident=True, chat=None, reply=None)
+    plan = decide(placement.slots.slots, RequestView(keys=keys, n_tokens=640), placement.store, placement.rules)
     assert plan is not None and plan.slot is slot and plan.outcome != "resident" and plan.write_back, plan

@@ -47,9 +47,9 @@ def test_the_tree_answers_as_a_scan_of_every_entry(stored, asked, data):
             i for i, k in entries.items() if (n := common_keys(k, keys)) and n >= len(k) - 1
         )
     assert_minimal(tree, len(entries))
-    for i in list(entries):
-        del entries[i]
-        tree.remove(i)
+    for entry_id in list(entries):
+        del entries[entry_id]
+        tree.remove(entry_id)
     assert len(tree) == 0 and not tree._roots, "every run went with the last entry holding it"
 
 

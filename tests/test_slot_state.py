@@ -10,7 +10,6 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-from conftest import clean_env
 
 from slotkeeper.chat.boundary import Boundary
 from slotkeeper.chat.prefix import exact_key
@@ -21,7 +20,7 @@ from slotkeeper.placement.hook import Placement
 from slotkeeper.proxy.upstream import ChildPool
 from slotkeeper.store.conversations import ConversationStore
 from slotkeeper.store.layout import prepare_layout
-from slotkeeper.testing.harness import PlainServer, free_port
+from slotkeeper.testing.harness import PlainServer, clean_env, free_port
 
 
 @pytest.fixture
@@ -32,14 +31,16 @@ async def hybrid(llama_server, family_models, tmp_path) -> AsyncIterator[Placeme
     port = free_port()
     args = ["-m", str(family_models["qwen35"]), "-np", "1", "-c", "4096", "-t", "2", "--no-warmup",
             "--slot-save-path", str(prepare_layout(saves))]  # fmt: skip
-    server = PlainServer(llama_server, args, port, tmp_path / "llama-server.log", clean_env(tmp_path))
+    server = PlainServer(
+        llama_server, args, port, tmp_path / "llama-server.log", clean_env(cache_home=tmp_path / "xdg-cache")
+    )
     try:
         await asyncio.to_thread(server.wait_ready)
         pool = ChildPool(port=port)
         client = LlamaClient(pool, None)
         store = ConversationStore(saves, client, {"model": "qwen35"})
         store.open()
-        yield Placement(store, client, 1, Rules(CachePolicy.EXTEND_ONLY, min_tokens=64))
+        yield Placement(store, client, 1, rules=Rules(policy=CachePolicy.EXTEND_ONLY, min_tokens=64))
         pool.close()
     finally:
         server.stop()
@@ -53,7 +54,7 @@ async def test_a_slot_saved_at_its_turn_boundary_is_known_to_be_there(hybrid):
     key = exact_key(tokens)
     slot = hybrid.slots[0]
     hybrid.slots.reserve(slot)
-    boundary = Boundary(tokens, tokens)
+    boundary = Boundary(token_ids=tokens, prompt=tokens)
     reached, result = await hybrid.keeper.reach_and_save(
         slot, boundary, key=key, message_keys=["s", "u"], supersedes=lambda n, o: False, opening=False
     )

@@ -321,11 +321,12 @@ def targets(draw: st.DrawFn) -> bytes:
         path = path[:at] + draw(st.sampled_from(SPLICES)) + path[at:]
     if draw(st.integers(0, 14)) == 0:
         path = draw(st.sampled_from(["http://h", "HTTP://h:1", "h://x"])) + path
-    pieces = [
+    pieces: list[str] = [
         draw(st.sampled_from(FORMS)).format(n=draw(st.sampled_from(NAMES)), v=draw(st.sampled_from(VALUES)))
         for _ in range(draw(st.sampled_from([0, 1, 1, 1, 2, 2, 3, 4])))
     ]
-    target = path + ("?" + "&".join(pieces) if pieces or draw(st.booleans()) else "")
+    with_query = bool(pieces) or draw(st.booleans())
+    target = path + ("?" + "&".join(pieces) if with_query else "")
     if draw(st.integers(0, 14)) == 0:
         target += draw(st.sampled_from(["#", "#x", "#?action=save", "#&action=bogus"]))
     return target.encode()

@@ -58,6 +58,23 @@ class State(enum.Enum):
     STOPPED = "stopped"
 
 
+# The lifecycle's only ways on, as llama-swap's process.go checks its own: a signal, the child's exit or an
+# error may end any state early (STOPPING: a forced stop; STOPPED: the run's end), and nothing comes back.
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.STARTING: frozenset({State.RESTORING, State.STOPPING, State.STOPPED}),
+    State.RESTORING: frozenset({State.READY, State.STOPPING, State.STOPPED}),
+    State.READY: frozenset({State.DRAINING, State.STOPPING, State.STOPPED}),
+    State.DRAINING: frozenset({State.SAVING, State.STOPPING, State.STOPPED}),
+    State.SAVING: frozenset({State.STOPPING, State.STOPPED}),
+    State.STOPPING: frozenset({State.STOPPED}),
+    State.STOPPED: frozenset(),
+}
+
+
+class InvalidTransition(RuntimeError):
+    """A state change the lifecycle does not allow: a bug, said in one line (the run then stops)."""
+
+
 class Race(enum.Enum):
     """Which came first in `Daemon._race`."""
 
@@ -88,9 +105,14 @@ class Daemon:
         self._sleep_watch: asyncio.Future[None] | None = None
 
     def set_state(self, state: State) -> None:
-        if state is not self.state:
-            log.info("state: %s -> %s", self.state.value, state.value)
-            self.state = state
+        """The one writer of the state: every change is checked against TRANSITIONS and logged; setting the
+        current state again changes nothing."""
+        if state is self.state:
+            return
+        if state not in TRANSITIONS[self.state]:
+            raise InvalidTransition(f"state {self.state.value} cannot become {state.value}")
+        log.info("state: %s -> %s", self.state.value, state.value)
+        self.state = state
 
     def on_signal(self, signum: int) -> None:
         """Only sets events (no work in a signal handler): first = graceful stop, second = forced."""

@@ -83,7 +83,7 @@ class Metrics:
     state: Callable[[], str] = lambda: "starting"
 
     def restored(self, seconds: float, nbytes: int, tokens: int) -> None:
-        self.restores["restored"] += 1
+        """A restore's time and size (the store counts each restore's outcome)."""
         self.restore_seconds.observe(seconds)
         self.restored_bytes += nbytes
         self.restored_tokens += tokens

@@ -43,7 +43,7 @@ REMOTE_JOURNAL_DIR = "remote-pending"  # in the save directory: uploads not fini
 REMOTE_PROBE_TIMEOUT_S = 5.0  # the shared tier's reachability probe at start (in the background)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServerFacts:
     """What a model's llama-server says of itself at start (its /props), and what the model file says."""
 
@@ -55,7 +55,7 @@ class ServerFacts:
     media_marker: str | None = None  # with --mmproj: what stands for a picture in its rendered prompts
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Model:
     """Everything slotkeeper keeps for one model."""
 
@@ -125,7 +125,7 @@ async def read_server_facts(
     props = await client.props()
     body = props.body if props.ok and isinstance(props.body, dict) else {}
     if body.get("role") == "router":
-        return ServerFacts(0, None, await identity, None, router=True)
+        return ServerFacts(n_slots=0, n_ctx_slot=None, identity=await identity, memory=None, router=True)
     if "total_slots" in body:
         n_slots = int(body["total_slots"])
     else:
@@ -142,7 +142,13 @@ async def read_server_facts(
         kind = await asyncio.to_thread(model_memory, model)
     modalities = body.get("modalities") or {}
     marker = body.get("media_marker") if any(modalities.values()) else None
-    return ServerFacts(n_slots, n_ctx, found, kind, media_marker=marker if isinstance(marker, str) else None)
+    return ServerFacts(
+        n_slots=n_slots,
+        n_ctx_slot=n_ctx,
+        identity=found,
+        memory=kind,
+        media_marker=marker if isinstance(marker, str) else None,
+    )
 
 
 def model_memory(path: str | None) -> ModelMemory | None:
@@ -187,10 +193,18 @@ async def open_model(
     metrics.store_images = lambda: store.image_counts()["images"]
     memory = facts.memory
     settle = memory is None or memory.kind is MemoryKind.RECURRENT
-    placement = Placement(
-        store, client, facts.n_slots, Rules(policy, options.min_save_tokens, settle=settle), metrics, remote
+    rules = Rules(policy=policy, min_tokens=options.min_save_tokens, settle=settle)
+    placement = Placement(store, client, facts.n_slots, rules=rules, metrics=metrics, remote=remote)
+    model = Model(
+        facts=facts,
+        fingerprint=fingerprint,
+        policy=policy,
+        store=store,
+        placement=placement,
+        metrics=metrics,
+        remote=remote,
+        forced_memory=options.model_memory,
     )
-    model = Model(facts, fingerprint, policy, store, placement, metrics, remote, options.model_memory)
     sleep_s = config.child_sleeps_after
     if sleep_s is not None:
         model.sleep = SleepWatch(sleep_s, client, placement.cache_dropped)

@@ -37,7 +37,7 @@ class Turn:
     next_role: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Reached:
     n_tokens: int  # the slot now holds this many tokens
     prefilled: int  # of which llama-server had to process this many
@@ -68,7 +68,7 @@ def _placeholder(role: str, text: str, history: list[dict[str, Any]]) -> dict[st
     return message
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Boundary:
     """A turn boundary: its tokens as slotkeeper sees them (`promptview`), and what brings a slot there.
 
@@ -100,7 +100,7 @@ class Boundaries:
             return None
         n = common_prefix(first.token_ids, second.token_ids)
         if not first.pictures:
-            return Boundary(first.token_ids[:n], first.token_ids[:n])
+            return Boundary(token_ids=first.token_ids[:n], prompt=first.token_ids[:n])
         return await self._with_pictures(first, second, n)
 
     async def _with_pictures(self, first: Rendered, second: Rendered, n: int) -> Boundary | None:
@@ -116,11 +116,18 @@ class Boundaries:
             return None
         prompt = media_prompt(text, pictures)
         if first.whole and second.whole and found.whole:
-            return Boundary(found.token_ids, prompt) if found.token_ids == first.token_ids[:n] else None
+            return (
+                Boundary(token_ids=found.token_ids, prompt=prompt) if found.token_ids == first.token_ids[:n] else None
+            )
         last, ends = found.pieces[-1], (first.pieces[len(found.pieces) - 1], second.pieces[len(found.pieces) - 1])
         if common_prefix(*ends) != len(last) or tuple(ends[0][: len(last)]) != last:
             return None
-        return Boundary(found.token_ids, prompt, found.whole, MediaBoundary(found.pieces, tuple(pictures)))
+        return Boundary(
+            token_ids=found.token_ids,
+            prompt=prompt,
+            whole=found.whole,
+            check=MediaBoundary(found.pieces, tuple(pictures)),
+        )
 
     async def _render(self, chat: dict[str, Any], turn: Turn, placeholder: str) -> Rendered | None:
         """The chat's history followed by one placeholder message (both renders run at once)."""
@@ -138,7 +145,11 @@ class Boundaries:
         if not reply.ok or not isinstance(reply.body, dict):
             return None
         timings = reply.body.get("timings") or {}
-        return Reached(len(boundary.token_ids), int(timings.get("prompt_n", 0)), time.monotonic() - started)
+        return Reached(
+            n_tokens=len(boundary.token_ids),
+            prefilled=int(timings.get("prompt_n", 0)),
+            seconds=time.monotonic() - started,
+        )
 
     @property
     def client(self) -> LlamaClient:

@@ -23,7 +23,7 @@ from .prefix import exact_key, extends_exactly
 REMEMBERED = 256  # distinct openings whose tokens are kept
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Opening:
     """A chat's opening: its exact tokens, their `prefix.exact_key`, and the keys of the messages (with the
     chat's settings first) that lead to it (`placement.request.message_keys_of`)."""
@@ -80,4 +80,4 @@ class Openings:
         exact = exact_key(tokens)
         if not tokens or not extends_exactly(request, len(tokens), exact):
             return None
-        return Opening(tokens, exact, message_keys)
+        return Opening(token_ids=tokens, key=exact, message_keys=message_keys)

@@ -61,7 +61,7 @@ class Miss(enum.Enum):
     DIVERGED = "diverged inside an entry"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Rules:
     """What the decisions depend on besides the slots and the store."""
 
@@ -75,7 +75,7 @@ class Rules:
         return self.policy is CachePolicy.EXTEND_ONLY
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Lookup:
     """What the store's index said of the request (the hook counts and logs it)."""
 
@@ -83,11 +83,17 @@ class Lookup:
     in_store: int = 0  # how many of that entry's blocks llama-server will reuse
     extended: bool = False  # extend-only: an entry the request extends exactly was found
     diverged: tuple[Entry, int] | None = None  # extend-only: an entry it diverges inside, and the blocks shared
-    slow_opening: tuple[Entry, int] | None = None  # an opening not restored: reading it is slower than prefilling
-    # these tokens
 
 
 @dataclass(frozen=True)
+class SlowOpening:
+    """A new chat's saved opening, not restored: reading it is estimated slower than prefilling what it saves."""
+
+    entry: Entry
+    n_tokens: int  # the tokens its restore would have spared
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """One decision: the slot, and what must happen to it before the request may go."""
 
@@ -100,6 +106,7 @@ class Plan:
     opening: Opening | None = None  # a new chat's opening, not saved yet: reached and saved first
     cold: int = 0  # the prompt tokens llama-server is expected to prefill for it
     lookup: Lookup = field(default_factory=Lookup)
+    slow_opening: SlowOpening | None = None  # the saved opening it did not restore, and why (logged)
 
 
 def continuing(slots: Sequence[Slot], key: RequestKey) -> Slot | None:
@@ -123,12 +130,14 @@ def decide(
         if slot.busy:
             return None
         shared = shared_blocks(slot, view.keys, view.token_ids) if view.keys else 0
-        return _complete(Plan(slot, Outcome.PINNED, view, write_back=not holds(slot, shared, view)), store, rules, ())
+        plan = Plan(slot=slot, outcome=Outcome.PINNED, view=view, write_back=not holds(slot, shared, view))
+        return _complete(plan, store, rules, ())
     idle = [s for s in slots if not s.busy]
     if not idle:
         return None
     if view.keys is None:  # tokens unknown: a victim, whose content then is unknown too
-        return _complete(Plan(victim(idle, rules), Outcome.UNPLACED, view, write_back=True), store, rules, ())
+        plan = Plan(slot=victim(idle, rules), outcome=Outcome.UNPLACED, view=view, write_back=True)
+        return _complete(plan, store, rules, ())
     lookup = _lookup(view.keys, view.token_ids, store, rules)
     if view.unpinnable:
         plan = _decide_unpinnable(slots, idle, view, lookup, store, rules)
@@ -164,11 +173,18 @@ def _decide_pinnable(
     best, shared = max(((s, shared_blocks(s, keys, tokens)) for s in idle), key=lambda p: (p[1], p[0].last_used))
     start = starting_opening(opening, lookup, store)
     if worth_restoring(slots, lookup, shared, start, rules, view.token_ids):
-        return Plan(victim(idle, rules), Outcome.RESTORED, view, lookup.entry, True, lookup=lookup)
+        return Plan(
+            slot=victim(idle, rules),
+            outcome=Outcome.RESTORED,
+            view=view,
+            restore=lookup.entry,
+            write_back=True,
+            lookup=lookup,
+        )
     if shared and holds(best, shared, view) and not other_chat(best, shared, opening, view.key, rules):
-        return Plan(best, Outcome.RESIDENT, view, lookup=lookup)
-    if branches(best, shared, start, rules):
-        return Plan(best, Outcome.BRANCH, view, write_back=True, lookup=lookup)  # an edit of this chat's past
+        return Plan(slot=best, outcome=Outcome.RESIDENT, view=view, lookup=lookup)
+    if branches(best, shared, start, rules):  # an edit of this chat's past
+        return Plan(slot=best, outcome=Outcome.BRANCH, view=view, write_back=True, lookup=lookup)
     # A new chat: where its opening (a shared system prompt) already is, if that costs no write-back.
     reusable = [
         (s, n) for s, n in ((s, shared_blocks(s, keys, tokens)) for s in idle)
@@ -176,22 +192,24 @@ def _decide_pinnable(
         and (start is None or holds_opening(s, n, start, rules))
     ]  # fmt: skip
     if reusable:
-        return Plan(max(reusable, key=lambda p: p[1])[0], Outcome.NEW, view, lookup=lookup)
+        return Plan(slot=max(reusable, key=lambda p: p[1])[0], outcome=Outcome.NEW, view=view, lookup=lookup)
     if start is not None and not rules.extend_only and shared >= len(start.keys):
         # Its opening is live in `best`: the chat there is written back and llama-server reuses the opening
         # in place, as it would on its own (measured faster than restoring the opening into another slot).
-        return Plan(best, Outcome.NEW, view, write_back=True, lookup=lookup)
+        return Plan(slot=best, outcome=Outcome.NEW, view=view, write_back=True, lookup=lookup)
     chosen = victim(idle, rules)
+    slow = None
     if start is not None:  # its saved opening, restored into the victim (when that beats prefilling it)
         on_victim = shared_blocks(chosen, keys, tokens)
         # (a live hybrid state goes back only to its checkpoints: what it shares is not reused for sure)
         gained = len(start.keys) - (0 if rules.extend_only else on_victim)
-        if (
-            not holds_opening(chosen, on_victim, start, rules) and gained >= RESTORE_MIN_GAIN_BLOCKS
-            and restore_pays(start, gained * BLOCK_TOKENS, lookup, store, rules)
-        ):  # fmt: skip
-            return Plan(chosen, Outcome.OPENING, view, start, True, lookup=lookup)
-    return Plan(chosen, Outcome.NEW, view, write_back=True, lookup=lookup)
+        if not holds_opening(chosen, on_victim, start, rules) and gained >= RESTORE_MIN_GAIN_BLOCKS:
+            slow = slow_restore(start, gained * BLOCK_TOKENS, store, rules)
+            if slow is None:
+                return Plan(
+                    slot=chosen, outcome=Outcome.OPENING, view=view, restore=start, write_back=True, lookup=lookup
+                )
+    return Plan(slot=chosen, outcome=Outcome.NEW, view=view, write_back=True, lookup=lookup, slow_opening=slow)
 
 
 def _decide_unpinnable(
@@ -206,16 +224,23 @@ def _decide_unpinnable(
     shared = shared_blocks(choice, keys, tokens)
     start = starting_opening(opening, lookup, store)
     if worth_restoring(slots, lookup, shared, start, rules, view.token_ids):
-        return Plan(choice, Outcome.RESTORED, view, lookup.entry, True, lookup=lookup)
+        return Plan(
+            slot=choice, outcome=Outcome.RESTORED, view=view, restore=lookup.entry, write_back=True, lookup=lookup
+        )
     if shared and holds(choice, shared, view) and not other_chat(choice, shared, opening, view.key, rules):
-        return Plan(choice, Outcome.RESIDENT, view, lookup=lookup)
+        return Plan(slot=choice, outcome=Outcome.RESIDENT, view=view, lookup=lookup)
     if branches(choice, shared, start, rules):
-        return Plan(choice, Outcome.BRANCH, view, write_back=True, lookup=lookup)
+        return Plan(slot=choice, outcome=Outcome.BRANCH, view=view, write_back=True, lookup=lookup)
+    slow = None
     if start is not None and not holds_opening(choice, shared, start, rules):
         gained = len(start.keys) - (0 if rules.extend_only else shared)
-        if gained >= RESTORE_MIN_GAIN_BLOCKS and restore_pays(start, gained * BLOCK_TOKENS, lookup, store, rules):
-            return Plan(choice, Outcome.OPENING, view, start, True, lookup=lookup)
-    return Plan(choice, Outcome.NEW, view, write_back=True, lookup=lookup)
+        if gained >= RESTORE_MIN_GAIN_BLOCKS:
+            slow = slow_restore(start, gained * BLOCK_TOKENS, store, rules)
+            if slow is None:
+                return Plan(
+                    slot=choice, outcome=Outcome.OPENING, view=view, restore=start, write_back=True, lookup=lookup
+                )
+    return Plan(slot=choice, outcome=Outcome.NEW, view=view, write_back=True, lookup=lookup, slow_opening=slow)
 
 
 def _lookup(keys: list[str], tokens: list[int] | None, store: ConversationStore, rules: Rules) -> Lookup:
@@ -224,10 +249,14 @@ def _lookup(keys: list[str], tokens: list[int] | None, store: ConversationStore,
         return Lookup()
     if not rules.extend_only:
         entry, in_store = store.lookup(keys)
-        return Lookup(entry, in_store) if entry is not None and in_store * 2 >= len(entry.keys) else Lookup()
+        return (
+            Lookup(entry=entry, in_store=in_store)
+            if entry is not None and in_store * 2 >= len(entry.keys)
+            else Lookup()
+        )
     entry = store.lookup_extended(tokens, keys) if tokens is not None else None
     if entry is not None:
-        return Lookup(entry, len(entry.keys), extended=True)
+        return Lookup(entry=entry, in_store=len(entry.keys), extended=True)
     near, shared = store.lookup(keys)
     if near is not None and shared * BLOCK_TOKENS >= rules.min_tokens:
         return Lookup(diverged=(near, shared))
@@ -354,11 +383,10 @@ def holds_opening(slot: Slot, shared: int, opening: Entry, rules: Rules) -> bool
     return shared >= len(opening.keys)
 
 
-def restore_pays(entry: Entry, tokens: int, lookup: Lookup, store: ConversationStore, rules: Rules) -> bool:
-    """Restoring the entry is estimated faster than prefilling the `tokens` it saves (this server's measured
-    prompt speed, and the store's measured restore speed); when it is not, the lookup records it."""
+def slow_restore(entry: Entry, n_tokens: int, store: ConversationStore, rules: Rules) -> SlowOpening | None:
+    """None when restoring the entry is estimated faster than prefilling the `n_tokens` it saves (this server's
+    measured prompt speed, and the store's measured restore speed); else why it is not restored."""
     restore_s = store.restore_seconds(entry)
-    if restore_s is None or restore_s < tokens / rules.prefill_rate:
-        return True
-    lookup.slow_opening = (entry, tokens)
-    return False
+    if restore_s is None or restore_s < n_tokens / rules.prefill_rate:
+        return None
+    return SlowOpening(entry, n_tokens)

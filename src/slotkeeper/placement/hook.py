@@ -10,7 +10,6 @@ State is touched only on the event loop.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import replace
@@ -29,7 +28,7 @@ from ..store.entries import Entry
 from .decide import Miss, Outcome, Plan, Rules, continuing, decide, worth_keeping
 from .keeper import Keeper
 from .prep import Preparer
-from .request import RequestView, is_multi_prompt, request_key, with_id_slot
+from .request import CompletionRequest, RequestView, read_request, with_id_slot
 from .settle import Settler
 from .slots import Slot, SlotTable
 
@@ -43,9 +42,15 @@ class Placement:
     """The completion hook (proxy.CompletionHook) for one llama-server's slots."""
 
     def __init__(
-        self, store: ConversationStore, client: LlamaClient, n_slots: int, rules: Rules | None = None,
-        metrics: Metrics | None = None, remote: RemoteTier | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        store: ConversationStore,
+        client: LlamaClient,
+        n_slots: int,
+        *,
+        rules: Rules | None = None,
+        metrics: Metrics | None = None,
+        remote: RemoteTier | None = None,
+    ) -> None:
         self.store = store
         self.client = client
         self.rules = rules = rules or Rules()
@@ -64,20 +69,16 @@ class Placement:
 
     async def place(self, path: str, body: bytes) -> Placed:
         """Choose the slot, make it hold the chat's cache, pin the request to it. Never raises."""
-        api = api_of(path)
         try:
-            data = json.loads(body)
-            if api is None or not isinstance(data, dict) or (not api.templated and is_multi_prompt(data)):
-                return Placed(body)
-            key, chat = request_key(path, data)
+            request = read_request(path, body, len(self.slots))
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             return Placed(body)  # llama-server answers it with its own message
-        unpinnable = not api.pinnable
-        pinned = None if unpinnable else data.get("id_slot")
-        pinned = pinned % len(self.slots) if isinstance(pinned, int) and pinned >= 0 else None
+        if request is None:
+            return Placed(body)
+        api, chat, unpinnable = request.api, request.chat, request.unpinnable
         plan: Plan | None = None
         try:
-            plan = await self._plan(path, body, data, chat, RequestView(None, 0, None, pinned, unpinnable, None, key))
+            plan = await self._plan(request)
             self._log_decision(path, plan)
             await self.prep.prepare(plan)
         except asyncio.CancelledError:
@@ -94,7 +95,7 @@ class Placement:
                 self._opening_saves.discard(plan.opening.key)
         self.metrics.placements[plan.outcome] += 1
         self._count_start(plan)
-        out = body if unpinnable or pinned is not None else with_id_slot(body, plan.slot.id)
+        out = body if unpinnable or request.pinned is not None else with_id_slot(body, plan.slot.id)
         reader = (
             ReplyReader(api) if api.templated and chat is not None and (self.rules.extend_only or unpinnable) else None
         )
@@ -112,25 +113,32 @@ class Placement:
 
         return Placed(out, done, None if reader is None else reader.feed)
 
-    async def _plan(
-        self, path: str, body: bytes, data: dict[str, Any], chat: dict[str, Any] | None, view: RequestView
-    ) -> Plan:
+    async def _plan(self, request: CompletionRequest) -> Plan:
         """Decide (waiting for an idle slot if need be); the chosen slot is reserved."""
-        if view.pinned is None:
-            while (resident := continuing(self.slots.slots, view.key)) is not None:
+        if request.pinned is None:
+            while (resident := continuing(self.slots.slots, request.key)) is not None:
                 if not resident.busy:
-                    return Plan(self.slots.reserve(resident), Outcome.RESIDENT, view)
+                    view = RequestView(unpinnable=request.unpinnable, key=request.key)  # (not tokenized)
+                    return Plan(slot=self.slots.reserve(resident), outcome=Outcome.RESIDENT, view=view)
                 await self.slots.wait_freed()  # its own previous request: this one goes after it, as in llama-server
-        rendered = await self.keeper.render_prompt(path, body, data, chat)
+        rendered = await self.keeper.render_prompt(request)
         tokens = None if rendered is None else rendered.token_ids
         keys = block_keys(tokens) if tokens is not None else None
         if keys:
             await self.prep.fetch_if_faster(keys)
         opening = None
-        if chat is not None and tokens is not None and view.pinned is None:
-            opening = await self.keeper.opening(chat, tokens)
-        partial = rendered is not None and not rendered.whole
-        view = replace(view, keys=keys, n_tokens=len(tokens or ()), token_ids=tokens, opening=opening, partial=partial)
+        if request.chat is not None and tokens is not None and request.pinned is None:
+            opening = await self.keeper.opening(request.chat, tokens)
+        view = RequestView(
+            keys=keys,
+            n_tokens=len(tokens or ()),
+            token_ids=tokens,
+            pinned=request.pinned,
+            unpinnable=request.unpinnable,
+            opening=opening,
+            key=request.key,
+            partial=rendered is not None and not rendered.whole,
+        )
         rules = replace(self.rules, prefill_rate=self.keeper.known_prefill_rate())
         while (plan := decide(self.slots.slots, view, self.store, rules, self._opening_saves)) is None:
             await self.slots.wait_freed()
@@ -153,8 +161,8 @@ class Placement:
                 shared,
                 len(near.keys),
             )
-        if lookup.slow_opening is not None and log.isEnabledFor(logging.DEBUG):
-            entry, tokens = lookup.slow_opening
+        if plan.slow_opening is not None and log.isEnabledFor(logging.DEBUG):
+            entry, tokens = plan.slow_opening.entry, plan.slow_opening.n_tokens
             restore_s, rate = self.store.restore_seconds(entry) or 0.0, self.keeper.known_prefill_rate()
             log.debug(
                 "opening %s not restored: reading %s (~%s) is slower than prefilling %s tokens (~%s)", entry.short,

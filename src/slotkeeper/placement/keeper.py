@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..chat.apis import Api, api_of
+from ..chat.apis import Api
 from ..chat.boundary import Boundaries, Boundary, Reached, Turn, turns_of
 from ..chat.media import chat_pictures
 from ..chat.openings import Opening, Openings, is_opening, opening_turn
@@ -23,10 +23,10 @@ from ..llama.client import LlamaClient
 from ..llama.policy import CachePolicy
 from ..log import fmt_bytes, fmt_ms, log
 from ..metrics import Metrics
-from ..store.conversations import ConversationStore, SaveFailure, SaveResult
+from ..store.conversations import ConversationStore, RestoreOutcome, SaveFailure, SaveResult
 from ..store.entries import Entry
 from .decide import DEFAULT_PREFILL_TOKENS_PER_S, Rules, worth_keeping
-from .request import message_keys_of
+from .request import CompletionRequest, message_keys_of
 from .slots import Slot, SlotTable
 
 TOKENIZE_TIMEOUT_S = 30.0
@@ -60,28 +60,24 @@ class Keeper:
 
     # ---- what llama-server says ---------------------------------------------------------------------------
 
-    async def render_prompt(
-        self, path: str, body: bytes, data: dict[str, Any], chat: dict[str, Any] | None
-    ) -> Rendered | None:
+    async def render_prompt(self, request: CompletionRequest) -> Rendered | None:
         """The prompt's tokens, as llama-server will see them (template applied); None when it cannot say."""
         try:
-            return await asyncio.wait_for(self.ask_tokens(path, body, data, chat), TOKENIZE_TIMEOUT_S)
+            return await asyncio.wait_for(self._render_prompt(request), TOKENIZE_TIMEOUT_S)
         except (TimeoutError, ConnectionError, ValueError, KeyError, TypeError) as exc:
-            log.debug("tokens of a %s request unknown: %r", path, exc)
+            log.debug("tokens of a %s request unknown: %r", request.path, exc)
             return None
 
-    async def ask_tokens(
-        self, path: str, body: bytes, data: dict[str, Any], chat: dict[str, Any] | None
-    ) -> Rendered | None:
-        """`tokens()` without its timeout: /apply-template and /tokenize (`promptview`: pictures as llama-server
-        holds them), or /tokenize of the prompt."""
+    async def _render_prompt(self, request: CompletionRequest) -> Rendered | None:
+        """`render_prompt()` without its timeout: /apply-template and /tokenize (`promptview`: pictures as
+        llama-server holds them), or /tokenize of the prompt."""
         self.metrics.prompt_tokenizations += 1
-        api = api_of(path)
-        if api is not None and api.templated:
+        api, chat = request.api, request.chat
+        if api.templated:
             if chat is None:
                 return None
-            return await self.viewer.chat(chat, body if chat is data else None)
-        prompt = data.get("prompt")
+            return await self.viewer.chat(chat, request.body if chat is request.data else None)
+        prompt = request.data.get("prompt")
         if api is Api.INFILL or prompt is None:
             return None
         tokens = await self.client.tokenize(prompt)
@@ -157,19 +153,19 @@ class Keeper:
         self.table.cleared(slot)
         log.info("slot %d %s", slot.id, why)
 
-    async def restore_into(self, slot: Slot, entry: Entry, *, on_demand: bool = True) -> bool:
+    async def restore_into(self, slot: Slot, entry: Entry, *, on_demand: bool = True) -> RestoreOutcome:
         """Restore an entry into the slot; the slot then holds it, unchanged since saved."""
         result = await self.store.restore(entry, slot.id)
         if not result.ok:
             self.table.cleared(slot)
-            if not result.quarantined:  # (a quarantine has its own line)
+            if result.outcome is not RestoreOutcome.QUARANTINED:  # (a quarantine has its own line)
                 log.warning(
                     "chat %s not restored into slot %d (%s); the request starts cold",
                     entry.short,
                     slot.id,
                     result.reason,
                 )
-            return False
+            return result.outcome
         self.table.restored(slot, entry, extend_only=self.rules.extend_only)
         self.metrics.on_demand_restores += on_demand
         pictures = f" with {len(entry.images)} picture(s)" if entry.images else ""
@@ -177,7 +173,7 @@ class Keeper:
             "%s %s restored into slot %d: %s tokens%s, %s in %s", "opening" if entry.opening else "chat",
             entry.short, slot.id, f"{result.n_tokens:,}", pictures, fmt_bytes(result.nbytes), fmt_ms(result.seconds),
         )  # fmt: skip
-        return True
+        return result.outcome
 
     async def save_and_erase(self, slot: Slot, saved_why: str, erased_why: Callable[[Slot], str]) -> bool:
         """Save the slot if it changed, then erase it; False when the save failed and it was kept. (`erased_why`
@@ -204,7 +200,7 @@ class Keeper:
                         "not kept", slot.id, why, slot.label or "-", f"{slot.n_tokens:,}",
                     )  # fmt: skip
                     self.metrics.chats_found_empty += 1
-                self.table.saved(slot, complete=True)
+                self.table.all_saved(slot)
                 return False
             log.warning("slot %d not saved (%s): %s; its previous entries are kept", slot.id, why, result.reason)
             return False
@@ -243,7 +239,7 @@ class Keeper:
         messages). A live slot gets the latest back from its file."""
         chat, message = slot.chat, (slot.reply.message() if slot.reply is not None else None)
         if chat is None:
-            self.table.saved(slot, complete=True)
+            self.table.all_saved(slot)
             return False
         current, previous = turns_of(chat.get("messages") or [], message)
         if current is None:
@@ -262,7 +258,10 @@ class Keeper:
             saved = saved or (reached and entry is not None)
             failed = failed or (reached and entry is None)  # a full disk, a read-only remount: tried again
             latest = latest or (entry if turn is current else None)
-        self.table.saved(slot, complete=not failed)
+        if failed:
+            self.table.save_failed(slot)
+        else:
+            self.table.all_saved(slot)
         if live and moved and latest is not None and slot.entry is not latest:
             await self.restore_into(slot, latest, on_demand=False)  # back to the end of the chat, from its file
         return saved
@@ -331,7 +330,7 @@ class Keeper:
         not take it there. Turn boundaries and openings are saved alike."""
         tokens = boundary.token_ids
         if slot.exact == key and boundary.whole:  # brought there once its turn was over, or by the last save
-            reached = Reached(len(tokens), 0, 0.0)
+            reached = Reached(n_tokens=len(tokens), prefilled=0, seconds=0.0)
         else:
             moved = await self.boundaries.reach(slot.id, boundary)
             self.table.task_ran(slot)  # (a task ran there, taken or not)
@@ -376,7 +375,7 @@ class Keeper:
         try:
             reached, result = await self.reach_and_save(
                 slot,
-                Boundary(opening.token_ids, opening.token_ids),
+                Boundary(token_ids=opening.token_ids, prompt=opening.token_ids),
                 key=opening.key,
                 message_keys=opening.message_keys,
                 supersedes=supersedes_nothing,

@@ -55,12 +55,49 @@ class RequestKey:
 NO_KEY = RequestKey()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class CompletionRequest:
+    """A completion request as placement reads it, once: what it is, what chat it continues, where it may go."""
+
+    path: str
+    api: Api
+    body: bytes  # as the client sent it
+    data: dict[str, Any]  # the body, parsed
+    chat: dict[str, Any] | None  # its chat form (None for prompt-form requests)
+    key: RequestKey  # what recognises its chat continuing in a slot
+    pinned: int | None  # the slot the client chose (`id_slot`)
+    unpinnable: bool  # llama-server chooses its slot itself (see apis.Api.pinnable)
+
+
+def read_request(path: str, body: bytes, n_slots: int) -> CompletionRequest | None:
+    """The request placement places, or None for what it leaves to llama-server (not a completion, not a JSON
+    object, several prompts at once). Raises ValueError, TypeError, KeyError, AttributeError or RecursionError
+    on a body llama-server will answer with its own message."""
+    api = api_of(path)
+    data = json.loads(body)
+    if api is None or not isinstance(data, dict) or (not api.templated and is_multi_prompt(data)):
+        return None
+    key, chat = request_key(path, data)
+    unpinnable = not api.pinnable
+    pinned = None if unpinnable else data.get("id_slot")
+    return CompletionRequest(
+        path=path,
+        api=api,
+        body=body,
+        data=data,
+        chat=chat,
+        key=key,
+        pinned=pinned % n_slots if isinstance(pinned, int) and pinned >= 0 else None,
+        unpinnable=unpinnable,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
 class RequestView:
     """Everything `decide()` knows of one completion request."""
 
-    keys: list[str] | None  # the prompt's block keys; None when its tokens are unknown
-    n_tokens: int  # how many tokens its prompt has (0 when unknown)
+    keys: list[str] | None = None  # the prompt's block keys; None when its tokens are unknown
+    n_tokens: int = 0  # how many tokens its prompt has (0 when unknown)
     token_ids: list[int] | None = None  # the prompt's tokens (extend-only models need them)
     pinned: int | None = None  # the slot the client chose (`id_slot`)
     unpinnable: bool = False  # llama-server chooses its slot itself (see apis.Api.pinnable)

@@ -124,10 +124,15 @@ class SlotTable:
         """llama-server ran a task of slotkeeper's there, taken or not: its LRU clock moved."""
         slot.task_ended = self.tick()
 
-    def saved(self, slot: Slot, *, complete: bool) -> None:
-        """A save of its content ended without a new entry for it to hold: nothing to keep, or (not `complete`)
-        a change still unsaved."""
-        slot.dirty = not complete
+    def all_saved(self, slot: Slot) -> None:
+        """All it holds worth keeping is in the store, though no new entry names it: its saves found their
+        entries saved already, or it held nothing worth a file."""
+        slot.dirty = False
+
+    def save_failed(self, slot: Slot) -> None:
+        """A save of it failed once its content had been moved to a boundary: it still holds a change not saved
+        (tried again at the next save)."""
+        slot.dirty = True
 
     def cleared(self, slot: Slot) -> None:
         """It holds nothing known (erased, or a restore into it failed)."""

@@ -71,6 +71,7 @@ if TYPE_CHECKING:  # `slotkeeper ls` reads a store without the client
 
 __all__ = [
     "ConversationStore",
+    "RestoreOutcome",
     "RestoreResult",
     "SaveFailure",
     "SaveResult",
@@ -106,23 +107,34 @@ class SaveFailure(enum.StrEnum):
     BUDGET = "budget"  # the caller's time ran out
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class SaveResult:
-    entry: Entry | None
+    entry: Entry | None = None
     failure: SaveFailure | None = None  # when entry is None
     reason: str = ""  # the failure in words
     seconds: float = 0.0
     superseded: int = 0
 
 
-@dataclass
+class RestoreOutcome(enum.StrEnum):
+    """How a restore ended (the values label slotkeeper_restores)."""
+
+    RESTORED = "restored"
+    FAILED = "failed"  # not restored, the entry kept: llama-server unreachable, or its file unreadable now
+    QUARANTINED = "quarantined"  # the entry was bad and is gone (the store said so in its own line)
+
+
+@dataclass(frozen=True, kw_only=True)
 class RestoreResult:
-    ok: bool
-    reason: str = ""
-    quarantined: bool = False  # the entry was bad and is gone (the store said so in its own line)
+    outcome: RestoreOutcome
+    reason: str = ""  # why it was not restored, in words
     n_tokens: int = 0
     nbytes: int = 0
     seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is RestoreOutcome.RESTORED
 
 
 class ConversationStore(EntryIndex):
@@ -331,7 +343,7 @@ class ConversationStore(EntryIndex):
         no_room = low_space(self.root, expected_bytes)
         if no_room:
             self.metrics.save_failed(SaveFailure.DISK_SPACE.value)
-            return SaveResult(None, SaveFailure.DISK_SPACE, no_room)
+            return SaveResult(failure=SaveFailure.DISK_SPACE, reason=no_room)
         transient = transient_path(self.snapshots_dir)
         progress = asyncio.ensure_future(report_progress(f"slot {slot_id}", transient, expected_bytes))
         committed = False
@@ -340,18 +352,19 @@ class ConversationStore(EntryIndex):
             if not reply.ok:
                 self.metrics.save_failed(SaveFailure.LLAMA_SERVER_ERROR.value)
                 return SaveResult(
-                    None, SaveFailure.LLAMA_SERVER_ERROR, f"llama-server answered {reply.status}: {reply.error}"
+                    failure=SaveFailure.LLAMA_SERVER_ERROR,
+                    reason=f"llama-server answered {reply.status}: {reply.error}",
                 )
             tokens = int(reply.body.get("n_saved", 0))
             written = int(reply.body.get("n_written", -1))
             if tokens == 0:
                 self.metrics.saves[SaveFailure.EMPTY.value] += 1
-                return SaveResult(None, SaveFailure.EMPTY, "0 tokens")
+                return SaveResult(failure=SaveFailure.EMPTY, reason="0 tokens")
             size = transient.stat().st_size if transient.exists() else -1
             if size != written:
                 self.metrics.save_failed(SaveFailure.SIZE_MISMATCH.value)
                 return SaveResult(
-                    None, SaveFailure.SIZE_MISMATCH, f"file has {size} bytes, llama-server reported {written}"
+                    failure=SaveFailure.SIZE_MISMATCH, reason=f"file has {size} bytes, llama-server reported {written}"
                 )
             progress.cancel()
             saved = await asyncio.to_thread(read_saved, transient)
@@ -372,10 +385,10 @@ class ConversationStore(EntryIndex):
             committed = True
         except (OSError, StateFileError) as exc:
             self.metrics.save_failed(SaveFailure.COMMIT_FAILED.value)
-            return SaveResult(None, SaveFailure.COMMIT_FAILED, str(getattr(exc, "strerror", None) or exc))
+            return SaveResult(failure=SaveFailure.COMMIT_FAILED, reason=str(getattr(exc, "strerror", None) or exc))
         except ConnectionError as exc:
             self.metrics.save_failed(SaveFailure.REQUEST_FAILED.value)
-            return SaveResult(None, SaveFailure.REQUEST_FAILED, str(exc))
+            return SaveResult(failure=SaveFailure.REQUEST_FAILED, reason=str(exc))
         finally:
             progress.cancel()
             if not committed:
@@ -386,7 +399,7 @@ class ConversationStore(EntryIndex):
         elapsed = time.monotonic() - started
         self.bytes_per_s = entry.nbytes / elapsed if elapsed > 0 else self.bytes_per_s
         self.metrics.saved(elapsed, entry.nbytes, entry.n_tokens)
-        return SaveResult(entry, seconds=elapsed, superseded=superseded)
+        return SaveResult(entry=entry, seconds=elapsed, superseded=superseded)
 
     def _new_entry(
         self,
@@ -533,14 +546,12 @@ class ConversationStore(EntryIndex):
                             erased.error,
                         )
                     if actual is None:
-                        self.metrics.restores["failed"] += 1
-                        return RestoreResult(False, f"its file could not be checked: {unread.strerror or unread}")
+                        return self._restore_failed(f"its file could not be checked: {unread.strerror or unread}")
                     reason = "its file changed on disk: the content checksum does not match"
                     self._quarantine(entry, reason)
-                    return RestoreResult(False, reason, quarantined=True)
+                    return RestoreResult(outcome=RestoreOutcome.QUARANTINED, reason=reason)
         except (OSError, ConnectionError) as exc:
-            self.metrics.restores["failed"] += 1
-            return RestoreResult(False, f"restore failed: {getattr(exc, 'strerror', None) or exc}")
+            return self._restore_failed(f"restore failed: {getattr(exc, 'strerror', None) or exc}")
         finally:
             if check is not None and not check.done():
                 check.cancel()
@@ -548,14 +559,19 @@ class ConversationStore(EntryIndex):
         elapsed = time.monotonic() - started
         if not reply.ok:
             self._quarantine(entry, f"llama-server refused it: {reply.error}")
-            return RestoreResult(False, f"llama-server refused it: {reply.error}", quarantined=True)
+            return RestoreResult(outcome=RestoreOutcome.QUARANTINED, reason=f"llama-server refused it: {reply.error}")
         tokens = int(reply.body.get("n_restored", 0))
         nbytes = int(reply.body.get("n_read", entry.nbytes))
+        self.metrics.restores[RestoreOutcome.RESTORED.value] += 1
         self.metrics.restored(elapsed, nbytes, tokens)
         if elapsed > 0:
             self.restore_bytes_per_s = nbytes / elapsed
         self.touch(entry)
-        return RestoreResult(True, n_tokens=tokens, nbytes=nbytes, seconds=elapsed)
+        return RestoreResult(outcome=RestoreOutcome.RESTORED, n_tokens=tokens, nbytes=nbytes, seconds=elapsed)
+
+    def _restore_failed(self, reason: str) -> RestoreResult:
+        self.metrics.restores[RestoreOutcome.FAILED.value] += 1
+        return RestoreResult(outcome=RestoreOutcome.FAILED, reason=reason)
 
     async def _expose(self, source: Path, link: Path) -> None:
         """Make an entry readable by llama-server under a transient name: a hard link (free), or a copy on a
@@ -658,7 +674,7 @@ class ConversationStore(EntryIndex):
         """Move a bad pair aside (never delete it outright) and keep only the newest few."""
         self.unindex(entry)
         self.metrics.quarantines += 1
-        self.metrics.restores["quarantined"] += 1
+        self.metrics.restores[RestoreOutcome.QUARANTINED.value] += 1
         qdir = self.root / QUARANTINE_DIR
         stamp = time.strftime("%Y%m%d-%H%M%S")
         try:

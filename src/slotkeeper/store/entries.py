@@ -184,7 +184,7 @@ def remove_pair(directory: Path, name: str) -> None:
 # ---- the manifest -------------------------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Entry:
     """One saved conversation state and what its manifest says about it."""
 

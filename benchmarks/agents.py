@@ -69,7 +69,7 @@ def run_case(binary: str, model: Path, family: str, api: str, stream: bool, work
     try:
         warm = session.turn(sk.port)
         os.killpg(sk.pid, signal.SIGTERM)
-        sk.proc.wait(120)
+        sk.wait(120)
     finally:
         sk.stop()
     plain = PlainServer(binary, server_args, free_port(), work / "plain.log", env)
@@ -111,7 +111,7 @@ def run_new_session(binary: str, model: Path, family: str, work: Path) -> tuple:
         warm = claude_code_session(2, firsts[1], request, stream=True).turn(sk.port)
         prefilled_for_opening = sk.call("GET", "/slotkeeper/status").body["openings"]["prefill_tokens"]
         os.killpg(sk.pid, signal.SIGTERM)
-        sk.proc.wait(120)
+        sk.wait(120)
     finally:
         sk.stop()
     plain = PlainServer(binary, server_args, free_port(), work / "plain-new.log", env)

@@ -151,16 +151,16 @@ def main() -> None:
         n = len(returning["slotkeeper"])
         w_sk = sum(x.warm for x in returning["slotkeeper"])
         w_plain = sum(x.warm for x in returning["plain"])
-        cold = statistics.median(x.turn.first_token_s for x in returning["plain"])
-        warm = statistics.median(x.turn.first_token_s for x in returning["slotkeeper"])
+        cold_s = statistics.median(x.turn.first_token_s for x in returning["plain"])
+        warm_s = statistics.median(x.turn.first_token_s for x in returning["slotkeeper"])
         print(
             f"(a) warm after a swap: slotkeeper {w_sk} of {n} ({w_sk / n:.0%}; target: all), "
             f"plain llama-server {w_plain} of {n}"
         )
         worst = max(x.turn.first_token_s for x in returning["slotkeeper"])
         print(
-            f"(b) returning chats' first token, median: plain {fmt_s(cold)} vs slotkeeper {fmt_s(warm)} "
-            f"({cold / warm:.0f}x); slotkeeper worst {fmt_s(worst)}"
+            f"(b) returning chats' first token, median: plain {fmt_s(cold_s)} vs slotkeeper {fmt_s(warm_s)} "
+            f"({cold_s / warm_s:.0f}x); slotkeeper worst {fmt_s(worst)}"
         )
     new = {side: results[side][0] for side in results}
     first = {side: statistics.median(x.turn.first_token_s for x in new[side]) for side in new}

@@ -21,6 +21,7 @@ import argparse
 import shutil
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ def sleep_round(family: str, model: Path, chats_n: int, sleep_s: int, work: Path
             for side, side_port in sides.items():
                 chats[side][i].turn(side_port)
         for side_port in sides.values():
-            if not wait_until(lambda p=side_port: asleep(p), 10 * sleep_s, interval=0.2):
+            if not wait_until(partial(asleep, side_port), 10 * sleep_s, interval=0.2):
                 raise RuntimeError(f"llama-server on port {side_port} did not fall asleep")
         time.sleep(1.0)
         turns: dict[str, list[Turn]] = {side: [] for side in sides}

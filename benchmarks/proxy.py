@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 TOKENIZE_BODY = '{"content":"Hello world, this is a small tokenize request."}'
 MB = 1024 * 1024
@@ -134,7 +134,7 @@ def byte_pipe(argv: list[str]) -> None:
             self.client = client
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            self.transport = transport
+            self.transport = cast(asyncio.Transport, transport)
 
         def data_received(self, data: bytes) -> None:
             self.client.transport.write(data)
@@ -144,7 +144,7 @@ def byte_pipe(argv: list[str]) -> None:
 
     class Client(asyncio.Protocol):
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            self.transport = transport
+            self.transport = cast(asyncio.Transport, transport)
             self.pending: list[bytes] = []
             self.upstream: Upstream | None = None
             self.connecting = asyncio.ensure_future(self.connect())

@@ -417,10 +417,10 @@ def main() -> None:
         )
     print()
     print("each host:")
-    for c in colds:
+    for cold in colds:
         print(
-            f"  {'cold (C)':<12} first token {c.first_token_s:.2f} s; prompt_n {c.timings.get('prompt_n')} "
-            f"in {c.timings.get('prompt_ms', 0):.0f} ms"
+            f"  {'cold (C)':<12} first token {cold.first_token_s:.2f} s; prompt_n {cold.timings.get('prompt_n')} "
+            f"in {cold.timings.get('prompt_ms', 0):.0f} ms"
         )
     for label, _ in links:
         for r in runs[label]:

@@ -94,8 +94,11 @@ def run_new_session(binary: str, model: Path, family: str, work: Path) -> tuple:
         port = free_port()
         sk = Slotkeeper(
             ["--", *server_args, "--port", str(port), "--slot-save-path", str(work / "cache")],
-            env, work, port, work / f"slotkeeper-new-{n}.log",
-        ).start()  # fmt: skip
+            env,
+            work,
+            port,
+            work / f"slotkeeper-new-{n}.log",
+        ).start()
         sk.wait_ready(300)
         return sk
 

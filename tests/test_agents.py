@@ -235,8 +235,13 @@ def test_every_new_claude_code_session_starts_from_the_one_saved_opening(
     assert sk.call("GET", "/slotkeeper/status").body["attribution_lines_dropped"] == 1
 
     model = model_path(family.model, family_models, request)
-    plain = PlainServer(llama_server, ["-m", str(model), *BASE, "-np", "2"], free_port(), tmp_path / "plain.log",
-                        clean_env(llama_server))  # fmt: skip
+    plain = PlainServer(
+        llama_server,
+        ["-m", str(model), *BASE, "-np", "2"],
+        free_port(),
+        tmp_path / "plain.log",
+        clean_env(llama_server),
+    )
     try:
         plain.wait_ready()
         for body, turn in ((first_body, first_turn), (second_body, second_turn), (third_body, third_turn)):
@@ -268,8 +273,13 @@ def test_with_keep_attribution_line_a_new_claude_code_session_is_cold_as_on_plai
     assert prefilled >= 0.9 * opening_n and after["saved"] == 2, (second_turn, after, opening_n)
     assert sk.call("GET", "/slotkeeper/status").body["attribution_lines_dropped"] == 0
     model = model_path(family.model, family_models, request)
-    plain = PlainServer(llama_server, ["-m", str(model), *BASE, "-np", "2"], free_port(), tmp_path / "plain.log",
-                        clean_env(llama_server))  # fmt: skip
+    plain = PlainServer(
+        llama_server,
+        ["-m", str(model), *BASE, "-np", "2"],
+        free_port(),
+        tmp_path / "plain.log",
+        clean_env(llama_server),
+    )
     try:
         plain.wait_ready()
         claude_code_session(1, FIRSTS[0]).turn(plain.port)

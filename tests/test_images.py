@@ -95,8 +95,10 @@ def test_image_chats_come_back_warm_after_a_swap_at_start_and_on_demand(name, im
     assert f"slotkeeper_store_images {float(store['images'])}" in metrics, metrics[:3000]
     listed = subprocess.run(
         [sys.executable, "-m", "slotkeeper.cli", "ls", str(sk2.extra["save_dir"]), "--json"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     rows = [row for row in json.loads(listed.stdout) if row["kind"] == "entry"]
     assert sum(row["images"] or 0 for row in rows) == store["images"], rows
     for chat in (blue, red):  # blue was restored at start, red is restored on demand

@@ -76,11 +76,23 @@ def test_a_file_that_fits_no_wrap_teaches_none(tmp_path):
 
 def test_the_pictures_of_a_chat_in_marker_order():
     red, blue = base64.b64encode(b"red").decode(), base64.b64encode(b"blue").decode()
-    chat = {"messages": [
-        {"role": "user", "content": [{"type": "text", "text": "a"},
-                                     {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{red}"}}]},
-        {"role": "assistant", "content": "ok"},
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": blue}},
-                                     {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]},
-    ]}  # fmt: skip
+    chat = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "a"},
+                    {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{red}"}},
+                ],
+            },
+            {"role": "assistant", "content": "ok"},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": blue}},
+                    {"type": "image_url", "image_url": {"url": "https://x/y.png"}},
+                ],
+            },
+        ]
+    }
     assert chat_pictures(chat) == [Picture(RED, red), Picture(BLUE, blue), Picture(None, None)]

@@ -129,9 +129,15 @@ def placement(tmp_path) -> Placement:
 
 
 def choose_or_wait(
-    placement: Placement, keys: list[str] | None, n_tokens: int, pinned: int | None, unpinnable: bool,
-    tokens: list[int] | None = None, opening: Opening | None = None, key: RequestKey = NO_KEY,
-) -> Plan | None:  # fmt: skip
+    placement: Placement,
+    keys: list[str] | None,
+    n_tokens: int,
+    pinned: int | None,
+    unpinnable: bool,
+    tokens: list[int] | None = None,
+    opening: Opening | None = None,
+    key: RequestKey = NO_KEY,
+) -> Plan | None:
     """The decision for a request (None: it waits), its slot reserved in the same step, as the hook does."""
     view = RequestView(
         keys=keys, n_tokens=n_tokens, token_ids=tokens, pinned=pinned, unpinnable=unpinnable, opening=opening, key=key
@@ -143,9 +149,15 @@ def choose_or_wait(
 
 
 def choose(
-    placement: Placement, keys: list[str] | None, n_tokens: int, pinned: int | None, unpinnable: bool,
-    tokens: list[int] | None = None, opening: Opening | None = None, key: RequestKey = NO_KEY,
-) -> Plan:  # fmt: skip
+    placement: Placement,
+    keys: list[str] | None,
+    n_tokens: int,
+    pinned: int | None,
+    unpinnable: bool,
+    tokens: list[int] | None = None,
+    opening: Opening | None = None,
+    key: RequestKey = NO_KEY,
+) -> Plan:
     """The decision for a request that need not wait (a slot is idle)."""
     plan = choose_or_wait(placement, keys, n_tokens, pinned, unpinnable, tokens, opening, key)
     assert plan is not None, "the request waits"
@@ -157,21 +169,41 @@ def keys_of(n_tokens: int, seed: int) -> list[str]:
 
 
 def saved_entry(
-    entry_id: str, n_tokens: int, keys: Sequence[str], *, nbytes: int = 1, last_used: float = 0,
-    fingerprint: dict | None = None, **fields,
-) -> Entry:  # fmt: skip
+    entry_id: str,
+    n_tokens: int,
+    keys: Sequence[str],
+    *,
+    nbytes: int = 1,
+    last_used: float = 0,
+    fingerprint: dict | None = None,
+    **fields,
+) -> Entry:
     """An entry as a save leaves it (what a decision reads of it; the rest as these tests' saves make it)."""
     return Entry(
-        id=entry_id, n_tokens=n_tokens, nbytes=nbytes, keys=keys, saved_at=0, last_used=last_used,
-        fingerprint={"model": "m"} if fingerprint is None else fingerprint, seq_version=4, layout="packed-1",
+        id=entry_id,
+        n_tokens=n_tokens,
+        nbytes=nbytes,
+        keys=keys,
+        saved_at=0,
+        last_used=last_used,
+        fingerprint={"model": "m"} if fingerprint is None else fingerprint,
+        seq_version=4,
+        layout="packed-1",
         **fields,
-    )  # fmt: skip
+    )
 
 
 def held(
-    placement: Placement, slot: int, keys: Sequence[str], *, dirty: bool = True, entry: Entry | None = None,
-    key: RequestKey = NO_KEY, partial: bool = False, chat: dict | None = None,
-) -> None:  # fmt: skip
+    placement: Placement,
+    slot: int,
+    keys: Sequence[str],
+    *,
+    dirty: bool = True,
+    entry: Entry | None = None,
+    key: RequestKey = NO_KEY,
+    partial: bool = False,
+    chat: dict | None = None,
+) -> None:
     """What the slot table records when a request with these block keys ran on the slot (changed since saved);
     `dirty` False: then saved, as `entry` when given. Each call makes the slot the most recently used."""
     table, s = placement.slots, placement.slots[slot]

@@ -72,8 +72,10 @@ def test_each_models_chats_are_warm_after_the_router_unloads_it_and_after_a_swap
     assert not [line for line in own if "warning" in line or "error" in line], own
     listed = subprocess.run(
         [sys.executable, "-m", "slotkeeper.cli", "ls", str(sk2.extra["save_dir"]), "--json"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     stores = {Path(r["dir"]).name: r["entries"] for r in json.loads(listed.stdout) if r["kind"] == "directory"}
     assert stores.get("a", 0) >= 2 and stores.get("b", 0) >= 1, stores  # `ls` shows each model's store
 

@@ -29,8 +29,19 @@ async def hybrid(llama_server, family_models, tmp_path) -> AsyncIterator[Placeme
     saves = tmp_path / "saves"
     saves.mkdir()
     port = free_port()
-    args = ["-m", str(family_models["qwen35"]), "-np", "1", "-c", "4096", "-t", "2", "--no-warmup",
-            "--slot-save-path", str(prepare_layout(saves))]  # fmt: skip
+    args = [
+        "-m",
+        str(family_models["qwen35"]),
+        "-np",
+        "1",
+        "-c",
+        "4096",
+        "-t",
+        "2",
+        "--no-warmup",
+        "--slot-save-path",
+        str(prepare_layout(saves)),
+    ]
     server = PlainServer(
         llama_server, args, port, tmp_path / "llama-server.log", clean_env(cache_home=tmp_path / "xdg-cache")
     )

@@ -130,9 +130,11 @@ class Daemon:
         exc = context.get("exception")
         what = context.get("message") or "unexpected error"
         log.warning(
-            "%s%s", what, f": {describe_error(exc)}" if exc is not None else "",
+            "%s%s",
+            what,
+            f": {describe_error(exc)}" if exc is not None else "",
             exc_info=exc if exc is not None and self.options.log_level == "debug" else None,
-        )  # fmt: skip
+        )
 
     async def metrics_endpoint(self) -> Reply:
         """GET /slotkeeper/metrics: Prometheus text exposition."""
@@ -142,30 +144,41 @@ class Daemon:
     async def status(self) -> Reply:
         """GET /slotkeeper/status: which slot holds which chat, what the store holds, what a stop must write."""
         model = self.model
-        return Reply.json({
-            "state": self.state.value,
-            "child_pid": self.child.pid,
-            "uptime_s": round(time.monotonic() - self.started_at, 3),
-            "save_dir": str(self.config.save_dir),
-            "total_slots": 0 if model is None else model.facts.n_slots,
-            "placement": self.options.placement,
-            "router": self.router is not None,
-            "attribution_lines_dropped": self.metrics.attribution_lines_dropped(),
-            "models": None if self.router is None else self.router.status(),
-            **(self._starting_status() if model is None else model.status()),
-            "save_estimate": self.save_estimate(),
-        })  # fmt: skip
+        return Reply.json(
+            {
+                "state": self.state.value,
+                "child_pid": self.child.pid,
+                "uptime_s": round(time.monotonic() - self.started_at, 3),
+                "save_dir": str(self.config.save_dir),
+                "total_slots": 0 if model is None else model.facts.n_slots,
+                "placement": self.options.placement,
+                "router": self.router is not None,
+                "attribution_lines_dropped": self.metrics.attribution_lines_dropped(),
+                "models": None if self.router is None else self.router.status(),
+                **(self._starting_status() if model is None else model.status()),
+                "save_estimate": self.save_estimate(),
+            }
+        )
 
     def _starting_status(self) -> dict[str, Any]:
         """The model's part of the status before its store is open."""
         forced = self.options.model_memory
-        memory = {"architecture": None, "kind": None if forced == "auto" else forced, "sliding_window": None,
-                  "policy": CachePolicy.EXTEND_ONLY.value}  # fmt: skip
+        memory = {
+            "architecture": None,
+            "kind": None if forced == "auto" else forced,
+            "sliding_window": None,
+            "policy": CachePolicy.EXTEND_ONLY.value,
+        }
         counters = self.metrics.status()
         return {
-            "model_memory": memory, "fingerprint": None, "slots": [], "store": None, **counters,
-            "openings": {"entries": 0, **counters["openings"]}, "remote": None,
-        }  # fmt: skip
+            "model_memory": memory,
+            "fingerprint": None,
+            "slots": [],
+            "store": None,
+            **counters,
+            "openings": {"entries": 0, **counters["openings"]},
+            "remote": None,
+        }
 
     # ---- the script ----------------------------------------------------------------------------------------
 
@@ -203,9 +216,11 @@ class Daemon:
             now = time.monotonic()
             log.info(
                 "ready %s after starting llama-server (pid %d; it answered healthy at %s, restore took %s)",
-                fmt_ms(now - self.started_at), self.child.pid, fmt_ms((self.healthy_at or now) - self.started_at),
+                fmt_ms(now - self.started_at),
+                self.child.pid,
+                fmt_ms((self.healthy_at or now) - self.started_at),
                 fmt_ms(now - (self.healthy_at or now)),
-            )  # fmt: skip
+            )
             self.warn_if_save_exceeds_budget()
             code = await self.serve(proxy, client, child_exited)
             if code is not None:
@@ -230,9 +245,12 @@ class Daemon:
             log.info("listening on %s; llama-server on %s", name, self.child.endpoint.describe())
 
     async def _race(
-        self, awaitable: Any, interrupt: asyncio.Event, child_exited: asyncio.Future[int] | None = None,
+        self,
+        awaitable: Any,
+        interrupt: asyncio.Event,
+        child_exited: asyncio.Future[int] | None = None,
         deadline: float | None = None,
-    ) -> tuple[Race, Any]:  # fmt: skip
+    ) -> tuple[Race, Any]:
         """Wait for `awaitable`, the interrupting event, the child's exit, or the deadline; say which came first.
 
         Returns (DONE, result), or (INTERRUPTED | CHILD_EXITED | TIMEOUT, None) after the unfinished work has
@@ -259,9 +277,13 @@ class Daemon:
         return Race.TIMEOUT, None
 
     async def startup(
-        self, client: LlamaClient, identity: asyncio.Future[dict[str, Any]], memory: asyncio.Future[Any],
-        child_exited: asyncio.Future[int], deadline: float,
-    ) -> int | None:  # fmt: skip
+        self,
+        client: LlamaClient,
+        identity: asyncio.Future[dict[str, Any]],
+        memory: asyncio.Future[Any],
+        child_exited: asyncio.Future[int],
+        deadline: float,
+    ) -> int | None:
         """Wait for the child's health, then restore. Returns an exit code when startup ends the run.
 
         A stop cancels the restore (no further entry is restored; nothing changed, so nothing is saved), but
@@ -289,9 +311,10 @@ class Daemon:
                 return await self.stop_forced()
             return EXIT_OK
         log.error(
-            "startup timed out after %.0f s (--startup-timeout) in state %s", self.options.startup_timeout,
+            "startup timed out after %.0f s (--startup-timeout) in state %s",
+            self.options.startup_timeout,
             self.state.value,
-        )  # fmt: skip
+        )
         return EXIT_STARTUP_FAILED
 
     async def wait_healthy(self, client: LlamaClient) -> None:
@@ -332,8 +355,10 @@ class Daemon:
             self._sleep_watch = asyncio.ensure_future(self.watch_sleep(proxy, client))
             log.info(
                 "llama-server sleeps after %d s idle (--sleep-idle-seconds): changed chats are saved after %g s idle, "
-                "and come back from the store once it has slept", sleep_s, self.idle_save_after(),
-            )  # fmt: skip
+                "and come back from the store once it has slept",
+                sleep_s,
+                self.idle_save_after(),
+            )
         saving = (self.model is not None or self.router is not None) and self.idle_save_after() > 0
         autosave = asyncio.ensure_future(self.autosave_loop(proxy)) if saving else None
         self._autosave = autosave
@@ -545,6 +570,8 @@ class Daemon:
             log.warning(
                 "saving the slots (up to %s) takes ~%.1f s at the last measured %s/s, more than --save-timeout %.1f s: "
                 "raise --save-timeout, and llama-swap's unloadTimeout (and healthCheckTimeout for swaps) above it",
-                fmt_bytes(int(estimate["bytes"])), estimate["seconds"], fmt_bytes(int(estimate["bytes_per_s"])),
+                fmt_bytes(int(estimate["bytes"])),
+                estimate["seconds"],
+                fmt_bytes(int(estimate["bytes_per_s"])),
                 self.options.save_timeout,
-            )  # fmt: skip
+            )

@@ -116,9 +116,11 @@ class Model:
 
 
 async def read_server_facts(
-    config: RunConfig, client: LlamaClient, identity: Awaitable[dict[str, Any]],
+    config: RunConfig,
+    client: LlamaClient,
+    identity: Awaitable[dict[str, Any]],
     memory: Awaitable[ModelMemory | None],
-) -> ServerFacts:  # fmt: skip
+) -> ServerFacts:
     """The slot count and context from /props (never address a slot beyond it); the model file's identity and
     memory kind (`identity` and `memory` were started at the spawn, read while llama-server loaded the model),
     read again from the file /props names when that is another one (e.g. -hf)."""
@@ -177,11 +179,18 @@ async def open_model(
     cap = int(options.max_cache_bytes) if options.max_cache_bytes else None
     remote = _remote_tier(options.remote_store, fingerprint, store_root)
     store = ConversationStore(
-        store_root, client, fingerprint, server_identity(config.llama_binary), fsync=options.fsync,
-        cap_bytes=cap, restore_unverified=options.restore_unverified, metrics=metrics,
+        store_root,
+        client,
+        fingerprint,
+        server_identity(config.llama_binary),
+        fsync=options.fsync,
+        cap_bytes=cap,
+        restore_unverified=options.restore_unverified,
+        metrics=metrics,
         on_commit=None if remote is None else remote.upload_committed,
-        snapshots=None if root is None else config.save_dir / SNAPSHOTS_DIR, media=MediaBook(facts.media_marker),
-    )  # fmt: skip
+        snapshots=None if root is None else config.save_dir / SNAPSHOTS_DIR,
+        media=MediaBook(facts.media_marker),
+    )
     await store.load()
     if store.cap_bytes is None:
         store.cap_bytes = default_cap(store_root, store.total_bytes)
@@ -213,9 +222,14 @@ async def open_model(
         metrics.remote = lambda: remote.stats
     other = f"; {len(store.skipped)} kept but not used (see above)" if store.skipped else ""
     log.info(
-        "%d slot(s); %d conversation(s) in %s (%s of a %s cap)%s", facts.n_slots, len(store.entries), store_root,
-        fmt_bytes(store.total_bytes), fmt_bytes(store.cap_bytes or 0), other,
-    )  # fmt: skip
+        "%d slot(s); %d conversation(s) in %s (%s of a %s cap)%s",
+        facts.n_slots,
+        len(store.entries),
+        store_root,
+        fmt_bytes(store.total_bytes),
+        fmt_bytes(store.cap_bytes or 0),
+        other,
+    )
     return model
 
 
@@ -234,14 +248,17 @@ def _say_memory(config: RunConfig, facts: ServerFacts, policy: CachePolicy) -> N
         cost = f" (KV {fmt_bytes(swa_kv[0])} -> {fmt_bytes(swa_kv[1])})" if swa_kv else ""
         log.warning(
             "%s uses a %s-token sliding window: llama-server reuses no restored chat of it unless --swa-full%s; "
-            "nothing is saved, and each chat keeps its own slot", memory.architecture, f"{memory.sliding_window:,}",
+            "nothing is saved, and each chat keeps its own slot",
+            memory.architecture,
+            f"{memory.sliding_window:,}",
             cost,
-        )  # fmt: skip
+        )
     elif policy is CachePolicy.EXTEND_ONLY:
         log.info(
             "model: %s, %s: chats are saved at turn boundaries and restored only into requests that extend them",
-            memory.architecture, memory.describe(),
-        )  # fmt: skip
+            memory.architecture,
+            memory.describe(),
+        )
     else:
         log.info("model: %s, %s", memory.architecture, memory.describe())
 

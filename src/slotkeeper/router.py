@@ -212,8 +212,9 @@ class Router:
             if self._using[model_id]:
                 log.warning(
                     "%d request(s) still running after %g s (--drain-timeout): unloading it all the same",
-                    self._using[model_id], self.config.options.drain_timeout,
-                )  # fmt: skip
+                    self._using[model_id],
+                    self.config.options.drain_timeout,
+                )
             model.placement.stop_settling()
             saved, attempted = await model.placement.save_dirty(f"before it is unloaded: {why}")
             model.store.evict_over_cap(model.placement.held_entries())

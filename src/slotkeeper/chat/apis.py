@@ -33,17 +33,19 @@ class Api(enum.Enum):
         return self is not Api.MESSAGES
 
 
-COMPLETION_PATHS: Mapping[str, Api] = MappingProxyType({
-    "/chat/completions": Api.CHAT,
-    "/v1/chat/completions": Api.CHAT,
-    "/v1/responses": Api.RESPONSES,
-    "/responses": Api.RESPONSES,
-    "/v1/messages": Api.MESSAGES,
-    "/completion": Api.PROMPT,
-    "/completions": Api.PROMPT,
-    "/v1/completions": Api.PROMPT,
-    "/infill": Api.INFILL,
-})  # fmt: skip
+COMPLETION_PATHS: Mapping[str, Api] = MappingProxyType(
+    {
+        "/chat/completions": Api.CHAT,
+        "/v1/chat/completions": Api.CHAT,
+        "/v1/responses": Api.RESPONSES,
+        "/responses": Api.RESPONSES,
+        "/v1/messages": Api.MESSAGES,
+        "/completion": Api.PROMPT,
+        "/completions": Api.PROMPT,
+        "/v1/completions": Api.PROMPT,
+        "/infill": Api.INFILL,
+    }
+)
 
 
 def api_of(path: str) -> Api | None:

@@ -189,8 +189,9 @@ class AttributionFilter:
             if not self._dropped:
                 log.info(
                     "%s: Claude Code's attribution line is dropped from the system prompt, so that every session "
-                    "shares one opening (--keep-attribution-line keeps it)", path,
-                )  # fmt: skip
+                    "shares one opening (--keep-attribution-line keeps it)",
+                    path,
+                )
             self._dropped += 1
             body = dropped
         if self._inner is None:

@@ -139,9 +139,10 @@ class Boundaries:
         """Make the (idle, reserved) slot hold exactly the boundary: prefill without generating anything."""
         started = time.monotonic()
         reply = await self.client.call_json(
-            "POST", "/completion",
+            "POST",
+            "/completion",
             {"prompt": boundary.prompt, "n_predict": 0, "cache_prompt": True, "id_slot": slot_id},
-        )  # fmt: skip
+        )
         if not reply.ok or not isinstance(reply.body, dict):
             return None
         timings = reply.body.get("timings") or {}

@@ -59,8 +59,10 @@ class SleepWatch:
             self.sleeps += 1
             log.info(
                 "llama-server is asleep (idle %d s, --sleep-idle-seconds): its KV cache is gone; %d chat(s) come back "
-                "from the store on their next turn", self.sleep_idle_s, chats,
-            )  # fmt: skip
+                "from the store on their next turn",
+                self.sleep_idle_s,
+                chats,
+            )
         else:
             log.info("llama-server woke up for a request (it reloaded its model)")
 

@@ -120,9 +120,12 @@ def continuing(slots: Sequence[Slot], key: RequestKey) -> Slot | None:
 
 
 def decide(
-    slots: Sequence[Slot], view: RequestView, store: ConversationStore, rules: Rules,
+    slots: Sequence[Slot],
+    view: RequestView,
+    store: ConversationStore,
+    rules: Rules,
     saving_openings: Collection[str] = (),
-) -> Plan | None:  # fmt: skip
+) -> Plan | None:
     """The plan for a request, or None when it must wait for a slot. `saving_openings`: the exact keys of the
     openings being saved now (each is saved once, however many new chats come)."""
     if view.pinned is not None:
@@ -154,21 +157,30 @@ def _complete(plan: Plan, store: ConversationStore, rules: Rules, saving_opening
         reused = len(plan.restore.keys) if plan.restore is not None else shared_blocks(slot, view.keys, view.token_ids)
         cold = max(0, len(view.token_ids) - reused * BLOCK_TOKENS)
     erase = (
-        rules.extend_only and plan.restore is None and slot.restored is not None
+        rules.extend_only
+        and plan.restore is None
+        and slot.restored is not None
         and (view.token_ids is None or not slot.extended_by(view.token_ids))
-    )  # fmt: skip
+    )
     opening = view.opening
     new_opening = (
-        opening is not None and plan.outcome is Outcome.NEW and len(opening.token_ids) >= rules.min_tokens
-        and opening.key not in saving_openings and store.find_exact(opening.key) is None
-    )  # fmt: skip
+        opening is not None
+        and plan.outcome is Outcome.NEW
+        and len(opening.token_ids) >= rules.min_tokens
+        and opening.key not in saving_openings
+        and store.find_exact(opening.key) is None
+    )
     return replace(plan, erase=erase, opening=opening if new_opening else None, cold=cold)
 
 
 def _decide_pinnable(
-    slots: Sequence[Slot], idle: list[Slot], view: RequestView, lookup: Lookup, store: ConversationStore,
+    slots: Sequence[Slot],
+    idle: list[Slot],
+    view: RequestView,
+    lookup: Lookup,
+    store: ConversationStore,
     rules: Rules,
-) -> Plan:  # fmt: skip
+) -> Plan:
     keys, tokens, opening = view.keys or [], view.token_ids, view.opening
     best, shared = max(((s, shared_blocks(s, keys, tokens)) for s in idle), key=lambda p: (p[1], p[0].last_used))
     start = starting_opening(opening, lookup, store)
@@ -187,10 +199,12 @@ def _decide_pinnable(
         return Plan(slot=best, outcome=Outcome.BRANCH, view=view, write_back=True, lookup=lookup)
     # A new chat: where its opening (a shared system prompt) already is, if that costs no write-back.
     reusable = [
-        (s, n) for s, n in ((s, shared_blocks(s, keys, tokens)) for s in idle)
-        if n * BLOCK_TOKENS >= rules.min_tokens and not worth_keeping(s, rules)
+        (s, n)
+        for s, n in ((s, shared_blocks(s, keys, tokens)) for s in idle)
+        if n * BLOCK_TOKENS >= rules.min_tokens
+        and not worth_keeping(s, rules)
         and (start is None or holds_opening(s, n, start, rules))
-    ]  # fmt: skip
+    ]
     if reusable:
         return Plan(slot=max(reusable, key=lambda p: p[1])[0], outcome=Outcome.NEW, view=view, lookup=lookup)
     if start is not None and not rules.extend_only and shared >= len(start.keys):
@@ -213,9 +227,13 @@ def _decide_pinnable(
 
 
 def _decide_unpinnable(
-    slots: Sequence[Slot], idle: list[Slot], view: RequestView, lookup: Lookup, store: ConversationStore,
+    slots: Sequence[Slot],
+    idle: list[Slot],
+    view: RequestView,
+    lookup: Lookup,
+    store: ConversationStore,
     rules: Rules,
-) -> Plan:  # fmt: skip
+) -> Plan:
     """llama-server chooses the slot of a request it cannot be told one for: slotkeeper predicts that choice
     and prepares the slot there. A restore keeps the prediction true: the slot it restores into then shares
     more of the prompt than any other idle one."""
@@ -314,9 +332,13 @@ def llama_choice(idle: list[Slot], keys: Sequence[str], n_tokens: int, tokens: S
 
 
 def worth_restoring(
-    slots: Sequence[Slot], lookup: Lookup, shared: int, start: Entry | None, rules: Rules,
+    slots: Sequence[Slot],
+    lookup: Lookup,
+    shared: int,
+    start: Entry | None,
+    rules: Rules,
     tokens: Sequence[int] | None,
-) -> bool:  # fmt: skip
+) -> bool:
     """The entry found for the request beats what the best slot shares with it, and is not a new chat's
     opening (that is `start`), nor in a slot already. It beats it by RESTORE_MIN_GAIN_BLOCKS, or by any block
     that shows a picture (of the request's `tokens`): restoring it spares the vision encoder, which costs far
@@ -327,10 +349,12 @@ def worth_restoring(
         gained > 0 and tokens is not None and shows_picture(tokens, shared * BLOCK_TOKENS, in_store * BLOCK_TOKENS)
     )
     return (
-        entry is not None and start is None and not any(s.entry is entry for s in slots)
+        entry is not None
+        and start is None
+        and not any(s.entry is entry for s in slots)
         and in_store * BLOCK_TOKENS >= rules.min_tokens
         and (gained >= RESTORE_MIN_GAIN_BLOCKS or spares_encoder)
-    )  # fmt: skip
+    )
 
 
 def branches(slot: Slot, shared: int, start: Entry | None, rules: Rules) -> bool:
@@ -366,9 +390,10 @@ def other_chat(slot: Slot, shared: int, opening: Opening | None, key: RequestKey
         return False
     messages = slot.last_request.message_keys
     if (
-        messages and tuple(opening.message_keys) == messages[: len(opening.message_keys)]
+        messages
+        and tuple(opening.message_keys) == messages[: len(opening.message_keys)]
         and not slot.last_request.continued_by(key)
-    ):  # fmt: skip
+    ):
         return slot.exact != opening.key
     if shared <= len(opening.token_ids) // BLOCK_TOKENS < len(slot.keys):
         return True

@@ -165,9 +165,13 @@ class Placement:
             entry, tokens = plan.slow_opening.entry, plan.slow_opening.n_tokens
             restore_s, rate = self.store.restore_seconds(entry) or 0.0, self.keeper.known_prefill_rate()
             log.debug(
-                "opening %s not restored: reading %s (~%s) is slower than prefilling %s tokens (~%s)", entry.short,
-                fmt_bytes(entry.nbytes), fmt_ms(restore_s), f"{tokens:,}", fmt_ms(tokens / rate),
-            )  # fmt: skip
+                "opening %s not restored: reading %s (~%s) is slower than prefilling %s tokens (~%s)",
+                entry.short,
+                fmt_bytes(entry.nbytes),
+                fmt_ms(restore_s),
+                f"{tokens:,}",
+                fmt_ms(tokens / rate),
+            )
 
     def _log_decision(self, path: str, plan: Plan) -> None:
         """One debug line per placement: where the request goes, why, and what llama-server will reuse there."""
@@ -178,22 +182,29 @@ class Placement:
             reused = f"{n_tokens - plan.cold:,} of {n_tokens:,} prompt tokens expected reused"
         else:
             reused = (
-                "prompt not tokenized (the chat continues in its slot)" if plan.outcome is Outcome.RESIDENT
+                "prompt not tokenized (the chat continues in its slot)"
+                if plan.outcome is Outcome.RESIDENT
                 else "prompt tokens unknown"
-            )  # fmt: skip
+            )
         written_back = plan.write_back and worth_keeping(slot, self.rules)
         steps = [
-            what for what, done in (
+            what
+            for what, done in (
                 (f"chat {slot.label or '-'} there written back first", written_back),
                 (f"entry {plan.restore.short} restored first" if plan.restore else "", plan.restore is not None),
                 ("erased first", plan.erase),
                 ("its opening saved first", plan.opening is not None),
-            ) if done
-        ]  # fmt: skip
+            )
+            if done
+        ]
         log.debug(
-            "%s request placed on slot %d (%s): %s%s", path, slot.id, plan.outcome.value, reused,
+            "%s request placed on slot %d (%s): %s%s",
+            path,
+            slot.id,
+            plan.outcome.value,
+            reused,
             "; " + ", ".join(steps) if steps else "",
-        )  # fmt: skip
+        )
 
     def _count_start(self, plan: Plan) -> None:
         """A new chat placed on a slot that holds exactly a saved opening (restored for it, or found there)."""
@@ -234,8 +245,10 @@ class Placement:
         if ran.busy:
             log.warning(
                 "a request slotkeeper prepared slot %d for ran on slot %d (llama-server's own choice), which is in "
-                "use again: what it left there is not kept", predicted.id, ran.id,
-            )  # fmt: skip
+                "use again: what it left there is not kept",
+                predicted.id,
+                ran.id,
+            )
             return
         lost = (
             f"; chat {ran.label} there had changed since its last save and is lost"
@@ -244,8 +257,12 @@ class Placement:
         )
         log.warning(
             "a request slotkeeper prepared slot %d for ran on slot %d (llama-server's own choice): slot %d now holds "
-            "its chat%s", predicted.id, ran.id, ran.id, lost,
-        )  # fmt: skip
+            "its chat%s",
+            predicted.id,
+            ran.id,
+            ran.id,
+            lost,
+        )
         self.metrics.unpinned_elsewhere += 1
         self.slots.reserve(ran)
         tokens = plan.view.token_ids
@@ -267,9 +284,12 @@ class Placement:
         if status in (200, 499):  # answered, or the client left while it ran: the slot holds (part of) it
             key = plan.view.key
             self.metrics.prefill_tokens_saved += self.slots.ran(
-                slot, plan.view, resident=plan.outcome is Outcome.RESIDENT, chat=chat,
+                slot,
+                plan.view,
+                resident=plan.outcome is Outcome.RESIDENT,
+                chat=chat,
                 reply=reader if status == 200 else None,
-            )  # fmt: skip
+            )
             if self.settler is not None and status == 200 and chat is not None and reader is not None:
                 self.settler.later(slot, chat, reader, key)
         self.slots.release(slot)
@@ -362,8 +382,9 @@ class Placement:
             if worth_keeping(slot, self.rules):
                 log.warning(
                     "chat %s in slot %d had changed since its last save: lost with llama-server's cache",
-                    slot.label or "-", slot.id,
-                )  # fmt: skip
+                    slot.label or "-",
+                    slot.id,
+                )
             elif slot.entry is not None or slot.keys:
                 chats += 1
             self.slots.cleared(slot)

@@ -131,10 +131,14 @@ class Keeper:
             return None
         held = {usage.prompt + usage.generated - 1, usage.prompt + usage.generated, usage.prompt}
         found = [
-            info for info in reply.body
-            if isinstance(info, dict) and not info.get("is_processing") and info.get("n_prompt_tokens") in held
-            and isinstance(info.get("id"), int) and 0 <= info["id"] < len(self.table)
-        ]  # fmt: skip
+            info
+            for info in reply.body
+            if isinstance(info, dict)
+            and not info.get("is_processing")
+            and info.get("n_prompt_tokens") in held
+            and isinstance(info.get("id"), int)
+            and 0 <= info["id"] < len(self.table)
+        ]
         if not found:
             return None
         if any(info["id"] == predicted.id for info in found):
@@ -170,9 +174,15 @@ class Keeper:
         self.metrics.on_demand_restores += on_demand
         pictures = f" with {len(entry.images)} picture(s)" if entry.images else ""
         log.info(
-            "%s %s restored into slot %d: %s tokens%s, %s in %s", "opening" if entry.opening else "chat",
-            entry.short, slot.id, f"{result.n_tokens:,}", pictures, fmt_bytes(result.nbytes), fmt_ms(result.seconds),
-        )  # fmt: skip
+            "%s %s restored into slot %d: %s tokens%s, %s in %s",
+            "opening" if entry.opening else "chat",
+            entry.short,
+            slot.id,
+            f"{result.n_tokens:,}",
+            pictures,
+            fmt_bytes(result.nbytes),
+            fmt_ms(result.seconds),
+        )
         return result.outcome
 
     async def save_and_erase(self, slot: Slot, saved_why: str, erased_why: Callable[[Slot], str]) -> bool:
@@ -197,8 +207,12 @@ class Keeper:
                 if slot.n_tokens:
                     log.warning(
                         "slot %d held nothing to save (%s), though chat %s was placed there: %s tokens of it are "
-                        "not kept", slot.id, why, slot.label or "-", f"{slot.n_tokens:,}",
-                    )  # fmt: skip
+                        "not kept",
+                        slot.id,
+                        why,
+                        slot.label or "-",
+                        f"{slot.n_tokens:,}",
+                    )
                     self.metrics.chats_found_empty += 1
                 self.table.all_saved(slot)
                 return False
@@ -208,9 +222,15 @@ class Keeper:
         self.table.held(slot, entry, entry.keys, entry.n_tokens)
         superseding = f", superseding {result.superseded}" if result.superseded else ""
         log.info(
-            "chat %s saved from slot %d (%s): %s tokens, %s in %s%s", entry.short, slot.id, why, f"{entry.n_tokens:,}",
-            fmt_bytes(entry.nbytes), fmt_ms(result.seconds), superseding,
-        )  # fmt: skip
+            "chat %s saved from slot %d (%s): %s tokens, %s in %s%s",
+            entry.short,
+            slot.id,
+            why,
+            f"{entry.n_tokens:,}",
+            fmt_bytes(entry.nbytes),
+            fmt_ms(result.seconds),
+            superseding,
+        )
         return True
 
     async def _save_whole(self, slot: Slot) -> SaveResult:
@@ -246,8 +266,10 @@ class Keeper:
             self.metrics.boundary_unknown += 1
             log.info(
                 "chat %s in slot %d: its reply is unknown (cut off, or not a chat completion), so only its earlier "
-                "boundary can be saved", slot.label, slot.id,
-            )  # fmt: skip
+                "boundary can be saved",
+                slot.label,
+                slot.id,
+            )
         saved = moved = failed = False
         latest: Entry | None = None
         for turn in (current, previous):
@@ -274,8 +296,10 @@ class Keeper:
             if chat_pictures({"messages": turn.history}):
                 log.info(
                     "chat %s in slot %d: its turn boundary cannot be written with its pictures (given by URL, or a "
-                    "template that renders them apart), so it is not saved there", slot.label or "-", slot.id,
-                )  # fmt: skip
+                    "template that renders them apart), so it is not saved there",
+                    slot.label or "-",
+                    slot.id,
+                )
             return None, False
         tokens = boundary.token_ids
         if len(tokens) < self.rules.min_tokens and boundary.whole:
@@ -306,13 +330,21 @@ class Keeper:
         entry = result.entry
         superseding = f", superseding {result.superseded}" if result.superseded else ""
         how = (
-            f"{reached.prefilled:,} prefilled to reach it in {fmt_ms(reached.seconds)}" if reached.seconds
+            f"{reached.prefilled:,} prefilled to reach it in {fmt_ms(reached.seconds)}"
+            if reached.seconds
             else "the slot was there already"
-        )  # fmt: skip
+        )
         log.info(
-            "chat %s saved from slot %d at its turn boundary (%s): %s tokens (%s), %s in %s%s", entry.short, slot.id,
-            why, f"{entry.n_tokens:,}", how, fmt_bytes(entry.nbytes), fmt_ms(result.seconds), superseding,
-        )  # fmt: skip
+            "chat %s saved from slot %d at its turn boundary (%s): %s tokens (%s), %s in %s%s",
+            entry.short,
+            slot.id,
+            why,
+            f"{entry.n_tokens:,}",
+            how,
+            fmt_bytes(entry.nbytes),
+            fmt_ms(result.seconds),
+            superseding,
+        )
         return entry, True
 
     async def reach_and_save(
@@ -396,9 +428,15 @@ class Keeper:
         self.metrics.openings_saved += 1
         log.info(
             "opening %s saved from slot %d at its turn boundary (before the first user message, for the chats that "
-            "share it): %s tokens (%s prefilled in %s), %s in %s", entry.short, slot.id, f"{entry.n_tokens:,}",
-            f"{reached.prefilled:,}", fmt_ms(reached.seconds), fmt_bytes(entry.nbytes), fmt_ms(result.seconds),
-        )  # fmt: skip
+            "share it): %s tokens (%s prefilled in %s), %s in %s",
+            entry.short,
+            slot.id,
+            f"{entry.n_tokens:,}",
+            f"{reached.prefilled:,}",
+            fmt_ms(reached.seconds),
+            fmt_bytes(entry.nbytes),
+            fmt_ms(result.seconds),
+        )
 
     async def settle(self, slot: Slot, chat: dict[str, Any], reply: ReplyReader) -> None:
         """Bring an idle slot to its chat's latest turn boundary, nothing written (see `settle.Settler.later`)."""

@@ -53,9 +53,11 @@ class Preparer:
         keys showed (`Slot.hidden_tail`), and still holds all of it. (On extend-only models a live state is
         not reused by a request that leaves it: the restore goes ahead, and says why it fails.)"""
         return (
-            not self.rules.extend_only and entry.id not in self.keeper.store.entries and slot.entry is not None
+            not self.rules.extend_only
+            and entry.id not in self.keeper.store.entries
+            and slot.entry is not None
             and common_keys(slot.keys, entry.keys) >= len(entry.keys)
-        )  # fmt: skip
+        )
 
     async def _clear_unextended(self, plan: Plan) -> None:
         """Before a request llama-server places itself, on an extend-only model: every other idle slot holding a
@@ -70,9 +72,10 @@ class Preparer:
             self.table.reserve(slot)
             try:  # (one whose save fails stays: the request is very likely placed elsewhere, see llama_choice)
                 await self.keeper.save_and_erase(
-                    slot, "before a request llama-server places itself",
+                    slot,
+                    "before a request llama-server places itself",
                     lambda _: "erased: a request llama-server places itself does not extend the chat restored there",
-                )  # fmt: skip
+                )
             finally:
                 self.table.release(slot)
 
@@ -92,10 +95,13 @@ class Preparer:
             self.table.reserve(slot)
             try:
                 if await self.keeper.save_and_erase(
-                    slot, f"parked: a long prompt runs on slot {active.id}",
-                    lambda saved: f"parked (chat {saved.label or '-'} is in the store): its KV cells are freed for a "
-                    f"long prompt on slot {active.id}",
-                ):  # fmt: skip
+                    slot,
+                    f"parked: a long prompt runs on slot {active.id}",
+                    lambda saved: (
+                        f"parked (chat {saved.label or '-'} is in the store): its KV cells are freed for a "
+                        f"long prompt on slot {active.id}"
+                    ),
+                ):
                     self.keeper.metrics.slots_parked += 1
             except (ConnectionError, TimeoutError) as exc:
                 log.debug("slot %d not parked: %r", slot.id, exc)
@@ -126,8 +132,13 @@ class Preparer:
             metrics.remote_prefill_faster += 1
             log.info(
                 "chat %s is in the remote store, but fetching %s (~%.1f s) is slower than prefilling %s tokens "
-                "(~%.1f s): prefilling", match.entry_id[:4], fmt_bytes(nbytes), fetch_s, f"{gained:,}", prefill_s,
-            )  # fmt: skip
+                "(~%.1f s): prefilling",
+                match.entry_id[:4],
+                fmt_bytes(nbytes),
+                fetch_s,
+                f"{gained:,}",
+                prefill_s,
+            )
             return
         # Without a measured speed yet, the request waits no longer than its prefill would take; the download
         # goes on in the background (it is shared), so the entry is here for the chat's next turn.
@@ -137,8 +148,9 @@ class Preparer:
         elif fetched is Fetched.LATER:
             log.info(
                 "chat %s: its download outlasts the ~%.1f s prefill; prefilling while it goes on",
-                match.entry_id[:4], prefill_s,
-            )  # fmt: skip
+                match.entry_id[:4],
+                prefill_s,
+            )
 
     async def unplaced_changes(self, slots_endpoint: bool) -> list[Slot]:
         """With placement off, llama-server chose the slots: the slots /slots says ran a new task since the last

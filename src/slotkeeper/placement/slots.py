@@ -156,9 +156,14 @@ class SlotTable:
         slot.restored, slot.restored_extended = None, False
 
     def ran(
-        self, slot: Slot, view: RequestView, *, resident: bool, chat: dict[str, Any] | None,
+        self,
+        slot: Slot,
+        view: RequestView,
+        *,
+        resident: bool,
+        chat: dict[str, Any] | None,
         reply: ReplyReader | None,
-    ) -> int:  # fmt: skip
+    ) -> int:
         """A request placed there ended with an answer (or the client left while it ran): the slot holds its
         prompt and (part of) what was generated. The view's keys: the prompt's block keys, when it was tokenized
         (of its prompt up to a picture not known yet, when partial: the answer says its size); `resident`: it

@@ -452,8 +452,10 @@ class ConversationStore(EntryIndex):
         if learnt is Learnt.WRAP and wrap is not None:
             log.info(
                 "pictures: llama-server puts %d token(s) before each and %d after; image chats are now "
-                "placed by their pictures", len(wrap.begin), len(wrap.end),
-            )  # fmt: skip
+                "placed by their pictures",
+                len(wrap.begin),
+                len(wrap.end),
+            )
         elif learnt is Learnt.UNFIT:
             log.warning(
                 "pictures: a slot file does not hold its prompt's pictures the way slotkeeper reads them (a "

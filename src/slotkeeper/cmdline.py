@@ -43,6 +43,7 @@ OWN_OPTIONS: dict[str, bool] = {
     "log_format": False,
     "placement": True,
     "keep_attribution_line": True,
+    "recompute": False,
     "min_save_tokens": False,
     "remote_store": False,
     "model_memory": False,

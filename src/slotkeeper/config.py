@@ -50,6 +50,12 @@ class Options(BaseModel):
         description="keep Claude Code's per-session attribution line (x-anthropic-billing-header) in system "
         "prompts; by default it is dropped, so that every session shares one opening",
     )
+    recompute: int = Field(
+        8,
+        ge=0,
+        description="chats saved by another configuration (a llama-server upgrade, another -np or KV type, a "
+        "re-quantized model) recomputed from their tokens while idle: the N most recent per model (0: off)",
+    )
     placement: bool = Field(
         True,
         description="place completion requests on the slot that holds their chat (restoring it first if "

@@ -232,6 +232,8 @@ class Daemon:
             for background in (self._autosave, self._sleep_watch):
                 if background is not None:
                     background.cancel()
+            for model in self.kept():
+                await model.stop_recompute()
             if not child_exited.done():
                 await self.child.stop(self.options.stop_timeout)
             self.set_state(State.STOPPED)
@@ -359,6 +361,8 @@ class Daemon:
                 sleep_s,
                 self.idle_save_after(),
             )
+        if self.model is not None:
+            self.model.start_recompute(lambda: not proxy.upstream_in_flight())
         saving = (self.model is not None or self.router is not None) and self.idle_save_after() > 0
         autosave = asyncio.ensure_future(self.autosave_loop(proxy)) if saving else None
         self._autosave = autosave
@@ -455,6 +459,7 @@ class Daemon:
         self.set_state(State.DRAINING)
         proxy.accepting = False
         for model in self.kept():
+            await model.stop_recompute()
             model.placement.stop_settling()
         if await self.drain(proxy) is Race.INTERRUPTED:
             return await self.stop_forced()

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .chat.media import MediaBook
 from .config import RunConfig
 from .llama.client import LlamaClient
+from .llama.ggufheader import vocabulary_key
 from .llama.modelinfo import (
     MemoryKind,
     ModelInfoError,
@@ -32,6 +33,7 @@ from .log import fmt_bytes, log
 from .metrics import Metrics
 from .placement.decide import Rules
 from .placement.hook import Placement
+from .placement.recompute import Recomputer
 from .store.conversations import ConversationStore, default_cap, server_identity
 from .store.fingerprint import build_fingerprint, kv_flags, model_identity, namespace_key
 from .store.layout import SNAPSHOTS_DIR
@@ -69,6 +71,8 @@ class Model:
     forced_memory: str  # --model-memory ("auto": read from the model's header)
     name: str = ""  # a router's model: its id (log lines and status name it)
     sleep: SleepWatch | None = None  # with --sleep-idle-seconds: what is known of its llama-server's sleep
+    recomputer: Recomputer | None = None  # chats of another configuration, recomputed while idle ...
+    _recomputing: asyncio.Future[None] | None = field(default=None, init=False, repr=False)  # ... by this task
 
     def describe_memory(self) -> dict[str, Any]:
         memory = self.facts.memory
@@ -97,6 +101,41 @@ class Model:
             **metrics,
             "openings": {"entries": len(store.openings()), **metrics["openings"]},
             "remote": None if self.remote is None else {"url": self.remote.config.url, **vars(self.remote.stats)},
+            "recompute": self.recompute_status(),
+        }
+
+    def start_recompute(self, quiet: Callable[[], bool]) -> None:
+        """Once the model serves: the chats of other configurations recomputed while `quiet()` (no request in
+        flight) and the child awake, most recent first (one line says how many)."""
+        recomputer = self.recomputer
+        if recomputer is None:
+            return
+        recomputer.plan()
+        recomputer.announce()
+        if recomputer.pending:
+            self._recomputing = asyncio.ensure_future(recomputer.run(quiet))
+
+    async def stop_recompute(self) -> None:
+        """Before a stop or an unload: the recompute ends (a step under way is cancelled; its slot holds part of
+        a chat, saved nowhere and needing no save)."""
+        task, self._recomputing = self._recomputing, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    def recompute_status(self) -> dict[str, Any]:
+        """Chats of other configurations: waiting to be recomputed, recomputed, and not recomputable (why)."""
+        skipped: dict[str, int] = {}
+        for why in self.store.unfit.values():
+            skipped[why.value] = skipped.get(why.value, 0) + 1
+        recomputer = self.recomputer
+        return {
+            "pending": 0 if recomputer is None else recomputer.pending,
+            "recomputed": 0 if recomputer is None else recomputer.recomputed,
+            "prefilled_tokens": 0 if recomputer is None else recomputer.prefilled,
+            "seconds": 0.0 if recomputer is None else round(recomputer.seconds, 3),
+            "paused": 0 if recomputer is None else recomputer.paused,
+            "skipped": skipped,
         }
 
     def save_estimate(self, served: bool, budget_s: float) -> dict[str, float] | None:
@@ -153,6 +192,18 @@ async def read_server_facts(
     )
 
 
+def model_vocabulary(path: str | None) -> str:
+    """The model's vocabulary key from its GGUF header ("" when it cannot be read: nothing is recomputed for
+    another model file then)."""
+    if not path:
+        return ""
+    try:
+        return str(vocabulary_key(path))
+    except (ModelInfoError, OSError) as exc:
+        log.debug("vocabulary of %s unknown: %s", path, exc)
+        return ""
+
+
 def model_memory(path: str | None) -> ModelMemory | None:
     """The model's memory kind from its GGUF header, or None (one line) when it cannot be read."""
     if not path:
@@ -178,6 +229,7 @@ async def open_model(
     fingerprint = build_fingerprint(facts.identity, config.child_args, facts.n_slots, facts.n_ctx_slot)
     cap = int(options.max_cache_bytes) if options.max_cache_bytes else None
     remote = _remote_tier(options.remote_store, fingerprint, store_root)
+    vocabulary = await asyncio.to_thread(model_vocabulary, facts.identity.get("model"))
     store = ConversationStore(
         store_root,
         client,
@@ -190,11 +242,13 @@ async def open_model(
         on_commit=None if remote is None else remote.upload_committed,
         snapshots=None if root is None else config.save_dir / SNAPSHOTS_DIR,
         media=MediaBook(facts.media_marker),
+        vocabulary=vocabulary,
     )
     await store.load()
     if store.cap_bytes is None:
         store.cap_bytes = default_cap(store_root, store.total_bytes)
     await store.check_format()
+    await store.check_fit()
     if remote is not None:
         _start_remote(remote)
     metrics.store_entries = lambda: len(store.entries)
@@ -217,6 +271,8 @@ async def open_model(
     sleep_s = config.child_sleeps_after
     if sleep_s is not None:
         model.sleep = SleepWatch(sleep_s, client, placement.cache_dropped)
+    if store.recomputable or store.unfit:
+        model.recomputer = Recomputer(placement.slots, placement.keeper, budget=options.recompute, sleep=model.sleep)
     metrics.memory = model.describe_memory
     if remote is not None:
         metrics.remote = lambda: remote.stats

@@ -178,6 +178,7 @@ class Router:
             model.name = model_id
             if self.config.options.placement or model.policy is CachePolicy.PREFIX:
                 await model.placement.restore_recent()
+                model.start_recompute(lambda: not any(self._using.values()))  # (only while it stays loaded)
             log.info("ready for its first request %s after the router loaded it", fmt_ms(time.monotonic() - started))
             return model
         finally:
@@ -206,6 +207,7 @@ class Router:
         model = self._leaving[model_id] = self.models.pop(model_id)
         token = MODEL.set(model_id)
         try:
+            await model.stop_recompute()
             deadline = time.monotonic() + self.config.options.drain_timeout
             while (self._using[model_id] or model.placement.busy()) and time.monotonic() < deadline:
                 await asyncio.sleep(STATUS_POLL_S)

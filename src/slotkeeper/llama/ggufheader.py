@@ -195,3 +195,14 @@ def read_gguf_metadata(path: str | os.PathLike[str], *, max_array: int = MAX_KEP
             raise ModelInfoError(f"{name}: truncated GGUF header ({size} bytes; it ends inside the metadata)") from None
     finally:
         close()
+
+
+def vocabulary_key(path: str | os.PathLike[str]) -> str:
+    """What the model's tokens mean: a hash of its `tokenizer.*` metadata but the chat template. Two model files
+    with equal keys (a re-quantized download) read the same tokens alike, so one can recompute the other's
+    saved chats from their tokens."""
+    import hashlib
+
+    meta = read_gguf_metadata(path, max_array=1 << 30)
+    parts = sorted((k, repr(v)) for k, v in meta.items() if k.startswith("tokenizer.") and "chat_template" not in k)
+    return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()

@@ -347,7 +347,7 @@ class Keeper:
         )
         return entry, True
 
-    async def reach_and_save(
+    async def reach_and_save(  # noqa: PLR0913 - what the entry is, each keyword-only
         self,
         slot: Slot,
         boundary: Boundary,
@@ -356,10 +356,12 @@ class Keeper:
         message_keys: list[str],
         supersedes: Supersedes,
         opening: bool,
+        marks_boundary: bool = True,
     ) -> tuple[Reached | None, SaveResult | None]:
         """Bring the slot to exactly the boundary (`key`), unless it is there already (`Reached` with no time
         spent), and save it as a boundary entry, which the slot then holds; (None, None) when llama-server did
-        not take it there. Turn boundaries and openings are saved alike."""
+        not take it there. Turn boundaries and openings are saved alike (and recomputed chats, which mark no boundary
+        unless their old entry did: `marks_boundary`)."""
         tokens = boundary.token_ids
         if slot.exact == key and boundary.whole:  # brought there once its turn was over, or by the last save
             reached = Reached(n_tokens=len(tokens), prefilled=0, seconds=0.0)
@@ -379,6 +381,7 @@ class Keeper:
             boundary=boundary.expected,
             supersedes=supersedes,
             opening=opening,
+            marks_boundary=marks_boundary,
         )
         if result.entry is not None:
             entry = result.entry

@@ -165,6 +165,11 @@ class Proxy:
         if not self.in_flight:
             self._idle.set()
 
+    def upstream_in_flight(self) -> bool:
+        """Some request in flight goes to llama-server (slotkeeper's own status and metrics routes do not): what
+        work done while idle (a recompute) gives way to."""
+        return any(conn.active is None or conn.active.own_route is None for conn in self.in_flight)
+
     async def wait_idle(self, timeout: float) -> bool:
         """True when no request is in flight within `timeout` seconds."""
         try:

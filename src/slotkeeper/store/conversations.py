@@ -60,6 +60,7 @@ from .entries import (
     remove_pair,
     write_json_atomic,
 )
+from .fit import UNFIT_WORDS, Fit, Running, Unfit, fit, group_of, same_tensors
 from .index import EntryIndex, extends
 from .layout import ENTRIES_DIR, QUARANTINE_DIR, SNAPSHOTS_DIR, prepare_layout
 from .scan import remove_transients, scan_entries, take_over_slot_files
@@ -155,6 +156,7 @@ class ConversationStore(EntryIndex):
         on_commit: Callable[[Entry, Path], None] | None = None,
         snapshots: Path | None = None,
         media: MediaBook | None = None,
+        vocabulary: str = "",
     ) -> None:
         super().__init__(fingerprint, server or {})
         self.media = media or MediaBook()  # what its slot files show of pictures (learnt at each commit)
@@ -180,6 +182,11 @@ class ConversationStore(EntryIndex):
         self.restore_bytes_per_s: float | None = None  # measured restore speed (the last restore's)
         self._warned_copy = False
         self.on_commit = on_commit  # told of each new local save (the remote tier's uploads)
+        self.vocabulary = vocabulary  # the model's vocabulary key, recorded in every entry saved here
+        # entries of other configurations that the running llama-server can recompute from their tokens (fit.py),
+        # and why each of the others cannot be (told once at start, counted in the status)
+        self.recomputable: dict[str, Entry] = {}
+        self.unfit: dict[str, Unfit] = {}
 
     # ---- opening ------------------------------------------------------------------------------------------
 
@@ -213,6 +220,9 @@ class ConversationStore(EntryIndex):
         for entry_id, data, size in found.pairs:
             self._admit(entry_id, data, size)
         found.warn(self.entries_dir)
+
+    def say_kept(self) -> None:
+        """One line per reason for the entries kept but not used."""
         reasons: dict[str, int] = {}
         for reason in self.skipped.values():
             reasons[reason] = reasons.get(reason, 0) + 1
@@ -303,6 +313,92 @@ class ConversationStore(EntryIndex):
                 current[0],
             )
 
+    @property
+    def running(self) -> Running:
+        return Running(
+            fingerprint=self.fingerprint, vocabulary=self.vocabulary, n_ctx_slot=self.fingerprint.get("n_ctx_slot")
+        )
+
+    async def check_fit(self, probe_slot: int = 0) -> None:
+        """At start, once the format is known: what each entry set aside for another configuration is good for
+        here (fit.py). One file of each group computed by these tensors is loaded into `probe_slot` (then
+        erased): llama-server's answer, not the flags, says whether its group loads. The entries that load join
+        the index; those whose tokens this model can recompute wait for it (`recomputable`); one line each."""
+        running = self.running
+        kept = sorted(self._kept.values(), key=lambda e: e.last_used, reverse=True)
+        if not kept:
+            self.say_kept()
+            return
+        groups: dict[str, list[Entry]] = {}
+        for entry in kept:
+            if same_tensors(entry.fingerprint, running.fingerprint) and not entry.images:
+                groups.setdefault(group_of(entry), []).append(entry)
+        loads: dict[str, bool] = {}
+        for name, members in groups.items():
+            loads[name] = await self._group_loads(members, probe_slot)
+        loaded = 0
+        for entry in kept:
+            verdict = fit(entry, running, loads=loads.get(group_of(entry)))
+            if verdict.fit is Fit.LOADS:
+                self._unkeep(entry)
+                self.index(entry)
+                loaded += 1
+            elif verdict.fit is Fit.RECOMPUTE:
+                self.recomputable[entry.id] = entry
+                self.skipped[entry.id] = "saved by another configuration: recomputed from its tokens while idle"
+            elif verdict.unfit is not None:
+                self.unfit[entry.id] = verdict.unfit
+                self.skipped[entry.id] = f"{self.skipped[entry.id]}; not recomputed: {UNFIT_WORDS[verdict.unfit]}"
+        for entry in self.recomputable.values():
+            self.skipped.pop(entry.id, None)
+        if loaded:
+            log.info(
+                "%d entr%s saved by another configuration used as saved: this llama-server loads %s",
+                loaded,
+                "y" if loaded == 1 else "ies",
+                "it" if loaded == 1 else "them",
+            )
+        self.say_kept()
+
+    async def _group_loads(self, members: list[Entry], slot_id: int) -> bool:
+        """Whether the running llama-server loads a file of this group: its smallest whose checksum holds is
+        loaded into the slot, which is then erased. A file refused is never quarantined: it is another
+        configuration's, and that configuration loads it."""
+        assert self.client is not None
+        for entry in sorted(members, key=lambda e: e.nbytes):
+            source = pair_paths(self.entries_dir, entry.id)[0]
+            try:
+                if entry.checksum and await asyncio.to_thread(file_checksum, source) != entry.checksum:
+                    self._unkeep(entry)
+                    self._quarantine(entry, "its file changed on disk: the content checksum does not match")
+                    continue
+            except OSError:
+                continue
+            link = transient_path(self.snapshots_dir)
+            try:
+                await self._expose(source, link)
+                reply = await self.client.slot_action(slot_id, "restore", link.name)
+                if reply.ok:
+                    await self.client.slot_action(slot_id, "erase")
+                return reply.ok
+            except (OSError, ConnectionError) as exc:
+                log.debug("entry %s not tried (%s)", entry.short, exc)
+                return False
+            finally:
+                discard(link)
+        return False
+
+    def _unkeep(self, entry: Entry) -> None:
+        if self._kept.pop(entry.id, None) is not None:
+            self._kept_bytes -= entry.nbytes
+        self.skipped.pop(entry.id, None)
+
+    def recomputed(self, old: Entry, new: Entry) -> None:
+        """`old` (another configuration's) was recomputed as `new`: it stays kept (a downgrade uses it) until the
+        cap removes it, and is not recomputed again."""
+        self.recomputable.pop(old.id, None)
+        self.skipped[old.id] = f"recomputed as entry {new.short}"
+
     # ---- the slot-action protocol -------------------------------------------------------------------------
 
     async def probe_format(self, slot_id: int) -> tuple[int, str] | None:
@@ -320,7 +416,7 @@ class ConversationStore(EntryIndex):
         finally:
             transient.unlink(missing_ok=True)
 
-    async def save_slot(
+    async def save_slot(  # noqa: PLR0913 - what the entry is, each keyword-only
         self,
         slot_id: int,
         *,
@@ -329,14 +425,15 @@ class ConversationStore(EntryIndex):
         boundary: list[int] | MediaBoundary | None = None,
         supersedes: Callable[[Entry, Entry], bool] | None = None,
         opening: bool = False,
+        marks_boundary: bool = True,
     ) -> SaveResult:
         """Save what slot `slot_id` holds as a new entry; the entries it supersedes are then removed (by
         default those it extends, `extends`; the caller's policy otherwise).
 
-        With `boundary`, the slot must hold exactly those tokens (a turn boundary): a file holding anything
-        else is not committed. A boundary with pictures not known yet (`media.MediaBoundary`) is checked once
-        the file has shown them. Cancellation (a budget) at any point leaves no partial file and every previous
-        entry intact.
+        With `boundary`, the slot must hold exactly those tokens (a turn boundary; a whole chat recomputed when
+        not `marks_boundary`): a file holding anything else is not committed. A boundary with pictures not known
+        yet (`media.MediaBoundary`) is checked once the file has shown them. Cancellation (a budget) at any point
+        leaves no partial file and every previous entry intact.
         """
         assert self.client is not None
         started = time.monotonic()
@@ -369,7 +466,15 @@ class ConversationStore(EntryIndex):
             progress.cancel()
             saved = await asyncio.to_thread(read_saved, transient)
             save_ms = reply.body.get("timings", {}).get("save_ms")
-            entry = self._new_entry(saved, written, message_keys, boundary=boundary, opening=opening, save_ms=save_ms)
+            entry = self._new_entry(
+                saved,
+                written,
+                message_keys,
+                boundary=boundary,
+                marks_boundary=marks_boundary,
+                opening=opening,
+                save_ms=save_ms,
+            )
             manifest = entry.manifest()
             commit = asyncio.ensure_future(
                 asyncio.to_thread(slotfiles.commit, transient, entry.id, manifest, self.entries_dir, fsync=self.fsync)
@@ -401,13 +506,14 @@ class ConversationStore(EntryIndex):
         self.metrics.saved(elapsed, entry.nbytes, entry.n_tokens)
         return SaveResult(entry=entry, seconds=elapsed, superseded=superseded)
 
-    def _new_entry(
+    def _new_entry(  # noqa: PLR0913 - what the entry is, each keyword-only
         self,
         saved: SavedFile,
         nbytes: int,
         message_keys: Sequence[str],
         *,
         boundary: list[int] | MediaBoundary | None,
+        marks_boundary: bool = True,
         opening: bool,
         save_ms: float | None,
     ) -> Entry:
@@ -437,12 +543,13 @@ class ConversationStore(EntryIndex):
             message_keys=list(message_keys),
             save_ms=save_ms,
             exact=saved.exact,
-            boundary=boundary is not None,
+            boundary=boundary is not None and marks_boundary,
             opening=opening,
             uses=int(opening),
             checksum=saved.checksum,
             images=header.image_positions,
             image_wrap=(wrap.begin, wrap.end) if header.images and wrap is not None else None,
+            vocabulary=self.vocabulary,
         )
 
     def _learn_pictures(self, header: StateHeader) -> None:
@@ -560,8 +667,7 @@ class ConversationStore(EntryIndex):
             discard(link)
         elapsed = time.monotonic() - started
         if not reply.ok:
-            self._quarantine(entry, f"llama-server refused it: {reply.error}")
-            return RestoreResult(outcome=RestoreOutcome.QUARANTINED, reason=f"llama-server refused it: {reply.error}")
+            return self._refused(entry, f"llama-server refused it: {reply.error}")
         tokens = int(reply.body.get("n_restored", 0))
         nbytes = int(reply.body.get("n_read", entry.nbytes))
         self.metrics.restores[RestoreOutcome.RESTORED.value] += 1
@@ -570,6 +676,19 @@ class ConversationStore(EntryIndex):
             self.restore_bytes_per_s = nbytes / elapsed
         self.touch(entry)
         return RestoreResult(outcome=RestoreOutcome.RESTORED, n_tokens=tokens, nbytes=nbytes, seconds=elapsed)
+
+    def _refused(self, entry: Entry, reason: str) -> RestoreResult:
+        """llama-server refused the entry. Saved by this configuration, it is bad: quarantined. Saved by another
+        (its group loaded at start, this one did not), that configuration loads it again: it is set aside, and
+        recomputed if it can be, never quarantined."""
+        if entry.fingerprint == self.fingerprint and entry.server == self.server:
+            self._quarantine(entry, reason)
+            return RestoreResult(outcome=RestoreOutcome.QUARANTINED, reason=reason)
+        self.unindex(entry)
+        self._keep_unused(entry, reason)
+        if fit(entry, self.running, loads=False).fit is Fit.RECOMPUTE:
+            self.recomputable[entry.id] = entry
+        return self._restore_failed(reason)
 
     def _restore_failed(self, reason: str) -> RestoreResult:
         self.metrics.restores[RestoreOutcome.FAILED.value] += 1
@@ -637,6 +756,8 @@ class ConversationStore(EntryIndex):
         if self._kept.pop(entry.id, None) is not None:
             self._kept_bytes -= entry.nbytes
         self.skipped.pop(entry.id, None)
+        self.recomputable.pop(entry.id, None)
+        self.unfit.pop(entry.id, None)
         try:
             remove_pair(self.entries_dir, entry.id)
         except OSError as exc:

@@ -209,6 +209,9 @@ class Entry:
     checksum: str = ""  # file_checksum() of its file ("" in manifests older than this field: not checked)
     images: Sequence[tuple[str, int]] = ()  # each picture in it: llama-server's image id, positions
     image_wrap: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # media.Wrap of its pictures, when known
+    # the vocabulary key of the model that saved it (ggufheader.vocabulary_key; "" in older manifests): another
+    # model file with the same one reads its tokens alike, so it can recompute the state
+    vocabulary: str = ""
 
     def manifest(self) -> dict[str, Any]:
         return {
@@ -232,6 +235,7 @@ class Entry:
             "checksum": self.checksum,
             "images": [list(image) for image in self.images],
             "image_wrap": None if self.image_wrap is None else [list(part) for part in self.image_wrap],
+            "vocabulary": self.vocabulary,
         }
 
     @classmethod
@@ -259,6 +263,7 @@ class Entry:
             checksum=str(data.get("checksum") or ""),
             images=_images(data.get("images")),
             image_wrap=_wrap(data.get("image_wrap")),
+            vocabulary=str(data.get("vocabulary") or ""),
         )
 
     @property

@@ -27,7 +27,7 @@ from .entries import MANIFEST_SUFFIX, PARTIAL_SUFFIX, Entry
 from .layout import ENTRIES_DIR
 
 CACHE_NAME = "manifests.cache"  # in the save directory, beside entries/
-CACHE_VERSION = 4
+CACHE_VERSION = 5
 SHARED = ("fingerprint", "llama_server")  # what the entries of one configuration repeat: stored once, by index
 
 Stamp = tuple[int, int, int]  # (inode, mtime_ns, size) of a manifest file
@@ -141,6 +141,7 @@ def _line(entry: Entry, shared: dict[str, list[Any]]) -> bytes | None:
         entry.checksum or "-",
         ",".join(f"{ident}:{n}" for ident, n in entry.images) or "-",
         "-" if entry.image_wrap is None else ";".join(",".join(map(str, part)) for part in entry.image_wrap),
+        entry.vocabulary or "-",
     )
     return "\t".join(map(str, fields)).encode() + b"\n"
 
@@ -165,6 +166,7 @@ def _entry(entry_id: str, raw: bytes, shared: dict[str, list[Any]]) -> Entry:
         checksum,
         images,
         wrap,
+        vocabulary,
     ) = raw.decode().rstrip("\n").split("\t")
     return Entry(
         id=entry_id,
@@ -186,6 +188,7 @@ def _entry(entry_id: str, raw: bytes, shared: dict[str, list[Any]]) -> Entry:
         checksum="" if checksum == "-" else checksum,
         images=() if images == "-" else tuple(_image(item) for item in images.split(",")),
         image_wrap=None if wrap == "-" else _wrap(wrap),
+        vocabulary="" if vocabulary == "-" else sys.intern(vocabulary),
     )
 
 

@@ -1,0 +1,172 @@
+"""Every chat survives what users change between two starts, on the real llama-server: another -np or KV cache
+type (the saved states no longer load: recomputed from their tokens while idle), a raised -c (they load as
+saved), a re-quantized model file of the same vocabulary (recomputed: the loader would take the old states,
+then answer wrongly), and a llama-server upgrade that changes the state format (tests/test_upgrade.py).
+
+Traffic as a chat front end sends it: six chats sharing a system prompt, a title request after each turn. After
+the change and within a minute of idle, every chat's next turn reuses at least 90% of its previous prompt and
+answers as a cold llama-server of the new configuration does (temperature 0).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from family_helpers import LOGPROB_TOLERANCE, NO_THINKING, Chat, answer, converse, same_answer, swap_out
+
+from slotkeeper.placement.recompute import CHUNK_TOKENS
+from slotkeeper.testing.harness import PlainServer, clean_env, free_port, http_call, wait_until
+
+ARGS = ["-t", "2", "--no-warmup"]
+RECOMPUTE_WITHIN_S = 60.0
+
+
+def recompute_status(port: int) -> dict[str, Any]:
+    return http_call(port, "GET", "/slotkeeper/status").body["recompute"]
+
+
+def wait_recomputed(sk: Any) -> dict[str, Any]:
+    """Until nothing waits to be recomputed (within a minute of idle); the status then."""
+    assert wait_until(lambda: recompute_status(sk.port)["pending"] == 0, RECOMPUTE_WITHIN_S, interval=0.2), (
+        recompute_status(sk.port),
+        sk.logs()[-4000:],
+    )
+    return recompute_status(sk.port)
+
+
+def cold_answers(server: str, args: list[str], chats: list[Chat], tmp_path: Path) -> list[tuple[str, list]]:
+    """Each chat's next turn answered by a cold plain llama-server of the configuration."""
+    port = free_port()
+    plain = PlainServer(server, args, port, tmp_path / f"plain-{port}.log", clean_env(server))
+    try:
+        plain.wait_ready()
+        return [answer(port, chat, chat.messages) for chat in chats]
+    finally:
+        plain.stop()
+
+
+@pytest.mark.parametrize(
+    ("family", "change"),
+    [
+        ("llama", "np"),
+        ("llama", "ctk"),
+        ("qwen35", "np"),
+    ],
+)
+def test_chats_saved_under_another_np_or_kv_type_are_recomputed_warm_and_right(
+    starter, llama_server, family_models, tmp_path, family, change
+):
+    """-np 1 -> -np 2 (two KV streams) or f16 -> f32 K cache: llama-server refuses every saved state (400); each
+    chat is recomputed from its tokens while idle, so that its next turn is warm and answers as a cold run."""
+    model = ["-m", str(family_models[family])]
+    request = NO_THINKING if family == "qwen35" else {}
+    before = [*model, *ARGS, "-c", "8192", "-np", "1"]
+    after = [*model, *ARGS, "-c", "8192", *(("-np", "2") if change == "np" else ("-np", "1", "-ctk", "f32"))]
+    chats = six_chats_saved(starter, llama_server, before, request)
+    sk2 = starter(llama_server, after)()
+    status = wait_recomputed(sk2)
+    logs = sk2.logs()
+    assert "recomputing the 6 most recent while idle" in logs, logs[-4000:]
+    assert status["recomputed"] == 6, (status, logs[-4000:])
+    assert "quarantined" not in logs
+    next_turns_warm_and_right(sk2, chats, llama_server, after, tmp_path)
+
+
+def test_a_raised_context_loads_the_saved_chats_as_they_are(starter, llama_server, family_models, tmp_path):
+    """-c 4096 -> -c 8192: llama-server loads the saved states (tried once, at start): nothing is recomputed,
+    and every chat is warm and right."""
+    model = ["-m", str(family_models["llama"])]
+    chats = six_chats_saved(starter, llama_server, [*model, *ARGS, "-c", "4096", "-np", "1"], {})
+    after = [*model, *ARGS, "-c", "8192", "-np", "1"]
+    sk2 = starter(llama_server, after)()
+    logs = sk2.logs()
+    assert "saved by another configuration used as saved: this llama-server loads them" in logs, logs[-4000:]
+    assert "recomput" not in logs, logs[-4000:]
+    next_turns_warm_and_right(sk2, chats, llama_server, after, tmp_path)
+
+
+def test_a_requantized_model_of_the_same_vocabulary_recomputes_the_chats(starter, llama_server, models, tmp_path):
+    """Another model file of the same vocabulary (a re-quantized download; here: other weights, same shape): the
+    loader would take the old states and answer wrongly, so they are never loaded; each chat is recomputed."""
+    chats = six_chats_saved(starter, llama_server, ["-m", str(models["A"]), *ARGS, "-c", "8192", "-np", "1"], {})
+    after = ["-m", str(models["B"]), *ARGS, "-c", "8192", "-np", "1"]
+    sk2 = starter(llama_server, after)()
+    status = wait_recomputed(sk2)
+    assert status["recomputed"] == 6, (status, sk2.logs()[-4000:])
+    next_turns_warm_and_right(sk2, chats, llama_server, after, tmp_path)
+
+
+def six_chats_saved(starter: Any, server: str, args: list[str], request: dict[str, Any]) -> list[Chat]:
+    """Six chats sharing a system prompt, two turns each with a title request after each, then a swap."""
+    chats = [Chat(i, request) for i in range(6)]
+    sk = starter(server, args)()
+    converse(chats, sk.port)
+    converse(chats, sk.port)
+    swap_out(sk)
+    return chats
+
+
+def next_turns_warm_and_right(sk: Any, chats: list[Chat], server: str, args: list[str], tmp_path: Path) -> None:
+    """Each chat's next turn reuses at least 90% of its previous prompt and answers as a cold plain
+    llama-server of `args` does (the same greedy reply, the same top log-probabilities within tolerance)."""
+    cold = cold_answers(server, args, chats, tmp_path)
+    turns = []
+    for chat, expected in zip(chats, cold):
+        timings = chat.send(sk.port, chat.messages, max_tokens=12, logprobs=True, top_logprobs=5)
+        turns.append(timings)
+        got = _as_answer(timings)
+        assert same_answer(got, expected, LOGPROB_TOLERANCE), (chat.n, got, expected)
+    warm = [(chat.n, t["timings"]["cache_n"], chat.last_prompt_tokens) for chat, t in zip(chats, turns)]
+    assert all(cache_n >= 0.9 * previous for _, cache_n, previous in warm), (warm, sk.logs()[-4000:])
+
+
+def _as_answer(body: dict) -> tuple[str, list]:
+    choice = body["choices"][0]
+    tops = [[(alt["token"], alt["logprob"]) for alt in item["top_logprobs"]] for item in choice["logprobs"]["content"]]
+    return choice["message"].get("content") or "", tops
+
+
+def test_a_request_that_comes_mid_recompute_waits_for_one_step_at_most(starter, llama_server, family_models):
+    """One slot, six long chats to recompute (seconds of prefill): a new chat's request that comes meanwhile is
+    answered about as fast as when all is idle (it waits for the step under way at most, not for the chat or
+    the queue), and the recompute resumes and finishes."""
+    model = ["-m", str(family_models["llama"])]
+    chats = [Chat(i, {}, facts=400) for i in range(6)]
+    sk = starter(llama_server, [*model, *ARGS, "-c", "32768", "-np", "2"])()
+    converse(chats, sk.port)
+    swap_out(sk)
+    sk2 = starter(
+        llama_server,
+        [*model, *ARGS, "-c", "16384", "-np", "1"],
+    )(own=("--log-level", "debug"))
+    assert wait_until(lambda: "recomputing the 6 most recent" in sk2.logs(), 10, interval=0.01), sk2.logs()[-3000:]
+    time.sleep(0.3)  # a chat is half done
+    during = timed_new_chat(sk2.port, 100)
+    status = wait_recomputed(sk2)
+    idle = timed_new_chat(sk2.port, 101)
+    assert status["recomputed"] == 6 and status["paused"] >= 1, (status, sk2.logs()[-3000:])
+    step_s = status["seconds"] / (status["prefilled_tokens"] / CHUNK_TOKENS)
+    print(
+        f"new chat during recompute {during:.3f} s, idle {idle:.3f} s, a step {step_s:.3f} s, all {status['seconds']} s"
+    )
+    bound = idle + 4 * step_s + 0.5  # the step under way, and what a loaded machine adds
+    assert status["seconds"] > 3 * bound, "the recompute is long enough to tell waiting for it from a step"
+    assert during <= bound, (during, idle, step_s, sk2.logs()[-3000:])
+
+
+def timed_new_chat(port: int, n: int) -> float:
+    """A new chat's first request (no system prompt: no opening to save first), timed end to end."""
+    body = {
+        "messages": [
+            {"role": "user", "content": f"Chat {n}. " + " ".join(f"Item {n + i} is blue." for i in range(90))}
+        ],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    started = time.monotonic()
+    reply = http_call(port, "POST", "/v1/chat/completions", body)
+    assert reply.status == 200, reply.body
+    return time.monotonic() - started

@@ -10,9 +10,11 @@ placing a request near or past it (llama.sleep.SleepWatch.before_request).
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import pytest
-from family_helpers import FAMILIES, Chat
+from family_helpers import FAMILIES, NO_THINKING, Chat
+from test_router import ROUTER, models_dir
 
 from slotkeeper.testing.harness import http_call, wait_until
 
@@ -80,3 +82,26 @@ def test_a_turn_sent_just_before_llama_server_sleeps_is_warm(family_start, name)
     logs = sk.logs()
     if "server is entering sleeping state" in logs:  # it fell asleep first: slotkeeper knew before placing
         assert told_before_placed(logs), logs[-5000:]
+
+
+def test_in_router_mode_a_turn_sent_as_soon_as_a_models_child_sleeps_is_warm(
+    starter, llama_server, family_models, tmp_path
+):
+    """Router mode (a child per model, each with its own sleep): a chat on a (llama) and one on b (qwen35);
+    each next turn goes the moment /props?model= first says that model's child sleeps, and is warm."""
+    models = models_dir(tmp_path, family_models)
+    start = starter(llama_server, ["--models-dir", str(models), *ROUTER, "--sleep-idle-seconds", str(SLEEP_S)])
+    sk = start(own=("--log-level", "debug"))
+    chats = [Chat(0, {"model": "a"}), Chat(1, {"model": "b", **NO_THINKING})]
+    for chat in chats:
+        chat.turn(sk.port)
+
+    def asleep(name: str) -> bool:
+        return http_call(sk.port, "GET", f"/props?model={name}").body.get("is_sleeping") is True
+
+    for chat in chats:
+        name = chat.request["model"]
+        assert wait_until(partial(asleep, name), 4 * SLEEP_S, interval=POLL_S), sk.logs()[-3000:]
+        timings = chat.turn(sk.port)
+        assert chat.reused_enough(timings), (name, timings, chat.previous_prompt_tokens, sk.logs()[-5000:])
+        assert f"model {name}: {ASLEEP}" in sk.logs(), sk.logs()[-5000:]

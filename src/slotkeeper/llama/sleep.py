@@ -130,6 +130,8 @@ class SleepWatch:
         self.clock.restarted()
 
     async def _restart_clock(self, deadline: float) -> None:
+        """A task that changes nothing (GET /slots): the awake child's idle clock starts again, so that it stays
+        awake while the request is planned; a failure leaves the request to the poll, as before."""
         try:
             reply = await asyncio.wait_for(self.client.slots(), PROPS_TIMEOUT_S)
         except (TimeoutError, ConnectionError):

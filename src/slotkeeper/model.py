@@ -85,6 +85,7 @@ class Model:
         return {
             "model_memory": self.describe_memory(),
             "child_sleep": None if self.sleep is None else self.sleep.state.value,
+            "child_sleeps_in_s": None if self.sleep is None else self.sleep.sleeps_in(),
             "fingerprint": store.fingerprint,
             "slots": self.placement.describe(),
             "store": {
@@ -216,7 +217,7 @@ async def open_model(
     )
     sleep_s = config.child_sleeps_after
     if sleep_s is not None:
-        model.sleep = SleepWatch(sleep_s, client, placement.cache_dropped)
+        model.sleep = placement.sleep = SleepWatch(sleep_s, client, placement.cache_dropped)
     metrics.memory = model.describe_memory
     if remote is not None:
         metrics.remote = lambda: remote.stats

@@ -89,6 +89,7 @@ class Model:
         return {
             "model_memory": self.describe_memory(),
             "child_sleep": None if self.sleep is None else self.sleep.state.value,
+            "child_sleeps_in_s": None if self.sleep is None else self.sleep.sleeps_in(),
             "fingerprint": store.fingerprint,
             "slots": self.placement.describe(),
             "store": {
@@ -270,7 +271,7 @@ async def open_model(
     )
     sleep_s = config.child_sleeps_after
     if sleep_s is not None:
-        model.sleep = SleepWatch(sleep_s, client, placement.cache_dropped)
+        model.sleep = placement.sleep = SleepWatch(sleep_s, client, placement.cache_dropped)
     if store.recomputable or store.unfit:
         model.recomputer = Recomputer(placement.slots, placement.keeper, budget=options.recompute, sleep=model.sleep)
     metrics.memory = model.describe_memory

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,55 @@ class ChildReply:
         return str(self.body)[:200]
 
 
+# What llama-server runs as a task that restarts its idle clock (b11434, --sleep-idle-seconds): a completion, a slot
+# action, GET /slots. /tokenize and /apply-template wake a sleeping child but do not restart the clock.
+TASK_PATHS = frozenset({"/completion", "/completions", "/v1/completions", "/chat/completions", "/v1/chat/completions"})
+
+
+def is_task(method: str, path: str) -> bool:
+    """Whether llama-server runs this call as a task that restarts its idle clock (only those known to)."""
+    path = path.partition("?")[0]
+    if method == "GET":
+        return path == "/slots"
+    return path in TASK_PATHS or path.startswith("/slots/")
+
+
+class TaskClock:
+    """When one llama-server last had work, as slotkeeper saw it: its own calls and the requests it placed.
+
+    Why: llama-server's idle clock (--sleep-idle-seconds) restarts when a task ends, and it sleeps N seconds after;
+    so slotkeeper reckons its sleep deadline from the same ends, and a request that comes near or past it asks
+    first whether it sleeps (llama.sleep.SleepWatch). Only what certainly is a task counts: a deadline reckoned
+    too early costs a /props, one reckoned too late would place a request on slots the sleep emptied.
+    """
+
+    __slots__ = ("check_from", "last_end", "lead_s", "running")
+
+    def __init__(self) -> None:
+        self.running = 0  # tasks under way
+        self.last_end = time.monotonic()  # when the last one ended (at first: before the child could start)
+        self.lead_s = math.inf  # from that end until a request asks whether it sleeps (set by SleepWatch)
+        self.check_from = math.inf  # last_end + lead_s while nothing runs: the hot path's one comparison
+
+    def started(self) -> None:
+        self.running += 1
+        self.check_from = math.inf
+
+    def ended(self, worked: bool = True) -> None:
+        """A task ended; `worked`: it reached llama-server's task loop (a refused call restarts nothing)."""
+        self.running -= 1
+        if worked:
+            self.last_end = time.monotonic()
+        if not self.running:
+            self.check_from = self.last_end + self.lead_s
+
+    def restarted(self) -> None:
+        """The child's idle clock restarts now without a task slotkeeper counted (a request wakes it)."""
+        self.last_end = time.monotonic()
+        if not self.running:
+            self.check_from = self.last_end + self.lead_s
+
+
 class LlamaClient:
     """The few llama-server endpoints slotkeeper calls itself, with the API key llama-server requires."""
 
@@ -45,12 +95,13 @@ class LlamaClient:
         self.running: dict[asyncio.Future[ChildReply], str] = {}  # each slot action under way -> its name
         self.model: str | None = None  # router mode: the model every call is for
         self._model_member = b""
+        self.clock = TaskClock()  # (a router's model: its own child's, see for_model)
 
     def for_model(self, name: str) -> LlamaClient:
         """A client whose calls all go to one model of a router (llama-server routes a POST by its body's
         "model", a GET by `?model=`), over the same pool; its slot actions count as this client's."""
         client = LlamaClient(self.pool, None)
-        client._auth, client.running, client.model = self._auth, self.running, name
+        client._auth, client.running, client.model = self._auth, self.running, name  # (its own clock: its child's)
         client._model_member = b'"model":' + json.dumps(name).encode()
         return client
 
@@ -64,7 +115,16 @@ class LlamaClient:
         head = b"%s %s HTTP/1.1\r\nHost: localhost\r\n%s" % (method.encode(), path.encode(), self._auth)
         if body is not None:
             head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
-        reply = await self.pool.request(head + b"\r\n" + (body or b""))
+        if not is_task(method, path):
+            reply = await self.pool.request(head + b"\r\n" + (body or b""))
+            return reply.status, reply.body
+        self.clock.started()
+        status = 0
+        try:
+            reply = await self.pool.request(head + b"\r\n" + (body or b""))
+            status = reply.status
+        finally:
+            self.clock.ended(status == 200)
         return reply.status, reply.body
 
     async def call_json(

@@ -33,6 +33,7 @@ from .settle import Settler
 from .slots import Slot, SlotTable
 
 if TYPE_CHECKING:  # (imported only with --remote-store: obstore is under it)
+    from ..llama.sleep import SleepWatch
     from ..remote.tier import RemoteTier
 
 __all__ = ["Placement"]
@@ -61,6 +62,7 @@ class Placement:
         self.settler = Settler(self.slots, self.keeper) if rules.settle and rules.extend_only else None
         self._opening_saves: set[str] = set()  # openings being saved now (exact keys): saved once
         self._confirming: set[asyncio.Future[None]] = set()  # unpinnable requests' slots being read (ran_on)
+        self.sleep: SleepWatch | None = None  # with --sleep-idle-seconds: asked before a plan (model.open_model)
 
     # ---- the proxy's hook ---------------------------------------------------------------------------------
 
@@ -69,6 +71,8 @@ class Placement:
 
     async def place(self, path: str, body: bytes) -> Placed:
         """Choose the slot, make it hold the chat's cache, pin the request to it. Never raises."""
+        if self.sleep is not None:
+            await self._unless_asleep()
         try:
             request = read_request(path, body, len(self.slots))
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
@@ -99,19 +103,31 @@ class Placement:
         reader = (
             ReplyReader(api) if api.templated and chat is not None and (self.rules.extend_only or unpinnable) else None
         )
-        done_plan = plan
+        done_plan, clock = plan, self.client.clock
         if unpinnable:
 
             def done(status: int) -> None:
+                clock.ended(status in (200, 499))
                 task = asyncio.ensure_future(self._unpinned_done(done_plan, status, chat, reader))
                 self._confirming.add(task)
                 task.add_done_callback(self._confirming.discard)
         else:
 
             def done(status: int) -> None:
+                clock.ended(status in (200, 499))
                 self._finished(done_plan, done_plan.slot, status, chat, reader)
 
+        clock.started()  # (the child's task from here to done: its idle clock restarts when it ends)
         return Placed(out, done, None if reader is None else reader.feed)
+
+    async def _unless_asleep(self) -> None:
+        """Before the plan reads the slot table: a child that may have fallen asleep since its last task is asked,
+        and the table emptied if it did (SleepWatch.before_request)."""
+        assert self.sleep is not None
+        try:
+            await self.sleep.before_request()
+        except Exception as exc:  # noqa: BLE001 - the request goes on; the poll still watches the sleep
+            log.warning("whether llama-server sleeps is unknown (%r); the request is placed as things stood", exc)
 
     async def _plan(self, request: CompletionRequest) -> Plan:
         """Decide (waiting for an idle slot if need be); the chosen slot is reserved."""

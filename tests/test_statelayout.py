@@ -8,7 +8,9 @@ holding a short prompt, once to restore every configuration's save of the same m
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
 import struct
 import time
 from collections.abc import Iterator
@@ -195,3 +197,31 @@ def test_reading_a_large_file_reads_only_its_headers(matrix, tmp_path):
     started = time.monotonic()
     assert read_signature(big) == small
     assert time.monotonic() - started < 0.1
+
+
+def test_an_older_llama_servers_file_differs_by_its_version_alone_and_is_refused(
+    llama_server, llama_server_b11349, matrix, tmp_path
+):
+    """b11349 writes format version 3: the same sections as b11434's version 4 but for the rotation fields it
+    lacks. b11434 refuses it (400), and b11349 refuses b11434's file: the Signatures say so."""
+    model = write_tiny_model(tmp_path / "llama.gguf", WIDE_LLAMA)
+    saves = tmp_path / "saves"
+    saves.mkdir()
+    args = ("-c", "512")
+    with running(llama_server_b11349, model, args, saves, tmp_path / "b11349.log") as port:
+        props = http_call(port, "GET", "/props")
+        assert props.status == 200 and "default_generation_settings" in props.body, props.body
+        save_slot(port, "old.bin")
+        shutil.copy(matrix.saves / "llama.bin", saves / "new.bin")
+        assert http_call(port, "POST", "/slots/0?action=restore", {"filename": "new.bin"}).status == 400
+        assert http_call(port, "POST", "/slots/0?action=restore", {"filename": "old.bin"}).status == 200
+    assert read_header(saves / "old.bin").version == 3
+    old, new = read_signature(saves / "old.bin"), matrix.signatures["llama"]
+    assert old.version == 3 and old != new
+    assert old.differences(new) == ("format version 3 vs 4",)
+    (old_kv,), (new_kv,) = old.sections, new.sections
+    assert isinstance(old_kv, KvSection) and isinstance(new_kv, KvSection)
+    assert (old_kv.n_rot_k, old_kv.n_rot_v) == (None, None), "version 3 has no rotation fields"
+    assert dataclasses.replace(old_kv, n_rot_k=0, n_rot_v=0) == new_kv, "else the same layout"
+    with running(llama_server, model, args, saves, tmp_path / "b11434.log") as port:
+        assert http_call(port, "POST", "/slots/0?action=restore", {"filename": "old.bin"}).status == 400

@@ -86,6 +86,20 @@ def llama_server() -> str:
 
 
 @pytest.fixture(scope="session")
+def llama_server_b11349() -> str:
+    """An older llama-server (b11349: seq-state format 3), installed into a cache directory on first use.
+    Required like the venv's when SLOTKEEPER_REQUIRE_LLAMA_SERVER is set; skipped otherwise if it cannot be."""
+    from slotkeeper.testing.olderserver import B11349, older_llama_server
+
+    binary = older_llama_server(B11349)
+    if binary is None:
+        if os.environ.get("SLOTKEEPER_REQUIRE_LLAMA_SERVER"):
+            pytest.fail(f"llama-server b{B11349.split('.')[0]} is required here and could not be installed")
+        pytest.skip(f"llama-server b{B11349.split('.')[0]} could not be installed")
+    return str(binary)
+
+
+@pytest.fixture(scope="session")
 def models(tmp_path_factory) -> dict[str, Path]:
     """Tiny random-weight GGUF models: A, B (same shape as A, other weights), and W (other dimensions)."""
     from slotkeeper.testing.tinymodel import TinyModelSpec, write_tiny_model

@@ -6,6 +6,10 @@ dependencies are stdlib + pydantic etc.; the reader maps the file and reads only
 for a 262k-token vocabulary), skipping long arrays without building Python objects. It follows
 ggml/src/gguf.cpp: what that refuses (a wrong magic, an unsupported version, a truncated header, invalid
 types, duplicate keys) is refused here with a one-line reason.
+
+It also says which vocabulary a model has (`vocabulary_key`, an xxhash of its tokenizer's keys: xxhash is a
+runtime dependency already), so that a chat saved as token ids can be matched with the models it means the
+same to.
 """
 
 from __future__ import annotations
@@ -13,11 +17,13 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MAX_KEPT_ARRAY", "ModelInfoError", "SkippedArray", "read_gguf_metadata"]
+import xxhash
+
+__all__ = ["MAX_KEPT_ARRAY", "ModelInfoError", "SkippedArray", "read_gguf_metadata", "vocabulary_key"]
 
 
 class ModelInfoError(ValueError):
@@ -147,6 +153,57 @@ def _map_file(path: str | os.PathLike[str]) -> tuple[Any, int, Callable[[], None
     return mapped, size, mapped.close
 
 
+def _open_header(r: _Reader, name: str) -> int:
+    """Checks the magic and version, leaves `r` at the first key; the number of key/value pairs."""
+    magic = bytes(r.buf[:4])
+    if r.size < 4 and GGUF_MAGIC.startswith(magic):
+        raise _Truncated
+    if magic != GGUF_MAGIC:
+        raise ModelInfoError(f"{name}: not a GGUF file (starts with {magic!r}, not b'GGUF')")
+    r.pos = 4
+    version = r.u32()
+    if version not in SUPPORTED_VERSIONS:
+        if version & 0xFFFF == 0 and version:
+            raise ModelInfoError(
+                f"{name}: GGUF version {version:#x}: a big-endian file? llama.cpp reads "
+                "only files of its own byte order"
+            )
+        raise ModelInfoError(f"{name}: unsupported GGUF version {version} (llama.cpp reads 2 and 3)")
+    r.u64()  # tensor count: not needed
+    n_kv = r.u64()
+    # Every pair takes at least 8 (key length) + 1 (key) + 4 (type) + 1 (value) bytes.
+    if n_kv * 14 > r.size - r.pos:
+        raise _Truncated
+    return int(n_kv)
+
+
+def _pairs(path: str | os.PathLike[str], max_array: int) -> Iterator[tuple[str, Any, bytes]]:
+    """Each key, its value (as read_gguf_metadata gives it) and the raw bytes of its type and value."""
+    name = os.fspath(path)
+    buf, size, close = _map_file(path)
+    try:
+        r = _Reader(buf, size)
+        try:
+            seen: set[str] = set()
+            for i in range(_open_header(r, name)):
+                try:
+                    key = r.raw_string().decode("utf-8")
+                except UnicodeDecodeError:
+                    raise ModelInfoError(f"{name}: key #{i} is not UTF-8") from None
+                if not key:
+                    raise ModelInfoError(f"{name}: key #{i} is empty")
+                if key in seen:
+                    raise ModelInfoError(f"{name}: duplicate key {key!r}")
+                seen.add(key)
+                start = r.pos
+                value = _read_value(r, r.u32(), key, max_array)
+                yield key, value, buf[start : r.pos]
+        except _Truncated:
+            raise ModelInfoError(f"{name}: truncated GGUF header ({size} bytes; it ends inside the metadata)") from None
+    finally:
+        close()
+
+
 def read_gguf_metadata(path: str | os.PathLike[str], *, max_array: int = MAX_KEPT_ARRAY) -> dict[str, Any]:
     """The key/value metadata of a GGUF file, without its tensor infos or tensor data.
 
@@ -155,54 +212,26 @@ def read_gguf_metadata(path: str | os.PathLike[str], *, max_array: int = MAX_KEP
     model with a 262k-token vocabulary, a few MB). Raises :class:`ModelInfoError` for anything that is not
     a readable GGUF header: wrong magic, unsupported version, a truncated file, invalid types, duplicate keys.
     """
-    name = os.fspath(path)
-    buf, size, close = _map_file(path)
-    try:
-        r = _Reader(buf, size)
-        try:
-            magic = bytes(buf[:4])
-            if size < 4 and GGUF_MAGIC.startswith(magic):
-                raise _Truncated
-            if magic != GGUF_MAGIC:
-                raise ModelInfoError(f"{name}: not a GGUF file (starts with {magic!r}, not b'GGUF')")
-            r.pos = 4
-            version = r.u32()
-            if version not in SUPPORTED_VERSIONS:
-                if version & 0xFFFF == 0 and version:
-                    raise ModelInfoError(
-                        f"{name}: GGUF version {version:#x}: a big-endian file? llama.cpp reads "
-                        "only files of its own byte order"
-                    )
-                raise ModelInfoError(f"{name}: unsupported GGUF version {version} (llama.cpp reads 2 and 3)")
-            r.u64()  # tensor count: not needed
-            n_kv = r.u64()
-            # Every pair takes at least 8 (key length) + 1 (key) + 4 (type) + 1 (value) bytes.
-            if n_kv * 14 > size - r.pos:
-                raise _Truncated
-            meta: dict[str, Any] = {}
-            for i in range(n_kv):
-                try:
-                    key = r.raw_string().decode("utf-8")
-                except UnicodeDecodeError:
-                    raise ModelInfoError(f"{name}: key #{i} is not UTF-8") from None
-                if not key:
-                    raise ModelInfoError(f"{name}: key #{i} is empty")
-                if key in meta:
-                    raise ModelInfoError(f"{name}: duplicate key {key!r}")
-                meta[key] = _read_value(r, r.u32(), key, max_array)
-            return meta
-        except _Truncated:
-            raise ModelInfoError(f"{name}: truncated GGUF header ({size} bytes; it ends inside the metadata)") from None
-    finally:
-        close()
+    return {key: value for key, value, _ in _pairs(path, max_array)}
+
+
+#: Keys of the tokenizer that do not change which token an id is: the chat templates (a model's template is
+#: often mended in a re-upload, or overridden on the command line; the tokens stay).
+NOT_VOCABULARY = "tokenizer.chat_template"
 
 
 def vocabulary_key(path: str | os.PathLike[str]) -> str:
-    """What the model's tokens mean: a hash of its `tokenizer.*` metadata but the chat template. Two model files
-    with equal keys (a re-quantized download) read the same tokens alike, so one can recompute the other's
-    saved chats from their tokens."""
-    import hashlib
+    """A hash of a model's vocabulary: of every ``tokenizer.*`` key (but the chat templates), its type and its
+    raw value bytes, in file order, read from the header alone (about 30 ms for a 262k-token vocabulary).
 
-    meta = read_gguf_metadata(path, max_array=1 << 30)
-    parts = sorted((k, repr(v)) for k, v in meta.items() if k.startswith("tokenizer.") and "chat_template" not in k)
-    return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()
+    Why: a saved chat is a list of token ids; it means the same to another model (a requantization, a
+    fine-tune, another file of the same weights) exactly when the two vocabularies are the same, which is
+    what this says without comparing weights. Equal keys: the ids are the same tokens. Raises
+    :class:`ModelInfoError` for a file that is not a readable GGUF header."""
+    digest = xxhash.xxh3_128()
+    for key, _, raw in _pairs(path, 0):
+        if key.startswith("tokenizer.") and not key.startswith(NOT_VOCABULARY):
+            encoded = key.encode()
+            digest.update(struct.pack("<Q", len(encoded)) + encoded)
+            digest.update(raw)
+    return digest.hexdigest()

@@ -1,12 +1,12 @@
 """Reading the tokens out of llama-server's slot save files (llama.cpp's seq-state format).
 
 A slot file is `llama_state_seq_save_file`'s output: magic (`ggsq`), format version, a count, that many
-32-bit words, then the KV state. The words are the slot's tokens: a plain list, or (b11434 and later,
+32-bit words, then the KV state. The words are the slot's tokens: a plain list, or (b11349 and b11434 both,
 `server_tokens::serialize`) a packed payload that starts with LLAMA_TOKEN_NULL: payload version, the token
 list, then the media chunks (each image's start, and its mtmd chunk with the image's id: the sha256 of its
 bytes). slotkeeper reads the tokens to know, without asking llama-server, which conversation a file holds;
 and the format version, because llama-server refuses a file of another version with a misleading "no space
-in KV cache or invalid file".
+in KV cache or invalid file". What follows the tokens, and what else a server compares, is statelayout's.
 
 An image's positions hold LLAMA_TOKEN_NULL in the token list, the same for every picture; `StateHeader.view`
 puts the image's own identity there (`media.image_tokens`), so that two chats that differ only by their

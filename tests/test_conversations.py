@@ -254,12 +254,13 @@ def test_no_per_turn_cost_for_a_chat_in_its_own_slot(real):
 
 
 def test_entries_outlive_restarts_and_a_foreign_model_never_uses_them(real, starter, llama_server, models):
-    """Chats saved with model A are kept, but a start with model B (same shape) restores none of them."""
+    """Chats saved with model A are kept, but a start with model B (same shape) restores none of them.
+    (--recompute 0: B recomputing them from their tokens is tests/test_recompute.py's.)"""
     sk = real()
     chats = [Chat(i) for i in range(2)]
     converse_round(chats, sk.port, titles=False)
     swap_out(sk)
-    other = starter(llama_server, ["-m", str(models["B"]), *BASE])()
+    other = starter(llama_server, ["-m", str(models["B"]), *BASE])(own=("--recompute", "0"))
     results = converse_round(chats, other.port, titles=False)
     assert all(t["cache_n"] < c.last_prompt_tokens_before for c, t in zip(chats, results)), results
     assert "saved for another configuration" in other.logs()

@@ -143,8 +143,9 @@ def test_5c_unverified_foreign_file_is_refused_by_llama_server(real):
 
 
 def test_issue4_2_same_shape_foreign_model_never_restored(real):
-    """Issue 4, 2: model A's cache is not restored into model B of the same shape (which llama-server accepts)."""
+    """Issue 4, 2: model A's cache is not restored into model B of the same shape (which llama-server accepts).
+    (--recompute 0: B recomputing A's chat from its tokens is tests/test_recompute.py's.)"""
     cache_from(real, "A")
-    sk2 = real("-np", "1", model="B")
+    sk2 = real("-np", "1", model="B", own=("--recompute", "0"))
     assert complete(sk2)["timings"]["cache_n"] == 0
     assert "saved for another configuration: model" in sk2.logs()

@@ -346,6 +346,7 @@ class Daemon:
         model = self.model = await open_model(self.config, client, facts, self.metrics)
         if self.options.placement or model.policy is CachePolicy.PREFIX:
             await model.placement.restore_recent()
+            model.plan_recompute()
         else:  # nothing would keep a request that diverges inside a restored state off its slot
             log.warning("--no-placement on a model whose restored states only extend: nothing is restored or saved")
 

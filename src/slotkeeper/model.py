@@ -9,6 +9,7 @@ model a router serves) without globals.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -105,15 +106,18 @@ class Model:
             "recompute": self.recompute_status(),
         }
 
+    def plan_recompute(self) -> None:
+        """At start, once its recent chats are restored: which chats of other configurations will be recomputed
+        (one line says how many, before ready)."""
+        if self.recomputer is not None:
+            self.recomputer.plan()
+            self.recomputer.announce()
+
     def start_recompute(self, quiet: Callable[[], bool]) -> None:
-        """Once the model serves: the chats of other configurations recomputed while `quiet()` (no request in
-        flight) and the child awake, most recent first (one line says how many)."""
+        """Once the model serves: the planned chats recomputed while `quiet()` (no request in flight) and the
+        child awake, most recent first."""
         recomputer = self.recomputer
-        if recomputer is None:
-            return
-        recomputer.plan()
-        recomputer.announce()
-        if recomputer.pending:
+        if recomputer is not None and recomputer.pending:
             self._recomputing = asyncio.ensure_future(recomputer.run(quiet))
 
     async def stop_recompute(self) -> None:
@@ -193,16 +197,26 @@ async def read_server_facts(
     )
 
 
-def model_vocabulary(path: str | None) -> str:
-    """The model's vocabulary key from its GGUF header ("" when it cannot be read: nothing is recomputed for
-    another model file then)."""
-    if not path:
+def model_vocabulary(path: str | None, memory: ModelMemory | None) -> str:
+    """What another file of this model shares with it (a re-quantized download): its vocabulary (from its GGUF
+    header) and its shape (layers, KV widths). "" when either cannot be read: nothing saved by another model
+    file is recomputed then. The shape keeps another model of the same vocabulary (another size of a family)
+    from taking over the chats of a model it alternates with in one save directory."""
+    if not path or memory is None:
         return ""
     try:
-        return str(vocabulary_key(path))
+        vocabulary = vocabulary_key(path)
     except (ModelInfoError, OSError) as exc:
         log.debug("vocabulary of %s unknown: %s", path, exc)
         return ""
+    shape = (
+        memory.architecture,
+        memory.n_layers,
+        memory.recurrent_layers,
+        memory.sliding_window,
+        tuple((layer.k, layer.v, layer.swa) for layer in memory.kv_layers),
+    )
+    return f"{vocabulary}:{hashlib.blake2b(repr(shape).encode(), digest_size=8).hexdigest()}"
 
 
 def model_memory(path: str | None) -> ModelMemory | None:
@@ -230,7 +244,7 @@ async def open_model(
     fingerprint = build_fingerprint(facts.identity, config.child_args, facts.n_slots, facts.n_ctx_slot)
     cap = int(options.max_cache_bytes) if options.max_cache_bytes else None
     remote = _remote_tier(options.remote_store, fingerprint, store_root)
-    vocabulary = await asyncio.to_thread(model_vocabulary, facts.identity.get("model"))
+    vocabulary = await asyncio.to_thread(model_vocabulary, facts.identity.get("model"), facts.memory)
     store = ConversationStore(
         store_root,
         client,

@@ -178,6 +178,7 @@ class Router:
             model.name = model_id
             if self.config.options.placement or model.policy is CachePolicy.PREFIX:
                 await model.placement.restore_recent()
+                model.plan_recompute()
                 model.start_recompute(lambda: not any(self._using.values()))  # (only while it stays loaded)
             log.info("ready for its first request %s after the router loaded it", fmt_ms(time.monotonic() - started))
             return model

@@ -95,18 +95,18 @@ class Recomputer:
             if current is not None and versions != [current[0]]
             else ""
         )
+        saved = f"{waiting} chat{' was' if waiting == 1 else 's were'} saved by another llama-server configuration"
         if not self.queue:
             why = "--recompute 0" if self.budget <= 0 else "none can be recomputed"
-            log.info("%d chat(s) were saved by another llama-server configuration%s: %s", waiting, formats, why)
+            log.warning("%s%s: kept, not used (%s)", saved, formats, why)
             return
         tokens = sum(e.n_tokens for e in self.queue)
         rate = self.keeper.known_prefill_rate() or DEFAULT_PREFILL_TOKENS_PER_S
         log.info(
-            "%d chat(s) were saved by another llama-server configuration%s: recomputing the %d most recent while "
-            "idle (%s tokens, ~%s of prefill)",
-            waiting,
+            "%s%s: recomputing the %s while idle (%s tokens, ~%s of prefill)",
+            saved,
             formats,
-            len(self.queue),
+            "one" if len(self.queue) == 1 else f"{len(self.queue)} most recent",
             f"{tokens:,}",
             _duration(tokens / rate),
         )

@@ -292,7 +292,8 @@ class ConversationStore(EntryIndex):
         return any(e.server != self.server for e in self.entries.values())
 
     def check_formats(self) -> None:
-        """Set aside entries this llama-server cannot read (one line), instead of trying and quarantining them."""
+        """Set aside entries this llama-server cannot read, instead of trying and quarantining them (what is
+        done with them is check_fit's, and its line)."""
         current = self.current_format
         if current is None:
             return
@@ -302,15 +303,6 @@ class ConversationStore(EntryIndex):
             self._keep_unused(
                 entry,
                 f"format v{entry.seq_version} ({entry.layout}); this llama-server writes v{current[0]} ({current[1]})",
-            )
-        if unreadable:
-            versions = sorted({f"v{e.seq_version}" for e in unreadable})
-            log.warning(
-                "%d entr%s saved by a llama-server with another state format (%s; this one writes v%d): kept, not used",
-                len(unreadable),
-                "y" if len(unreadable) == 1 else "ies",
-                ", ".join(versions),
-                current[0],
             )
 
     @property
@@ -345,12 +337,9 @@ class ConversationStore(EntryIndex):
                 loaded += 1
             elif verdict.fit is Fit.RECOMPUTE:
                 self.recomputable[entry.id] = entry
-                self.skipped[entry.id] = "saved by another configuration: recomputed from its tokens while idle"
             elif verdict.unfit is not None:
                 self.unfit[entry.id] = verdict.unfit
                 self.skipped[entry.id] = f"{self.skipped[entry.id]}; not recomputed: {UNFIT_WORDS[verdict.unfit]}"
-        for entry in self.recomputable.values():
-            self.skipped.pop(entry.id, None)
         if loaded:
             log.info(
                 "%d entr%s saved by another configuration used as saved: this llama-server loads %s",
@@ -681,7 +670,7 @@ class ConversationStore(EntryIndex):
         """llama-server refused the entry. Saved by this configuration, it is bad: quarantined. Saved by another
         (its group loaded at start, this one did not), that configuration loads it again: it is set aside, and
         recomputed if it can be, never quarantined."""
-        if entry.fingerprint == self.fingerprint and entry.server == self.server:
+        if entry.fingerprint == self.fingerprint and entry.server in (self.server, {}):  # ({}: writer unknown)
             self._quarantine(entry, reason)
             return RestoreResult(outcome=RestoreOutcome.QUARANTINED, reason=reason)
         self.unindex(entry)

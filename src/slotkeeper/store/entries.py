@@ -209,8 +209,8 @@ class Entry:
     checksum: str = ""  # file_checksum() of its file ("" in manifests older than this field: not checked)
     images: Sequence[tuple[str, int]] = ()  # each picture in it: llama-server's image id, positions
     image_wrap: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # media.Wrap of its pictures, when known
-    # the vocabulary key of the model that saved it (ggufheader.vocabulary_key; "" in older manifests): another
-    # model file with the same one reads its tokens alike, so it can recompute the state
+    # the vocabulary and shape of the model that saved it (model.model_vocabulary; "" in older manifests):
+    # another file of that model (re-quantized) reads its tokens alike, so it can recompute the state
     vocabulary: str = ""
 
     def manifest(self) -> dict[str, Any]:

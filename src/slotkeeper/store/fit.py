@@ -37,14 +37,14 @@ class Unfit(enum.StrEnum):
     """Why an entry cannot be recomputed (the values label slotkeeper_recompute_skipped)."""
 
     PICTURES = "pictures"  # its pictures' bytes are not kept: tokens alone cannot rebuild it
-    VOCABULARY = "vocabulary"  # another vocabulary: its tokens mean other words to this model
+    VOCABULARY = "vocabulary"  # another vocabulary or shape: another model, not another file of this one
     NO_VOCABULARY = "no_vocabulary"  # saved by other tensors before slotkeeper recorded vocabularies
     CONTEXT = "context"  # longer than a slot of the running llama-server holds
 
 
 UNFIT_WORDS = {
     Unfit.PICTURES: "it holds pictures, whose bytes are not kept",
-    Unfit.VOCABULARY: "its model has another vocabulary",
+    Unfit.VOCABULARY: "its model has another vocabulary or shape",
     Unfit.NO_VOCABULARY: "its model's vocabulary was not recorded",
     Unfit.CONTEXT: "it is longer than a slot's context",
 }

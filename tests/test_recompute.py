@@ -75,6 +75,24 @@ def test_chats_saved_under_another_np_or_kv_type_are_recomputed_warm_and_right(
     next_turns_warm_and_right(sk2, chats, llama_server, after, tmp_path)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen35"])
+def test_chats_saved_by_an_older_llama_server_are_recomputed_after_the_upgrade(
+    starter, llama_server, llama_server_b11349, family_models, tmp_path, family
+):
+    """A real upgrade: chats saved through llama-server b11349 (slot-file format v3), then served by b11434
+    (v4), which refuses every v3 file: each is recomputed from its tokens while idle, warm and right."""
+    request = NO_THINKING if family == "qwen35" else {}
+    args = ["-m", str(family_models[family]), *ARGS, "-c", "8192", "-np", "1"]
+    chats = six_chats_saved(starter, llama_server_b11349, args, request)
+    sk2 = starter(llama_server, args)()
+    logs = sk2.logs()
+    line = "6 chats were saved by another llama-server configuration (state v3; this one writes v4): recomputing"
+    assert line in logs, logs[-4000:]
+    status = wait_recomputed(sk2)
+    assert status["recomputed"] == 6, (status, sk2.logs()[-4000:])
+    next_turns_warm_and_right(sk2, chats, llama_server, args, tmp_path)
+
+
 def test_a_raised_context_loads_the_saved_chats_as_they_are(starter, llama_server, family_models, tmp_path):
     """-c 4096 -> -c 8192: llama-server loads the saved states (tried once, at start): nothing is recomputed,
     and every chat is warm and right."""

@@ -407,7 +407,7 @@ class Daemon:
             await asyncio.sleep(retry_s)
 
     async def watch_sleep(self, proxy: Proxy, client: LlamaClient) -> None:
-        """Until cancelled: learn when each model's llama-server falls asleep and wakes (childsleep.py), asking
+        """Until cancelled: learn when each model's llama-server falls asleep and wakes (llama/sleep.py), asking
         once a second while nothing runs."""
         while True:
             await asyncio.sleep(POLL_S)

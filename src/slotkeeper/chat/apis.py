@@ -1,4 +1,4 @@
-"""The completion APIs llama-server serves, by request path: the one table that placement, chatform and the
+"""The completion APIs llama-server serves, by request path: the one table that placement, convert and the
 reply reader all read.
 
 Why one table: each of them asks the same question of a path (is it a completion, is its body templated chat,

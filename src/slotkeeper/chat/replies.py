@@ -10,7 +10,7 @@ re-sends it, rendered by the model's template. Each API's clients send the reply
 * Anthropic Messages: the response's `content` blocks as they came (text, tool_use, thinking).
 
 The last two are put in chat form by the same conversion llama-server applies to the next request
-(`chatform`), so the boundary is rendered from exactly what that request will hold. The body is kept as it
+(`convert`), so the boundary is rendered from exactly what that request will hold. The body is kept as it
 arrives (a list append per piece, off the parsing path) and parsed once, only when it is needed: for a
 boundary, or for the token counts that tell which slot ran an unpinnable request (`usage`).
 """

@@ -9,7 +9,7 @@ daemon learns which at start, before llama-server has loaded anything, and witho
 package (runtime dependencies are stdlib + pydantic etc.): the GGUF header's key/value section says it all.
 
 The classification follows llama.cpp b11434, not guesses from key names: which architectures are recurrent,
-hybrid, memoryless or use a sliding window is llamaarch.py's tables, copied from llama.cpp's source; which
+hybrid, memoryless or use a sliding window is arch.py's tables, copied from llama.cpp's source; which
 layers carry a KV cache, and how big llama-server's cache is, follow ``create_memory``, ``llama_kv_cache``,
 ``llama_kv_cache_iswa``, ``llama_memory_hybrid`` and ``llama_context``'s context padding. The header itself is
 read by ggufheader.py.

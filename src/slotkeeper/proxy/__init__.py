@@ -35,7 +35,7 @@ The modules, each importing only those after it:
   the Reply slotkeeper gives itself.
 * upstream.py: the child's side. ChildConnection and ChildPool (keep-alive connections, the connect timeout),
   the Exchange protocol a ChildConnection calls as an answer arrives (ClientConnection is one), and
-  InternalExchange, which carries slotkeeper's own calls to the child (llama_client.py) over the same pool.
+  InternalExchange, which carries slotkeeper's own calls to the child (llama/client.py) over the same pool.
 * hook.py: the completion hook the proxy calls (placement/hook.py's Placement implements it), and the Placed it returns.
 
 This package imports none of them: `slotkeeper.proxy.hook` or `slotkeeper.proxy.upstream` is imported without

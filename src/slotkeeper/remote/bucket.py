@@ -6,7 +6,7 @@ Layout under the configured prefix, one folder per model+KV fingerprint (the nam
     <prefix>/<namespace>/<entry_id>.json   the local manifest plus "sha256" and "bytes" of the .bin
 
 The .json is written after the .bin, so it is the commit marker: an entry without one is not there. This client
-is all `slotkeeper ls/prune --remote` need; the daemon's tier (remote.py) adds the index, the verified
+is all `slotkeeper ls/prune --remote` need; the daemon's tier (tier.py) adds the index, the verified
 downloads and, through uploads.py, the write-behind queue.
 """
 

@@ -7,8 +7,8 @@ content, not by slot: the placement policy restores one into whichever slot it c
 and the rule for what an entry found on disk is good for are entries.py's (`slotkeeper ls` reads them there too).
 
 The mechanism lives here; what to save, restore or evict, and when, is the caller's (placement, daemon). Of
-its parts, how entries are found in memory is storeindex.py's (`EntryIndex`, which the store extends), what a
-start finds on disk is storescan.py's, and the slot files' transient names and their commit are slotfiles.py's.
+its parts, how entries are found in memory is index.py's (`EntryIndex`, which the store extends), what a
+start finds on disk is scan.py's, and the slot files' transient names and their commit are slotfiles.py's.
 
 Nothing lost, by construction:
 * llama-server never sees the store. Its `--slot-save-path` is `snapshots/` (clients' own save and restore

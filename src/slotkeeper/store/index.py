@@ -1,6 +1,6 @@
 """The store's indexes over its usable entries: by prefix key, message keys, exact key, opening; and their sums.
 
-Why apart from store.py: the store is the files, their protocol with llama-server and their lifetime; this is
+Why apart from conversations.py: the store is the files, their protocol with llama-server and their lifetime; this is
 how its entries are found, in memory only. Tens of thousands of entries build up after a few weeks of agent
 sessions, and no request or save may scan them: every lookup here goes through a tree or a dict, kept by
 `index` and `unindex` alone. `extends`, the rule by which a save supersedes an older entry, lives here with

@@ -1,6 +1,6 @@
 """What a start finds in a save directory: what a killed run left, the slot-file layout's files, the pairs.
 
-Why apart from store.py: this is the file handling of the store's `open()`, done once, before anything is
+Why apart from conversations.py: this is the file handling of the store's `open()`, done once, before anything is
 indexed. It finishes or removes what a killed run left (transient names in snapshots/, partial files, an entry
 file whose save never committed), takes a directory of the older slot-file layout over (`<slot>.bin` +
 `<slot>.json` become entries, clients' own files move to snapshots/), and lists the committed pairs of

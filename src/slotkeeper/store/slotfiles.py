@@ -1,6 +1,6 @@
 """The slot files on their way between llama-server and entries/: transient names, space, progress, commit.
 
-Why apart from store.py: llama-server never sees the store. It writes a save into snapshots/ (its
+Why apart from conversations.py: llama-server never sees the store. It writes a save into snapshots/ (its
 --slot-save-path) under a random transient name, and this module makes such names, says whether the disk has
 room for a save, reports a long save's progress, and commits a saved file into entries/ (checksum, fsync,
 rename, manifest last), leaving nothing behind when any of it fails. What to save, and what becomes of the

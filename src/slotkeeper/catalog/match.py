@@ -25,7 +25,7 @@ UNIFIED_FLAGS = {"-kvu": True, "--kv-unified": True, "-no-kvu": False, "--no-kv-
 CTX_PAD = 256  # llama.cpp rounds a slot's context up to a multiple of this
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Expectation:
     """The fingerprint fields that llama-server's arguments decide offline, and how to compare them."""
 

@@ -73,7 +73,7 @@ class Kind(enum.StrEnum):
     REMOTE = "remote"
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class FileStat:
     """A listed file as the scan saw it: prune removes it only if it is still that file."""
 
@@ -88,7 +88,7 @@ class FileStat:
 
     @classmethod
     def from_stat(cls, path: Path, st: os.stat_result) -> FileStat:
-        return cls(path, st.st_size, st.st_mtime, cls.identity_of(st))
+        return cls(path=path, size=st.st_size, mtime=st.st_mtime, identity=cls.identity_of(st))
 
     @staticmethod
     def identity_of(st: os.stat_result) -> tuple[int, int, int]:

@@ -16,7 +16,8 @@ from typing import Any
 from ..cmdline import ConfigError, parse_llama_args
 from ..store.fingerprint import KV_FLAGS, kv_flags, model_identity, shareable
 from .formats import CatalogError
-from .rows import COMPARABLE, Listed
+from .listed import Listed
+from .statuses import COMPARABLE
 
 MODEL_KEYS = ("model", "model_size", "model_sha256")
 CTX_FLAGS = ("-c", "--ctx-size")

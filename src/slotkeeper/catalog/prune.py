@@ -20,10 +20,13 @@ from ..store.entries import Status, pair_paths, remove_pair
 from ..store.layout import StoreLockedError, lock_store
 from .dirs import LockState, lock_pid, lock_state
 from .formats import CatalogError, count, display_path, format_age, say
+from .listed import Kind, Listed
+from .local_rows import FileStat, Row
 from .match import Expectation
-from .rows import COMPARABLE, FileStat, Kind, Listed, RemoteRow, Row
+from .remote_rows import RemoteRow
 from .scan import SaveDir, scan_dir
 from .shared import open_bucket, remote_rows, run_remote
+from .statuses import COMPARABLE
 
 if TYPE_CHECKING:
     from ..remote.s3config import RemoteConfig

@@ -17,9 +17,12 @@ from ..log import fmt_bytes
 from ..store.entries import Status
 from ..store.layout import SNAPSHOTS_DIR
 from .formats import count, display_path, format_age
+from .listed import Kind, Listed
+from .local_rows import Row
 from .match import Expectation, match_differences
-from .rows import COMPARABLE, Kind, Listed, RemoteRow, Row
+from .remote_rows import RemoteRow
 from .scan import SaveDir
+from .statuses import COMPARABLE
 from .table import WIDTH, fit, format_row
 
 HEADERS = ("entry", "tokens", "size", "last used", "model", "status", "match")

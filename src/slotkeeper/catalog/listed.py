@@ -26,6 +26,43 @@ class Kind(enum.StrEnum):
     REMOTE = "remote"
 
 
+def record_fields(
+    *,
+    where: tuple[str, ...],
+    sizes: tuple[str, ...],
+    saving: tuple[str, ...] = (),
+    files: tuple[str, ...] = (),
+) -> tuple[str, ...]:
+    """A kind of row's record fields, in order: those every row has (render.record builds them) with the kind's
+    own (its own_fields) in their places. One function for every kind, so that a field they share stands at the
+    same place in every record and is named once.
+
+    `where`: where the row is (after "kind"); `sizes`: after "bytes"; `saving`: how it was saved (after
+    "age_s"); `files`: after "format".
+    """
+    return (
+        "kind",
+        *where,
+        "id",
+        "short",
+        "status",
+        "detail",
+        "reason",
+        "tokens",
+        "bytes",
+        *sizes,
+        "saved_at",
+        "last_used",
+        "age_s",
+        *saving,
+        "model",
+        "model_name",
+        "fingerprint",
+        "format",
+        *files,
+    )
+
+
 class Listed(abc.ABC):
     """What every row answers, local or remote; `FIELDS` orders its JSON record (render.record)."""
 

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from ..store.entries import BIN_SUFFIX, Entry, Status
 from .formats import display_path
-from .listed import Kind, Listed
+from .listed import Kind, Listed, record_fields
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,33 +53,11 @@ class Row(Listed):
     """One listed thing of a save directory: an entry, a quarantined entry, or a slot file of the old layout;
     its two files are `<folder>/<name>.json` and `<folder>/<name>.bin`."""
 
-    FIELDS: ClassVar[tuple[str, ...]] = (
-        "kind",
-        "dir",
-        "id",
-        "short",
-        "status",
-        "detail",
-        "reason",
-        "tokens",
-        "bytes",
-        "bin_size",
-        "disk_bytes",
-        "saved_at",
-        "last_used",
-        "age_s",
-        "save_ms",
-        "boundary",
-        "opening",
-        "uses",
-        "images",
-        "model",
-        "model_name",
-        "fingerprint",
-        "format",
-        "llama_server",
-        "bin",
-        "manifest",
+    FIELDS: ClassVar[tuple[str, ...]] = record_fields(
+        where=("dir",),
+        sizes=("bin_size", "disk_bytes"),
+        saving=("save_ms", "boundary", "opening", "uses", "images"),
+        files=("llama_server", "bin", "manifest"),
     )
     kind: Kind
     directory: Path  # the save directory

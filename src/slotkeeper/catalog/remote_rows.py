@@ -8,33 +8,14 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..store.entries import Entry, Status
-from .listed import Kind, Listed
+from .listed import Kind, Listed, record_fields
 
 
 @dataclass
 class RemoteRow(Listed):
     """One entry of the shared tier: `<prefix>/<namespace>/<id>.json` (and its .bin)."""
 
-    FIELDS: ClassVar[tuple[str, ...]] = (
-        "kind",
-        "url",
-        "namespace",
-        "id",
-        "short",
-        "status",
-        "detail",
-        "reason",
-        "tokens",
-        "bytes",
-        "sha256",
-        "saved_at",
-        "last_used",
-        "age_s",
-        "model",
-        "model_name",
-        "fingerprint",
-        "format",
-    )
+    FIELDS: ClassVar[tuple[str, ...]] = record_fields(where=("url", "namespace"), sizes=("sha256",))
     url: str
     namespace: str
     entry_id: str

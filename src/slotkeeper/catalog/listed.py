@@ -2,7 +2,7 @@
 its JSON record.
 
 Local and remote rows answer the same questions (tokens, size, last use, model, status), so that one table
-renderer (listing), one record builder (render.record) and one pruning plan serve both; this is the interface
+renderer (listing), one record builder (records.record) and one pruning plan serve both; this is the interface
 they read, with nothing of either kind's files.
 """
 
@@ -33,7 +33,7 @@ def record_fields(
     saving: tuple[str, ...] = (),
     files: tuple[str, ...] = (),
 ) -> tuple[str, ...]:
-    """A kind of row's record fields, in order: those every row has (render.record builds them) with the kind's
+    """A kind of row's record fields, in order: those every row has (records.record builds them) with the kind's
     own (its own_fields) in their places. One function for every kind, so that a field they share stands at the
     same place in every record and is named once.
 
@@ -64,7 +64,7 @@ def record_fields(
 
 
 class Listed(abc.ABC):
-    """What every row answers, local or remote; `FIELDS` orders its JSON record (render.record)."""
+    """What every row answers, local or remote; `FIELDS` orders its JSON record (records.record)."""
 
     FIELDS: ClassVar[tuple[str, ...]]
     kind: Kind

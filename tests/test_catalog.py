@@ -30,11 +30,15 @@ from stub import encode_slot_file
 from slotkeeper.catalog import prune as catalog  # prune looks remove_pair up where the tests patch it
 from slotkeeper.catalog.cli import ls_main, prune_main
 from slotkeeper.catalog.formats import CatalogError, format_age, parse_duration, parse_size
+from slotkeeper.catalog.jsontext import dumps_indented
+from slotkeeper.catalog.listed import Kind
+from slotkeeper.catalog.local_rows import FileStat, Row
 from slotkeeper.catalog.match import expectation_from_args
 from slotkeeper.catalog.prune import plan_prune
-from slotkeeper.catalog.render import dumps_indented, json_records
-from slotkeeper.catalog.rows import FileStat, Kind, RemoteRow, Row, assign_short_ids
+from slotkeeper.catalog.records import json_records
+from slotkeeper.catalog.remote_rows import RemoteRow
 from slotkeeper.catalog.scan import scan_dir
+from slotkeeper.catalog.short_ids import assign_short_ids
 from slotkeeper.log import fmt_bytes
 from slotkeeper.store.conversations import ConversationStore
 from slotkeeper.store.entries import TRANSIENT_PREFIX, Entry, Status, read_json, remove_pair, write_json_atomic

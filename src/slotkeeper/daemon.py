@@ -16,6 +16,7 @@ from typing import Any
 
 from .chat.attribution import AttributionFilter
 from .config import RunConfig
+from .exposition import render as render_metrics
 from .llama.client import LlamaClient
 from .llama.policy import CachePolicy
 from .llama.sleep import POLL_S, ChildSleep, save_after
@@ -138,7 +139,7 @@ class Daemon:
 
     async def metrics_endpoint(self) -> Reply:
         """GET /slotkeeper/metrics: Prometheus text exposition."""
-        body, content_type = self.metrics.render()
+        body, content_type = render_metrics(self.metrics)
         return Reply(200, body, content_type)
 
     async def status(self) -> Reply:

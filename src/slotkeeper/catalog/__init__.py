@@ -11,6 +11,11 @@ the rule ConversationStore.open applies, asked against the configuration of the 
 entry (the last run's). With llama-server's arguments after `--`, a match column compares each entry with those
 arguments (as far as they decide it offline).
 
-scan reads directories into rows, match compares rows with llama-server arguments, render prints tables and
-JSON, prune plans and deletes, shared reads the shared tier, cli holds the two command lines.
+The modules, one responsibility each, every one importing only modules listed before it: formats (durations,
+sizes, paths, printing), statuses (each status in words), listed (what every row answers), local_rows and
+remote_rows (a save directory's rows and the shared tier's), short_ids (ids told apart), dirs (which
+directories, and their lock), scan (a save directory read into rows), shared (the shared tier read into rows),
+match (rows against llama-server arguments), table (padded columns), summaries (the lines under the tables),
+listing (the tables' text), records (`--json`'s records) and jsontext (their text), prune (plans and deletes),
+cli (the two command lines).
 """

@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from ..store.entries import cache_root
 from .dirs import resolve_dirs
 from .formats import CatalogError, RemoteFailure, display_path, parse_duration, parse_size, say
+from .jsontext import dumps_indented
+from .listing import render_listing, render_remote
 from .match import expectation_from_args
 from .prune import prune_dirs, prune_remote, report_removals
-from .render import dumps_indented, json_records, remote_json, render_listing, render_remote
+from .records import json_records, remote_json
 from .scan import scan_dir
 from .shared import ENV_REMOTE_STORE, list_remote, remote_config, remote_rows, remote_url
 

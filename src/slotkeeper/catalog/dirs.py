@@ -19,9 +19,11 @@ from .formats import CatalogError
 SLOT_FILE_SUFFIXES = ("bin", "json", "bin.partial", "json.partial")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class LockState:
-    """Whether a slotkeeper holds the directory's .lock (an flock: the kernel drops it when its holder exits)."""
+    """Whether a slotkeeper holds the directory's .lock (an flock: the kernel drops it when its holder exits).
+
+    Keyword-only: `exists` and `held` are two booleans side by side, easy to swap unnoticed by position."""
 
     exists: bool = False
     held: bool = False
@@ -64,10 +66,10 @@ def lock_state(root: Path) -> LockState:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            return LockState(True, True, pid)
+            return LockState(exists=True, held=True, pid=pid)
         except OSError:
-            return LockState(True, False, pid)  # a file system without flock: cannot tell
-        return LockState(True, False, pid)
+            return LockState(exists=True, held=False, pid=pid)  # a file system without flock: cannot tell
+        return LockState(exists=True, held=False, pid=pid)
     finally:
         os.close(fd)
 

@@ -1,4 +1,5 @@
-"""The small formats of `slotkeeper ls` and `prune`: durations, sizes, ages, paths, counts, and printing.
+"""The small formats of `slotkeeper ls` and `prune`: durations, sizes, ages, paths and file names, counts, and
+printing.
 
 Sizes are read by pydantic's ByteSize, as --max-cache-bytes is, so that every size slotkeeper reads has one
 syntax: `20GB`, `1.5G`, `8GiB`, `4096`. pydantic is imported only then: importing it costs `ls` 80 ms.
@@ -81,6 +82,12 @@ def _home(variable: str | None) -> str:
     """Path.home() (which reads $HOME, else the password database), once per value of $HOME: prune names the
     directory in each of thousands of lines."""
     return str(Path.home())
+
+
+@functools.lru_cache(maxsize=256)
+def file_name(path: str) -> str:
+    """The model file's name (a store holds a few models and thousands of rows: pathlib once per model)."""
+    return Path(path).name
 
 
 def count(n: int, word: str, plural: str | None = None) -> str:

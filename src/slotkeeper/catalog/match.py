@@ -16,7 +16,8 @@ from typing import Any
 from ..cmdline import ConfigError, parse_llama_args
 from ..store.fingerprint import KV_FLAGS, kv_flags, model_identity, shareable
 from .formats import CatalogError
-from .rows import COMPARABLE, Listed
+from .listed import Listed
+from .statuses import COMPARABLE
 
 MODEL_KEYS = ("model", "model_size", "model_sha256")
 CTX_FLAGS = ("-c", "--ctx-size")
@@ -25,7 +26,7 @@ UNIFIED_FLAGS = {"-kvu": True, "--kv-unified": True, "-no-kvu": False, "--no-kv-
 CTX_PAD = 256  # llama.cpp rounds a slot's context up to a multiple of this
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Expectation:
     """The fingerprint fields that llama-server's arguments decide offline, and how to compare them."""
 

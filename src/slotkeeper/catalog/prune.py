@@ -20,16 +20,19 @@ from ..store.entries import Status, pair_paths, remove_pair
 from ..store.layout import StoreLockedError, lock_store
 from .dirs import LockState, lock_pid, lock_state
 from .formats import CatalogError, count, display_path, format_age, say
+from .listed import Kind, Listed
+from .local_rows import FileStat, Row
 from .match import Expectation
-from .rows import COMPARABLE, FileStat, Kind, Listed, RemoteRow, Row
+from .remote_rows import RemoteRow
 from .scan import SaveDir, scan_dir
 from .shared import open_bucket, remote_rows, run_remote
+from .statuses import COMPARABLE
 
 if TYPE_CHECKING:
     from ..remote.s3config import RemoteConfig
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Removal:
     """One pair prune deletes."""
 
@@ -81,7 +84,7 @@ def plan_prune(  # noqa: PLR0913 - one keyword per `slotkeeper prune` option
     if quarantine:
         for save_dir in dirs:
             for row in save_dir.of_kind(Kind.QUARANTINED):
-                removals.append(Removal(row, "quarantined", now - row.last_used))
+                removals.append(Removal(row=row, reason="quarantined", age=now - row.last_used))
     return removals
 
 
@@ -117,7 +120,7 @@ def plan_rows(  # noqa: PLR0913 - one keyword per `slotkeeper prune` option
         elif older_than is not None and age > older_than:
             reason = f"unused for over {format_age(older_than)}"
         if reason:
-            removals.append(Removal(row, reason, age))
+            removals.append(Removal(row=row, reason=reason, age=age))
         else:
             kept.append(row)
     if max_total is not None:
@@ -126,9 +129,8 @@ def plan_rows(  # noqa: PLR0913 - one keyword per `slotkeeper prune` option
             if total <= max_total:
                 break
             total -= row.disk_bytes
-            removals.append(
-                Removal(row, f"over --max-total {fmt_bytes(max_total)} (least recently used)", now - row.last_used)
-            )
+            reason = f"over --max-total {fmt_bytes(max_total)} (least recently used)"
+            removals.append(Removal(row=row, reason=reason, age=now - row.last_used))
     return removals
 
 
@@ -183,7 +185,7 @@ def claim_dir(path: Path, dry_run: bool) -> tuple[int | None, LockState]:
     try:
         return lock_store(path), state
     except StoreLockedError as exc:  # a slotkeeper started since we looked
-        return None, LockState(True, True, lock_pid(str(exc)))
+        return None, LockState(exists=True, held=True, pid=lock_pid(str(exc)))
 
 
 def remove_files(removal: Removal) -> str | None:

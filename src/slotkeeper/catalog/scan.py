@@ -34,7 +34,9 @@ from ..store.layout import ENTRIES_DIR, LOCK_NAME, QUARANTINE_DIR, SNAPSHOTS_DIR
 from ..store.statefile import StateFileError, read_header
 from .dirs import LockState, list_names, lock_state
 from .formats import CatalogError
-from .rows import FileStat, Kind, Row, assign_short_ids
+from .listed import Kind
+from .local_rows import FileStat, Row
+from .short_ids import assign_short_ids
 
 Pair = tuple[FileStat | None, FileStat | None]  # (the .bin, the manifest)
 

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..store.entries import Status, parse_entry
 from ..store.fingerprint import namespace_key
 from .formats import CatalogError, RemoteFailure
-from .rows import RemoteRow, assign_short_ids
+from .remote_rows import RemoteRow
+from .short_ids import assign_short_ids
 
 if TYPE_CHECKING:
     from ..remote.bucket import Bucket

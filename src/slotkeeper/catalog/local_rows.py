@@ -1,0 +1,129 @@
+"""The rows of a save directory: an entry, a quarantined entry, or a slot file of the old layout, each a pair
+of files that prune may delete.
+
+A row keeps each file as the scan saw it (FileStat), so that prune removes a file only if it is still that one.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ..store.entries import BIN_SUFFIX, Entry, Status
+from .formats import display_path
+from .listed import Kind, Listed, record_fields
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileStat:
+    """A listed file as the scan saw it: prune removes it only if it is still that file."""
+
+    path: Path
+    size: int
+    mtime: float
+    identity: tuple[int, int, int]  # (inode, mtime_ns, size): to notice a file replaced since the scan
+
+    @classmethod
+    def of(cls, path: Path) -> FileStat:
+        return cls.from_stat(path, path.stat())
+
+    @classmethod
+    def from_stat(cls, path: Path, st: os.stat_result) -> FileStat:
+        return cls(path=path, size=st.st_size, mtime=st.st_mtime, identity=cls.identity_of(st))
+
+    @staticmethod
+    def identity_of(st: os.stat_result) -> tuple[int, int, int]:
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    @classmethod
+    def maybe(cls, path: Path) -> FileStat | None:
+        """A regular file (a link is never followed: None, as for a name that is gone), in one lstat."""
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return None  # removed while we looked
+        return cls.from_stat(path, st) if stat.S_ISREG(st.st_mode) else None
+
+
+@dataclass
+class Row(Listed):
+    """One listed thing of a save directory: an entry, a quarantined entry, or a slot file of the old layout;
+    its two files are `<folder>/<name>.json` and `<folder>/<name>.bin`."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = record_fields(
+        where=("dir",),
+        sizes=("bin_size", "disk_bytes"),
+        saving=("save_ms", "boundary", "opening", "uses", "images"),
+        files=("llama_server", "bin", "manifest"),
+    )
+    kind: Kind
+    directory: Path  # the save directory
+    folder: Path  # entries/, quarantine/, or the save directory itself (slot files)
+    name: str  # the entry id, `<stamp>-<id>` in quarantine/, or the slot number
+    bin: FileStat | None
+    manifest_file: FileStat | None
+    entry: Entry | None  # what the manifest says (for a slot file: what taking it over would record)
+    status: Status
+    reason: str = ""
+    note: str = ""
+    short: str = ""
+
+    @property
+    def id(self) -> str:
+        return self.name.rsplit("-", 1)[-1] if self.kind is Kind.QUARANTINED else self.name
+
+    @property
+    def label_id(self) -> str:
+        return f"{self.name}{BIN_SUFFIX}" if self.kind is Kind.SLOT_FILE else self.short
+
+    @property
+    def label(self) -> str:
+        """How prune names it: `entry 1a2b in DIR`, `slot file DIR/0.bin`."""
+        where = display_path(self.directory)
+        if self.kind is Kind.SLOT_FILE:
+            return f"slot file {where}/{self.name}{BIN_SUFFIX}"
+        return f"{'quarantined entry' if self.kind is Kind.QUARANTINED else 'entry'} {self.short} in {where}"
+
+    @property
+    def sort_key(self) -> tuple[str, str]:
+        return str(self.directory), self.name
+
+    @property
+    def size(self) -> int | None:
+        """The size column: the .bin's (the state's) size."""
+        return self.bin.size if self.bin else (self.entry.nbytes if self.entry else None)
+
+    @property
+    def files(self) -> list[FileStat]:
+        return [f for f in (self.manifest_file, self.bin) if f is not None]
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def last_used(self) -> float:
+        """The manifest's last use, else the newest file's mtime."""
+        if self.entry and self.entry.last_used:
+            return self.entry.last_used
+        return max((f.mtime for f in self.files), default=0.0)
+
+    def own_fields(self) -> dict[str, Any]:
+        entry = self.entry
+        return {
+            "dir": str(self.directory),
+            "bytes": entry.nbytes if entry else None,
+            "bin_size": self.bin.size if self.bin else None,
+            "disk_bytes": self.disk_bytes,
+            "save_ms": entry.save_ms if entry else None,
+            "boundary": entry.boundary if entry else None,  # saved at a turn boundary (hybrid, sliding-window)
+            "opening": entry.opening if entry else None,  # a shared opening (system prompt, tools), not a chat
+            "uses": entry.uses if entry and entry.opening else None,  # the chats that started from it
+            "images": len(entry.images) if entry else None,  # the pictures it holds
+            "llama_server": (entry.server or None) if entry else None,
+            "bin": str(self.bin.path) if self.bin else None,
+            "manifest": str(self.manifest_file.path) if self.manifest_file else None,
+        }

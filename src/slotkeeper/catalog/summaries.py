@@ -1,0 +1,80 @@
+"""The summary lines of `slotkeeper ls`: what a save directory (or a namespace of the shared tier) holds, under
+its table, and the total over all of them.
+
+Apart from the tables because they count what the rows do not show one by one (client files, partials, the
+lock) and say it in words; the table text only places them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from ..log import fmt_bytes
+from ..store.entries import Status
+from ..store.layout import SNAPSHOTS_DIR
+from .formats import count
+from .listed import Kind
+from .local_rows import Row
+from .remote_rows import RemoteRow
+from .scan import SaveDir
+
+
+def dir_summary(save_dir: SaveDir) -> str:
+    """A directory's entries, slot files, quarantine, client files, partials and lock, in one line."""
+
+    def counted(rows: list[Row], word: str, plural: str) -> str:
+        return count(len(rows), word, plural) + (f", {fmt_bytes(sum(r.disk_bytes for r in rows))}" if rows else "")
+
+    entries = save_dir.entries
+    usable = sum(r.status is Status.USABLE for r in entries)
+    parts = [
+        f"{count(len(entries), 'entry', 'entries')}, {fmt_bytes(save_dir.entry_bytes)}"
+        + (f" ({usable:,} usable)" if usable != len(entries) else "")
+    ]
+    slot_files = save_dir.of_kind(Kind.SLOT_FILE)
+    if slot_files:
+        parts.append(
+            count(len(slot_files), "slot file") + f" to take over, {fmt_bytes(sum(r.disk_bytes for r in slot_files))}"
+        )
+    parts.append("quarantine: " + counted(save_dir.of_kind(Kind.QUARANTINED), "entry", "entries"))
+    clients = save_dir.client_files
+    text = f"{SNAPSHOTS_DIR}/: {count(len(clients), 'client file')}"
+    if clients:
+        text += f", {fmt_bytes(sum(f.size for f in clients))}"
+        if save_dir.clients_in_root:
+            text += f" ({save_dir.clients_in_root:,} still in the directory itself)"
+    parts.append(text)
+    if save_dir.partials:
+        parts.append(count(len(save_dir.partials), "partial") + " (finished or removed at next start)")
+    if save_dir.lock.held:
+        parts.append(save_dir.lock.describe())
+    return "; ".join(parts)
+
+
+def dirs_total(dirs: Sequence[SaveDir]) -> str | None:
+    """The entries of all directories together; None for one directory (its summary says it all)."""
+    if len(dirs) <= 1:
+        return None
+    return (
+        f"total: {count(sum(len(d.entries) for d in dirs), 'entry', 'entries')}, "
+        f"{fmt_bytes(sum(d.entry_bytes for d in dirs))} in {count(len(dirs), 'directory', 'directories')}"
+    )
+
+
+def namespace_summary(rows: Sequence[RemoteRow]) -> str:
+    """A namespace's entries and their size, and how many of them no fetch would use."""
+    unusable = sum(r.status is not Status.SHARED for r in rows)
+    return f"{count(len(rows), 'entry', 'entries')}, {fmt_bytes(sum(r.disk_bytes for r in rows))}" + (
+        f" ({unusable:,} never used)" if unusable else ""
+    )
+
+
+def namespaces_total(by_namespace: Mapping[str, Sequence[RemoteRow]]) -> str | None:
+    """The entries of all namespaces together; None for one namespace."""
+    if len(by_namespace) <= 1:
+        return None
+    rows_all = [r for rows in by_namespace.values() for r in rows]
+    return (
+        f"total: {count(len(rows_all), 'entry', 'entries')}, {fmt_bytes(sum(r.disk_bytes for r in rows_all))}"
+        f" in {count(len(by_namespace), 'namespace')}"
+    )

@@ -72,6 +72,8 @@ def test_chats_saved_under_another_np_or_kv_type_are_recomputed_warm_and_right(
     assert "recomputing the 6 most recent while idle" in logs, logs[-4000:]
     assert status["recomputed"] == 6, (status, logs[-4000:])
     assert "quarantined" not in logs
+    metrics = str(http_call(sk2.port, "GET", "/slotkeeper/metrics").body)
+    assert "slotkeeper_recomputed_total 6.0" in metrics and "slotkeeper_recompute_pending 0.0" in metrics, metrics
     next_turns_warm_and_right(sk2, chats, llama_server, after, tmp_path)
 
 

@@ -208,6 +208,31 @@ MODEL_FAMILIES: tuple[Family[Metrics], ...] = (
         GAUGE,
         lambda m: m.store_images(),
     ),
+    Family(
+        "recompute_pending",
+        "Chats saved by another configuration waiting to be recomputed from their tokens",
+        GAUGE,
+        lambda m: m.recompute().get("pending", 0),
+    ),
+    Family(
+        "recomputed",
+        "Chats saved by another configuration recomputed from their tokens while idle",
+        COUNTER,
+        lambda m: m.recompute().get("recomputed", 0),
+    ),
+    Family(
+        "recompute_prefill_tokens",
+        "Tokens prefilled to recompute them",
+        COUNTER,
+        lambda m: m.recompute().get("prefilled_tokens", 0),
+    ),
+    Family(
+        "recompute_skipped",
+        "Chats saved by another configuration that cannot be recomputed, by reason",
+        GAUGE,
+        lambda m: m.recompute().get("skipped", {}),
+        "reason",
+    ),
 )
 
 # The shared tier's, after the model's, with --remote-store.

@@ -76,6 +76,8 @@ class Metrics:
     remote: Callable[[], Any] = lambda: None  # remote.RemoteStats, with --remote-store
     store_entries: Callable[[], int] = lambda: 0
     store_images: Callable[[], int] = lambda: 0  # pictures held by the store's entries
+    # chats of another configuration: pending, recomputed, prefilled tokens, seconds, pauses, skipped by reason
+    recompute: Callable[[], dict[str, Any]] = dict
     store_bytes: Callable[[], int] = lambda: 0
     requests_by_status: Callable[[], dict[int, int]] = dict
     models: Callable[[], dict[str, Metrics]] = dict  # router mode: each loaded model's own counters

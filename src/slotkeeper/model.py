@@ -289,6 +289,7 @@ async def open_model(
     if store.recomputable or store.unfit:
         model.recomputer = Recomputer(placement.slots, placement.keeper, budget=options.recompute, sleep=model.sleep)
     metrics.memory = model.describe_memory
+    metrics.recompute = model.recompute_status
     if remote is not None:
         metrics.remote = lambda: remote.stats
     other = f"; {len(store.skipped)} kept but not used (see above)" if store.skipped else ""

@@ -279,6 +279,8 @@ def test_ls_table_shows_each_entry_with_its_status(capsys, mixed_dir):
     client = fmt_bytes((d / "snapshots" / "my-own-save.bin").stat().st_size + 1)
     assert f"snapshots/: 2 client files, {client}" in summary  # the transient leftover is not a client's
     assert "1 partial (finished or removed at next start)" in summary
+    # bbbb: another -c (tried: loaded if llama-server takes it, else recomputed); cccc: another format
+    assert "at the next start, of other configurations: 1 tried (loaded, else recomputed), 1 recomputed" in summary
     assert "in use" not in summary
     assert all(len(line) <= 100 for line in out.splitlines())
 

@@ -70,6 +70,7 @@ class Row(Listed):
     reason: str = ""
     note: str = ""
     short: str = ""
+    next_start: str = ""  # another configuration's entry: what the next start does with it (scan._next_start)
 
     @property
     def id(self) -> str:

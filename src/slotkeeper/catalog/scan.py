@@ -30,6 +30,7 @@ from ..store.entries import (
     read_json,
     read_manifest,
 )
+from ..store.fit import same_tensors
 from ..store.layout import ENTRIES_DIR, LOCK_NAME, QUARANTINE_DIR, SNAPSHOTS_DIR
 from ..store.statefile import StateFileError, read_header
 from .dirs import LockState, list_names, lock_state
@@ -146,6 +147,10 @@ def _scan_entries(save_dir: SaveDir) -> None:
         pair = pairs.pop(stem)[0]  # its manifest's data goes as soon as its row is made: a store's worth less held
         row = Row(Kind.ENTRY, save_dir.path, folder, stem, *pair, verdict.entry, verdict.status)
         row.reason, row.note = _described(verdict, reference)
+        other = verdict.status in (Status.OTHER_CONFIGURATION, Status.OTHER_FORMAT)
+        if other and verdict.entry is not None:
+            loads_maybe = verdict.status is Status.OTHER_CONFIGURATION
+            row.next_start = _next_start(verdict.entry, reference, loads_maybe=loads_maybe)
         save_dir.rows.append(row)
         if stem == last:
             save_dir.reference = row
@@ -165,6 +170,18 @@ def _described(verdict: Verdict, reference: Entry | None) -> tuple[str, str]:
     if verdict.status is Status.WRONG_SIZE:
         return f"{verdict.reason}: quarantined at the next start", ""
     return "", ""
+
+
+def _next_start(entry: Entry, reference: Entry | None, *, loads_maybe: bool) -> str:
+    """What the next start of the last run's configuration (`reference`) does with an entry of another one
+    (store/fit.py decides it there): `tried` (loaded if llama-server takes it, else recomputed), `recomputed`
+    (from its tokens, while idle), or `kept` (as it is: pictures, another model).
+    `loads_maybe`: llama-server may load it as saved (another state format never loads)."""
+    if entry.images or reference is None:
+        return "kept"
+    if same_tensors(entry.fingerprint, reference.fingerprint):
+        return "tried" if loads_maybe else "recomputed"
+    return "recomputed" if entry.vocabulary and entry.vocabulary == reference.vocabulary else "kept"
 
 
 def _scan_quarantine(save_dir: SaveDir) -> None:

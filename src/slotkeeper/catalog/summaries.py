@@ -31,6 +31,13 @@ def dir_summary(save_dir: SaveDir) -> str:
         f"{count(len(entries), 'entry', 'entries')}, {fmt_bytes(save_dir.entry_bytes)}"
         + (f" ({usable:,} usable)" if usable != len(entries) else "")
     ]
+    marks = [r.next_start for r in entries if r.next_start]
+    if marks:
+        said = {"tried": "tried (loaded, else recomputed)", "recomputed": "recomputed", "kept": "kept as they are"}
+        parts.append(
+            "at the next start, of other configurations: "
+            + ", ".join(f"{marks.count(mark):,} {words}" for mark, words in said.items() if mark in marks)
+        )
     slot_files = save_dir.of_kind(Kind.SLOT_FILE)
     if slot_files:
         parts.append(

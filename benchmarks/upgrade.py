@@ -9,7 +9,7 @@ slotkeeper under the old configuration; then, side by side in one run:
   recompute prefill    slotkeeper's prefill of all those chats, in idle time (its status)
   plain prefill        plain llama-server's prefill of the same chats' turns (sum of their prompt_ms)
 
-    uv run python benchmarks/upgrade.py [--chats 4] [--notes 120] [--changes upgrade,np,ctk,requant]
+    uv run python benchmarks/upgrade.py [--chats 3] [--notes 40] [--changes upgrade,np,ctk,requant]
 """
 
 from __future__ import annotations
@@ -105,26 +105,28 @@ def measure(change: str, chats_n: int, notes: int, new_server: str, work: Path) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--chats", type=int, default=4)
-    parser.add_argument("--notes", type=int, default=120)
+    parser.add_argument("--chats", type=int, default=3)
+    parser.add_argument("--notes", type=int, default=40)
     parser.add_argument("--changes", default="upgrade,np,ctk,requant")
     options = parser.parse_args()
     server = llama_server()
     work = work_dir("upgrade")
-    try:
-        rows = [measure(c, options.chats, options.notes, server, work) for c in options.changes.split(",")]
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     print(
         f"{'change':<9} {'chats':>5} {'tokens':>7} {'cold first token':>17} {'recomputed':>11} "
-        f"{'reused':>7} {'recompute prefill':>18} {'plain prefill':>14}"
+        f"{'reused':>7} {'recompute prefill':>18} {'plain prefill':>14}",
+        flush=True,
     )
-    for row in rows:
-        print(
-            f"{row['change']:<9} {row['recomputed']:>5} {row['tokens']:>7,} {fmt_s(row['cold_first']):>17} "
-            f"{fmt_s(row['warm_first']):>11} {row['warm_reused']:>7,} {fmt_s(row['recompute_s']):>18} "
-            f"{fmt_s(row['plain_prefill_s']):>14}"
-        )
+    try:
+        for change in options.changes.split(","):
+            row = measure(change, options.chats, options.notes, server, work)
+            print(
+                f"{row['change']:<9} {row['recomputed']:>5} {row['tokens']:>7,} {fmt_s(row['cold_first']):>17} "
+                f"{fmt_s(row['warm_first']):>11} {row['warm_reused']:>7,} {fmt_s(row['recompute_s']):>18} "
+                f"{fmt_s(row['plain_prefill_s']):>14}",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from slotkeeper.testing.agents import (
     post,
     prompt_tokens,
 )
-from slotkeeper.testing.harness import PlainServer, clean_env, free_port
+from slotkeeper.testing.harness import plain_server
 
 AGENT_FAMILIES = ("llama", "qwen35-thinking-off")
 # The session test runs on every tiny family: sliding-window (where a restored state a request does not extend
@@ -235,22 +235,12 @@ def test_every_new_claude_code_session_starts_from_the_one_saved_opening(
     assert sk.call("GET", "/slotkeeper/status").body["attribution_lines_dropped"] == 1
 
     model = model_path(family.model, family_models, request)
-    plain = PlainServer(
-        llama_server,
-        ["-m", str(model), *BASE, "-np", "2"],
-        free_port(),
-        tmp_path / "plain.log",
-        clean_env(llama_server),
-    )
-    try:
-        plain.wait_ready()
+    with plain_server(llama_server, ["-m", str(model), *BASE, "-np", "2"], tmp_path) as plain:
         for body, turn in ((first_body, first_turn), (second_body, second_turn), (third_body, third_turn)):
             code, raw, _ = post(plain.port, "/v1/messages", _without_line(body))
             assert code == 200, raw[:500]
             cold = json.loads(raw)
             assert "".join(b.get("text", "") for b in cold["content"] if b["type"] == "text") == turn.text
-    finally:
-        plain.stop()
 
 
 def test_with_keep_attribution_line_a_new_claude_code_session_is_cold_as_on_plain(
@@ -273,17 +263,7 @@ def test_with_keep_attribution_line_a_new_claude_code_session_is_cold_as_on_plai
     assert prefilled >= 0.9 * opening_n and after["saved"] == 2, (second_turn, after, opening_n)
     assert sk.call("GET", "/slotkeeper/status").body["attribution_lines_dropped"] == 0
     model = model_path(family.model, family_models, request)
-    plain = PlainServer(
-        llama_server,
-        ["-m", str(model), *BASE, "-np", "2"],
-        free_port(),
-        tmp_path / "plain.log",
-        clean_env(llama_server),
-    )
-    try:
-        plain.wait_ready()
+    with plain_server(llama_server, ["-m", str(model), *BASE, "-np", "2"], tmp_path) as plain:
         claude_code_session(1, FIRSTS[0]).turn(plain.port)
         cold = claude_code_session(2, FIRSTS[1]).turn(plain.port)
-    finally:
-        plain.stop()
     assert cold.prompt - cold.reused >= 0.9 * opening_n, (cold, opening_n)

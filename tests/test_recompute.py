@@ -18,7 +18,7 @@ import pytest
 from family_helpers import LOGPROB_TOLERANCE, NO_THINKING, Chat, answer, converse, same_answer, swap_out
 
 from slotkeeper.placement.recompute import CHUNK_TOKENS
-from slotkeeper.testing.harness import PlainServer, clean_env, free_port, http_call, wait_until
+from slotkeeper.testing.harness import http_call, plain_server, wait_until
 
 ARGS = ["-t", "2", "--no-warmup"]
 RECOMPUTE_WITHIN_S = 60.0
@@ -39,13 +39,8 @@ def wait_recomputed(sk: Any) -> dict[str, Any]:
 
 def cold_answers(server: str, args: list[str], chats: list[Chat], tmp_path: Path) -> list[tuple[str, list]]:
     """Each chat's next turn answered by a cold plain llama-server of the configuration."""
-    port = free_port()
-    plain = PlainServer(server, args, port, tmp_path / f"plain-{port}.log", clean_env(server))
-    try:
-        plain.wait_ready()
-        return [answer(port, chat, chat.messages) for chat in chats]
-    finally:
-        plain.stop()
+    with plain_server(server, args, tmp_path) as plain:
+        return [answer(plain.port, chat, chat.messages) for chat in chats]
 
 
 @pytest.mark.parametrize(

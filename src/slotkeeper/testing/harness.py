@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -200,6 +201,19 @@ class PlainServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self._log.close()
+
+
+@contextlib.contextmanager
+def plain_server(binary: str, args: list[str], log_dir: Path) -> Iterator[PlainServer]:
+    """A plain llama-server (`args`, on a free port, in the clean environment), ready for the block and stopped
+    after it: what a comparison with slotkeeper needs, written once."""
+    port = free_port()
+    server = PlainServer(binary, args, port, log_dir / f"plain-{port}.log", clean_env(binary))
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
 
 
 def clean_env(binary: str | None = None, *, cache_home: Path | None = None) -> dict[str, str]:

@@ -24,7 +24,6 @@ from ..chat.prefix import block_keys, exact_key
 from ..llama.sleep import SleepWatch
 from ..log import fmt_ms, log
 from ..store.entries import Entry, pair_paths
-from ..store.index import extends
 from ..store.statefile import StateFileError, read_header
 from .decide import worth_keeping
 from .keeper import Keeper, supersedes_nothing
@@ -77,8 +76,17 @@ class Recomputer:
         (an entry another one extends is that chat's earlier turn), and not saved here already."""
         store = self.store
         candidates = sorted(store.recomputable.values(), key=lambda e: e.last_used, reverse=True)
-        latest = [e for e in candidates if not any(o is not e and _continues(o, e) for o in candidates)]
-        self._latest = [e for e in latest if store.find_exact(e.exact) is None]
+        # Keys are chained (chat.prefix): an entry's last key inside another's chain means that one holds all of
+        # it and more. One pass over the keys, whatever the number of entries (an upgrade sets aside them all).
+        inner_messages = {k for e in candidates for k in list(e.message_keys)[:-1]}
+        inner_blocks = {k for e in candidates for k in list(e.keys)[:-1]}
+
+        def continued(entry: Entry) -> bool:
+            if entry.message_keys:
+                return entry.message_keys[-1] in inner_messages
+            return bool(entry.keys) and entry.keys[-1] in inner_blocks
+
+        self._latest = [e for e in candidates if not continued(e) and store.find_exact(e.exact) is None]
         self.queue = self._latest[: max(self.budget, 0)]
         return self.queue
 
@@ -246,11 +254,3 @@ class Recomputer:
 def _duration(seconds: float) -> str:
     """A rough duration for a line a user reads: seconds, or minutes."""
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
-
-
-def _continues(later: Entry, earlier: Entry) -> bool:
-    """`later` holds `earlier`'s chat and more: by their message keys when both have them, else by blocks."""
-    if later.message_keys and earlier.message_keys:
-        n = len(earlier.message_keys)
-        return len(later.message_keys) > n and list(later.message_keys[:n]) == list(earlier.message_keys)
-    return later.n_tokens > earlier.n_tokens and extends(later, earlier)

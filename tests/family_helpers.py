@@ -57,6 +57,7 @@ class Chat:
     reasoning: list[str] = field(default_factory=list)
     system: str = SYSTEM
     facts: int = 40  # the length of its first message
+    timeout: float = 60.0  # for each reply: longer for a turn that waits behind another model's long answer
 
     def __post_init__(self) -> None:
         self.messages = [
@@ -70,7 +71,7 @@ class Chat:
 
     def send(self, port: int, messages: list[dict[str, Any]], **extra: Any) -> dict:
         body = {"messages": messages, "max_tokens": 8, "temperature": 0, **self.request, **extra}
-        reply = http_call(port, "POST", "/v1/chat/completions", body)
+        reply = http_call(port, "POST", "/v1/chat/completions", body, timeout=self.timeout)
         assert reply.status == 200, reply.body
         return reply.body
 

@@ -21,6 +21,7 @@ from slotkeeper.demo import stream_chat
 from slotkeeper.testing.harness import http_call, wait_until
 
 ROUTER = ["-c", "8192", "-t", "2", "--no-warmup"]
+LONG_S = 600.0  # a bound no answer reaches, however loaded the machine (a stream's own timeout)
 
 
 def models_dir(tmp_path, family_models):
@@ -30,6 +31,12 @@ def models_dir(tmp_path, family_models):
     shutil.copy(family_models["llama"], models / "a.gguf")
     shutil.copy(family_models["qwen35"], models / "b.gguf")
     return models
+
+
+def processing(port: int, model: str) -> bool:
+    """One of the model's slots is processing a request (its child's GET /slots, through the router)."""
+    reply = http_call(port, "GET", f"/slots?model={model}")
+    return reply.status == 200 and any(slot.get("is_processing") for slot in reply.body)
 
 
 def statuses(port: int) -> dict[str, str]:
@@ -153,23 +160,30 @@ def test_in_router_mode_a_childs_own_sleep_keeps_its_chats(starter, llama_server
 
 def test_a_model_is_unloaded_only_once_its_requests_have_ended(starter, llama_server, family_models, tmp_path):
     """--models-max 1: a long answer streams from a while a request for b comes. b waits for it (as the router
-    itself waits for a model's requests before it unloads it); both complete, and a's chat is saved."""
-    sk = starter(
-        llama_server, ["--models-dir", str(models_dir(tmp_path, family_models)), "--models-max", "1", *ROUTER]
-    )()
+    itself waits for a model's requests before it unloads it); both complete, and a's chat is saved.
+
+    The wait is bounded by --drain-timeout (5 s by default), and on a loaded machine (llama-server's threads
+    oversubscribed) the 3000 tokens take tens of seconds: so a bound far past any such answer, as the subject
+    here is the wait, not its bound. b's request comes once a's answer is under way (a's slot processing)."""
+    models = models_dir(tmp_path, family_models)
+    sk = starter(llama_server, ["--models-dir", str(models), "--models-max", "1", *ROUTER])(
+        own=("--drain-timeout", str(LONG_S))
+    )
     chat = Chat(0, {"model": "a"})
     chat.turn(sk.port)
     long_answer: dict = {}
 
     def stream_a() -> None:
-        long_answer["turn"] = stream_chat(sk.port, chat.messages, 3000, request={"model": "a", "ignore_eos": True})
+        long_answer["turn"] = stream_chat(
+            sk.port, chat.messages, 3000, timeout=LONG_S, request={"model": "a", "ignore_eos": True}
+        )
 
     streaming = threading.Thread(target=stream_a)
     streaming.start()
-    time.sleep(0.3)  # a's answer is under way
-    on_b = Chat(1, {"model": "b", **NO_THINKING})
+    assert wait_until(lambda: processing(sk.port, "a") or not streaming.is_alive(), 60), sk.logs()[-3000:]
+    on_b = Chat(1, {"model": "b", **NO_THINKING}, timeout=LONG_S)  # (its reply waits for a's to end)
     on_b.turn(sk.port)
-    streaming.join(60)
+    streaming.join(LONG_S)
     turn = long_answer.get("turn")
     assert turn is not None and turn.timings.get("predicted_n") == 3000, (long_answer, sk.logs()[-4000:])
     assert "model a: unloading (model b loads): saved 1 of 1" in sk.logs(), sk.logs()[-4000:]

@@ -12,6 +12,7 @@ import enum
 import gc
 import signal
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from .chat.attribution import AttributionFilter
@@ -22,14 +23,14 @@ from .llama.sleep import POLL_S, ChildSleep, save_after
 from .llama.supervisor import ChildProcess
 from .log import MODEL, fmt_bytes, fmt_ms, log
 from .metrics import Metrics
-from .model import Model, model_memory, open_model, read_server_facts
+from .model import Model, early_vocabulary, model_memory, open_model, read_server_facts
 from .proxy.hook import CompletionHook
 from .proxy.messages import Reply
 from .proxy.server import Gate, Proxy
 from .router import Router
 from .store.fingerprint import model_identity
 from .store.layout import SNAPSHOTS_DIR
-from .store.scan import remove_transients
+from .store.scan import Found, prescan, remove_transients
 
 HEALTH_POLL_S = 0.01
 EXIT_OK = 0
@@ -82,6 +83,17 @@ class Race(enum.Enum):
     INTERRUPTED = "interrupted"
     CHILD_EXITED = "child exited"
     TIMEOUT = "timeout"
+
+
+@dataclass(frozen=True)
+class Early:
+    """What is read while llama-server loads the model (started at the spawn, awaited by the restore): the
+    model file's identity, memory kind and vocabulary, and the store's listing (store.scan.prescan)."""
+
+    identity: asyncio.Future[dict[str, Any]]
+    memory: asyncio.Future[Any]
+    vocabulary: asyncio.Future[str]
+    scanned: asyncio.Future[Found]
 
 
 class Daemon:
@@ -193,6 +205,9 @@ class Daemon:
         # Hash the model file while llama-server loads it (hashlib releases the GIL): ready for the restore.
         identity = asyncio.ensure_future(asyncio.to_thread(model_identity, self.config.model))
         memory = asyncio.ensure_future(asyncio.to_thread(model_memory, self.config.model))
+        vocabulary = asyncio.ensure_future(early_vocabulary(self.config.model, memory))
+        # ... and list the store, reading its manifests (the manifest cache): judged once /props is known
+        scanned = asyncio.ensure_future(asyncio.to_thread(prescan, self.config.save_dir))
         startup_deadline = self.started_at + self.options.startup_timeout
         gate = Gate()
         proxy = Proxy(self.child.endpoint, gate, lambda: self.state.value, startup_deadline, self.config.api_keys)
@@ -203,7 +218,9 @@ class Daemon:
         self.metrics.requests_by_status = lambda: dict(proxy.status_counts)
         try:
             await self.listen(proxy)
-            code = await self.startup(client, identity, memory, child_exited, startup_deadline)
+            code = await self.startup(
+                client, Early(identity, memory, vocabulary, scanned), child_exited, startup_deadline
+            )
             if code is not None:
                 gate.close()
                 return code
@@ -279,12 +296,7 @@ class Daemon:
         return Race.TIMEOUT, None
 
     async def startup(
-        self,
-        client: LlamaClient,
-        identity: asyncio.Future[dict[str, Any]],
-        memory: asyncio.Future[Any],
-        child_exited: asyncio.Future[int],
-        deadline: float,
+        self, client: LlamaClient, early: Early, child_exited: asyncio.Future[int], deadline: float
     ) -> int | None:
         """Wait for the child's health, then restore. Returns an exit code when startup ends the run.
 
@@ -294,7 +306,7 @@ class Daemon:
         outcome, _ = await self._race(self.wait_healthy(client), self.stop_requested, child_exited, deadline)
         if outcome is Race.DONE:
             self.set_state(State.RESTORING)
-            restore = self.restore(client, identity, memory)
+            restore = self.restore(client, early)
             outcome, _ = await self._race(restore, self.stop_requested, child_exited, deadline)
         if outcome is Race.DONE:
             return None
@@ -329,11 +341,13 @@ class Daemon:
                 pass
             await asyncio.sleep(HEALTH_POLL_S)
 
-    async def restore(
-        self, client: LlamaClient, identity: asyncio.Future[dict[str, Any]], memory: asyncio.Future[Any]
-    ) -> None:
+    async def restore(self, client: LlamaClient, early: Early) -> None:
         """Open the model's state (its store, placement, shared tier), then restore its most recent chats."""
-        facts = await read_server_facts(self.config, client, identity, memory)
+        facts = await read_server_facts(self.config, client, early.identity, early.memory, early.vocabulary)
+        try:
+            scanned: Found | None = await early.scanned
+        except OSError:  # the store's open reads it again, and says why it cannot
+            scanned = None
         if facts.router:
             self.router = Router(self.config, client, self.metrics)
             remove_transients(self.config.save_dir / SNAPSHOTS_DIR)  # (the models' stores share it)
@@ -343,7 +357,7 @@ class Daemon:
                 self.config.models_max,
             )
             return
-        model = self.model = await open_model(self.config, client, facts, self.metrics)
+        model = self.model = await open_model(self.config, client, facts, self.metrics, scanned=scanned)
         if self.options.placement or model.policy is CachePolicy.PREFIX:
             await model.placement.restore_recent()
             model.plan_recompute()

@@ -38,6 +38,7 @@ from .placement.recompute import Recomputer
 from .store.conversations import ConversationStore, default_cap, server_identity
 from .store.fingerprint import build_fingerprint, kv_flags, model_identity, namespace_key
 from .store.layout import SNAPSHOTS_DIR
+from .store.scan import Found
 
 if TYPE_CHECKING:  # (imported only with --remote-store: obstore is under it)
     from .remote.tier import RemoteTier
@@ -56,6 +57,7 @@ class ServerFacts:
     memory: ModelMemory | None  # its memory kind, from its GGUF header (None: unreadable)
     router: bool = False  # llama-server runs as a router (a child per model): it has no slots of its own
     media_marker: str | None = None  # with --mmproj: what stands for a picture in its rendered prompts
+    vocabulary: str | None = None  # model_vocabulary, when read at the spawn (None: open_model reads it)
 
 
 @dataclass(kw_only=True)
@@ -164,10 +166,11 @@ async def read_server_facts(
     client: LlamaClient,
     identity: Awaitable[dict[str, Any]],
     memory: Awaitable[ModelMemory | None],
+    vocabulary: Awaitable[str] | None = None,
 ) -> ServerFacts:
-    """The slot count and context from /props (never address a slot beyond it); the model file's identity and
-    memory kind (`identity` and `memory` were started at the spawn, read while llama-server loaded the model),
-    read again from the file /props names when that is another one (e.g. -hf)."""
+    """The slot count and context from /props (never address a slot beyond it); the model file's identity,
+    memory kind and vocabulary (`identity`, `memory` and `vocabulary` were started at the spawn, read while
+    llama-server loaded the model), read again from the file /props names when that is another one (e.g. -hf)."""
     props = await client.props()
     body = props.body if props.ok and isinstance(props.body, dict) else {}
     if body.get("role") == "router":
@@ -181,11 +184,12 @@ async def read_server_facts(
     n_ctx = body.get("default_generation_settings", {}).get("n_ctx")
     model = body.get("model_path") or config.model
     found = await identity
+    early = vocabulary
     if model and found.get("model") != str(Path(model).resolve()):  # e.g. -hf: /props names the file
-        found = await asyncio.to_thread(model_identity, model)
+        found, early = await asyncio.to_thread(model_identity, model), None
     kind = await memory
     if model and model != config.model:
-        kind = await asyncio.to_thread(model_memory, model)
+        kind, early = await asyncio.to_thread(model_memory, model), None
     modalities = body.get("modalities") or {}
     marker = body.get("media_marker") if any(modalities.values()) else None
     return ServerFacts(
@@ -194,6 +198,15 @@ async def read_server_facts(
         identity=found,
         memory=kind,
         media_marker=marker if isinstance(marker, str) else None,
+        vocabulary=None if early is None else await early,
+    )
+
+
+async def early_vocabulary(path: str | None, memory: Awaitable[ModelMemory | None]) -> str:
+    """model_vocabulary of the model file given on the command line, started at the spawn: its header is read
+    (about 30 ms for a 262k-token vocabulary) while llama-server loads, not after it answers healthy."""
+    return await asyncio.to_thread(
+        model_vocabulary, str(Path(path).resolve()) if path else None, await asyncio.shield(memory)
     )
 
 
@@ -231,11 +244,17 @@ def model_memory(path: str | None) -> ModelMemory | None:
 
 
 async def open_model(
-    config: RunConfig, client: LlamaClient, facts: ServerFacts, metrics: Metrics, root: Path | None = None
+    config: RunConfig,
+    client: LlamaClient,
+    facts: ServerFacts,
+    metrics: Metrics,
+    root: Path | None = None,
+    scanned: Found | None = None,
 ) -> Model:
     """The model's store opened (its entries indexed, its format checked against this llama-server's), its
     placement and its shared tier: ready for the restore at start. `root`: the store's directory, when it is
-    not the save directory (a router's models each have one below it, and share its snapshots/)."""
+    not the save directory (a router's models each have one below it, and share its snapshots/). `scanned`:
+    what store.scan.prescan found in it at the spawn."""
     options = config.options
     store_root = root or config.save_dir
     swa_full = "swa_full" in kv_flags(config.child_args)
@@ -244,7 +263,9 @@ async def open_model(
     fingerprint = build_fingerprint(facts.identity, config.child_args, facts.n_slots, facts.n_ctx_slot)
     cap = int(options.max_cache_bytes) if options.max_cache_bytes else None
     remote = _remote_tier(options.remote_store, fingerprint, store_root)
-    vocabulary = await asyncio.to_thread(model_vocabulary, facts.identity.get("model"), facts.memory)
+    vocabulary = facts.vocabulary
+    if vocabulary is None:
+        vocabulary = await asyncio.to_thread(model_vocabulary, facts.identity.get("model"), facts.memory)
     store = ConversationStore(
         store_root,
         client,
@@ -259,7 +280,7 @@ async def open_model(
         media=MediaBook(facts.media_marker),
         vocabulary=vocabulary,
     )
-    await store.load()
+    await store.load(scanned)
     if store.cap_bytes is None:
         store.cap_bytes = default_cap(store_root, store.total_bytes)
     await store.check_format()

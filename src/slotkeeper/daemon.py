@@ -28,9 +28,11 @@ from .proxy.hook import CompletionHook
 from .proxy.messages import Reply
 from .proxy.server import Gate, Proxy
 from .router import Router
+from .store.conversations import server_identity
 from .store.fingerprint import model_identity
 from .store.layout import SNAPSHOTS_DIR
-from .store.scan import Found, prescan, remove_transients
+from .store.prescan import Prescan, prescan
+from .store.scan import remove_transients
 
 HEALTH_POLL_S = 0.01
 EXIT_OK = 0
@@ -88,12 +90,12 @@ class Race(enum.Enum):
 @dataclass(frozen=True)
 class Early:
     """What is read while llama-server loads the model (started at the spawn, awaited by the restore): the
-    model file's identity, memory kind and vocabulary, and the store's listing (store.scan.prescan)."""
+    model file's identity, memory kind and vocabulary, and the store's listing and guessed index (store.prescan)."""
 
     identity: asyncio.Future[dict[str, Any]]
     memory: asyncio.Future[Any]
     vocabulary: asyncio.Future[str]
-    scanned: asyncio.Future[Found]
+    scanned: asyncio.Future[Prescan]
 
 
 class Daemon:
@@ -206,8 +208,10 @@ class Daemon:
         identity = asyncio.ensure_future(asyncio.to_thread(model_identity, self.config.model))
         memory = asyncio.ensure_future(asyncio.to_thread(model_memory, self.config.model))
         vocabulary = asyncio.ensure_future(early_vocabulary(self.config.model, memory))
-        # ... and list the store, reading its manifests (the manifest cache): judged once /props is known
-        scanned = asyncio.ensure_future(asyncio.to_thread(prescan, self.config.save_dir))
+        # ... and list the store and index it for the last run's configuration (store/prescan.py)
+        scanned = asyncio.ensure_future(
+            asyncio.to_thread(prescan, self.config.save_dir, server_identity(self.config.llama_binary))
+        )
         startup_deadline = self.started_at + self.options.startup_timeout
         gate = Gate()
         proxy = Proxy(self.child.endpoint, gate, lambda: self.state.value, startup_deadline, self.config.api_keys)
@@ -345,7 +349,7 @@ class Daemon:
         """Open the model's state (its store, placement, shared tier), then restore its most recent chats."""
         facts = await read_server_facts(self.config, client, early.identity, early.memory, early.vocabulary)
         try:
-            scanned: Found | None = await early.scanned
+            scanned: Prescan | None = await early.scanned
         except OSError:  # the store's open reads it again, and says why it cannot
             scanned = None
         if facts.router:

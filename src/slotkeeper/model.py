@@ -38,7 +38,7 @@ from .placement.recompute import Recomputer
 from .store.conversations import ConversationStore, default_cap, server_identity
 from .store.fingerprint import build_fingerprint, kv_flags, model_identity, namespace_key
 from .store.layout import SNAPSHOTS_DIR
-from .store.scan import Found
+from .store.prescan import Prescan
 
 if TYPE_CHECKING:  # (imported only with --remote-store: obstore is under it)
     from .remote.tier import RemoteTier
@@ -249,12 +249,12 @@ async def open_model(
     facts: ServerFacts,
     metrics: Metrics,
     root: Path | None = None,
-    scanned: Found | None = None,
+    scanned: Prescan | None = None,
 ) -> Model:
     """The model's store opened (its entries indexed, its format checked against this llama-server's), its
     placement and its shared tier: ready for the restore at start. `root`: the store's directory, when it is
     not the save directory (a router's models each have one below it, and share its snapshots/). `scanned`:
-    what store.scan.prescan found in it at the spawn."""
+    what store.prescan read of it at the spawn."""
     options = config.options
     store_root = root or config.save_dir
     swa_full = "swa_full" in kv_flags(config.child_args)

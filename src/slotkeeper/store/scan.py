@@ -10,7 +10,6 @@ then the store's to judge (`entries.judge`).
 
 from __future__ import annotations
 
-import gc
 import os
 import secrets
 import time
@@ -195,17 +194,3 @@ def scan_entries(root: Path) -> Found:  # noqa: C901 - one pass over entries/, o
             size = None if bin_item is None else bin_item.stat(follow_symlinks=False).st_size
             found.pairs.append((entry_id, data, size))
     return found
-
-
-def prescan(root: Path) -> Found:
-    """`scan_entries` as run mode starts it, in a thread, at the spawn: what it does needs no configuration, and
-    a store of 20,000 entries is read while llama-server loads the model instead of after (the store's `open`
-    takes the result, and judges each pair once the configuration is known). The collector is off meanwhile,
-    as in the store's open: none of this makes cycles."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        return scan_entries(root)
-    finally:
-        if collecting:
-            gc.enable()

@@ -229,6 +229,8 @@ class ConversationStore(EntryIndex):
             pairs = scanned.rest
         for entry_id, data, size in pairs:
             self._admit(entry_id, data, size)
+        # consumed: the manifests read are not held by the prescan, which the daemon's start keeps to its end
+        found.pairs, scanned.rest, scanned.index = [], [], None
         found.warn(self.entries_dir)
 
     def say_kept(self) -> None:

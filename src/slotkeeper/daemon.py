@@ -23,7 +23,7 @@ from .llama.sleep import POLL_S, ChildSleep, save_after
 from .llama.supervisor import ChildProcess
 from .log import MODEL, fmt_bytes, fmt_ms, log
 from .metrics import Metrics
-from .model import Model, early_vocabulary, model_memory, open_model, read_server_facts
+from .model import Model, model_memory, open_model, read_server_facts
 from .proxy.hook import CompletionHook
 from .proxy.messages import Reply
 from .proxy.server import Gate, Proxy
@@ -90,11 +90,10 @@ class Race(enum.Enum):
 @dataclass(frozen=True)
 class Early:
     """What is read while llama-server loads the model (started at the spawn, awaited by the restore): the
-    model file's identity, memory kind and vocabulary, and the store's listing and guessed index (store.prescan)."""
+    model file's identity and memory kind, and the store's listing and guessed index (store.prescan)."""
 
     identity: asyncio.Future[dict[str, Any]]
     memory: asyncio.Future[Any]
-    vocabulary: asyncio.Future[str]
     scanned: asyncio.Future[Prescan]
 
 
@@ -207,7 +206,6 @@ class Daemon:
         # Hash the model file while llama-server loads it (hashlib releases the GIL): ready for the restore.
         identity = asyncio.ensure_future(asyncio.to_thread(model_identity, self.config.model))
         memory = asyncio.ensure_future(asyncio.to_thread(model_memory, self.config.model))
-        vocabulary = asyncio.ensure_future(early_vocabulary(self.config.model, memory))
         # ... and list the store and index it for the last run's configuration (store/prescan.py)
         scanned = asyncio.ensure_future(
             asyncio.to_thread(prescan, self.config.save_dir, server_identity(self.config.llama_binary))
@@ -222,9 +220,7 @@ class Daemon:
         self.metrics.requests_by_status = lambda: dict(proxy.status_counts)
         try:
             await self.listen(proxy)
-            code = await self.startup(
-                client, Early(identity, memory, vocabulary, scanned), child_exited, startup_deadline
-            )
+            code = await self.startup(client, Early(identity, memory, scanned), child_exited, startup_deadline)
             if code is not None:
                 gate.close()
                 return code
@@ -347,7 +343,7 @@ class Daemon:
 
     async def restore(self, client: LlamaClient, early: Early) -> None:
         """Open the model's state (its store, placement, shared tier), then restore its most recent chats."""
-        facts = await read_server_facts(self.config, client, early.identity, early.memory, early.vocabulary)
+        facts = await read_server_facts(self.config, client, early.identity, early.memory)
         try:
             scanned: Prescan | None = await early.scanned
         except OSError:  # the store's open reads it again, and says why it cannot

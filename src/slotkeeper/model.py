@@ -57,7 +57,6 @@ class ServerFacts:
     memory: ModelMemory | None  # its memory kind, from its GGUF header (None: unreadable)
     router: bool = False  # llama-server runs as a router (a child per model): it has no slots of its own
     media_marker: str | None = None  # with --mmproj: what stands for a picture in its rendered prompts
-    vocabulary: str | None = None  # model_vocabulary, when read at the spawn (None: open_model reads it)
 
 
 @dataclass(kw_only=True)
@@ -166,11 +165,10 @@ async def read_server_facts(
     client: LlamaClient,
     identity: Awaitable[dict[str, Any]],
     memory: Awaitable[ModelMemory | None],
-    vocabulary: Awaitable[str] | None = None,
 ) -> ServerFacts:
-    """The slot count and context from /props (never address a slot beyond it); the model file's identity,
-    memory kind and vocabulary (`identity`, `memory` and `vocabulary` were started at the spawn, read while
-    llama-server loaded the model), read again from the file /props names when that is another one (e.g. -hf)."""
+    """The slot count and context from /props (never address a slot beyond it); the model file's identity and
+    memory kind (`identity` and `memory` were started at the spawn, read while llama-server loaded the model),
+    read again from the file /props names when that is another one (e.g. -hf)."""
     props = await client.props()
     body = props.body if props.ok and isinstance(props.body, dict) else {}
     if body.get("role") == "router":
@@ -184,12 +182,11 @@ async def read_server_facts(
     n_ctx = body.get("default_generation_settings", {}).get("n_ctx")
     model = body.get("model_path") or config.model
     found = await identity
-    early = vocabulary
     if model and found.get("model") != str(Path(model).resolve()):  # e.g. -hf: /props names the file
-        found, early = await asyncio.to_thread(model_identity, model), None
+        found = await asyncio.to_thread(model_identity, model)
     kind = await memory
     if model and model != config.model:
-        kind, early = await asyncio.to_thread(model_memory, model), None
+        kind = await asyncio.to_thread(model_memory, model)
     modalities = body.get("modalities") or {}
     marker = body.get("media_marker") if any(modalities.values()) else None
     return ServerFacts(
@@ -198,15 +195,6 @@ async def read_server_facts(
         identity=found,
         memory=kind,
         media_marker=marker if isinstance(marker, str) else None,
-        vocabulary=None if early is None else await early,
-    )
-
-
-async def early_vocabulary(path: str | None, memory: Awaitable[ModelMemory | None]) -> str:
-    """model_vocabulary of the model file given on the command line, started at the spawn: its header is read
-    (about 30 ms for a 262k-token vocabulary) while llama-server loads, not after it answers healthy."""
-    return await asyncio.to_thread(
-        model_vocabulary, str(Path(path).resolve()) if path else None, await asyncio.shield(memory)
     )
 
 
@@ -263,9 +251,7 @@ async def open_model(
     fingerprint = build_fingerprint(facts.identity, config.child_args, facts.n_slots, facts.n_ctx_slot)
     cap = int(options.max_cache_bytes) if options.max_cache_bytes else None
     remote = _remote_tier(options.remote_store, fingerprint, store_root)
-    vocabulary = facts.vocabulary
-    if vocabulary is None:
-        vocabulary = await asyncio.to_thread(model_vocabulary, facts.identity.get("model"), facts.memory)
+    vocabulary = await asyncio.to_thread(model_vocabulary, facts.identity.get("model"), facts.memory)
     store = ConversationStore(
         store_root,
         client,

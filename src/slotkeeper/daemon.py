@@ -12,6 +12,7 @@ import enum
 import gc
 import signal
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from .chat.attribution import AttributionFilter
@@ -28,8 +29,10 @@ from .proxy.hook import CompletionHook
 from .proxy.messages import Reply
 from .proxy.server import Gate, Proxy
 from .router import Router
+from .store.conversations import server_identity
 from .store.fingerprint import model_identity
 from .store.layout import SNAPSHOTS_DIR
+from .store.prescan import Prescan, prescan
 from .store.scan import remove_transients
 
 HEALTH_POLL_S = 0.01
@@ -83,6 +86,16 @@ class Race(enum.Enum):
     INTERRUPTED = "interrupted"
     CHILD_EXITED = "child exited"
     TIMEOUT = "timeout"
+
+
+@dataclass(frozen=True)
+class Early:
+    """What is read while llama-server loads the model (started at the spawn, awaited by the restore): the
+    model file's identity and memory kind, and the store's listing and guessed index (store.prescan)."""
+
+    identity: asyncio.Future[dict[str, Any]]
+    memory: asyncio.Future[Any]
+    scanned: asyncio.Future[Prescan]
 
 
 class Daemon:
@@ -194,6 +207,10 @@ class Daemon:
         # Hash the model file while llama-server loads it (hashlib releases the GIL): ready for the restore.
         identity = asyncio.ensure_future(asyncio.to_thread(model_identity, self.config.model))
         memory = asyncio.ensure_future(asyncio.to_thread(model_memory, self.config.model))
+        # ... and list the store and index it for the last run's configuration (store/prescan.py)
+        scanned = asyncio.ensure_future(
+            asyncio.to_thread(prescan, self.config.save_dir, server_identity(self.config.llama_binary))
+        )
         startup_deadline = self.started_at + self.options.startup_timeout
         gate = Gate()
         proxy = Proxy(self.child.endpoint, gate, lambda: self.state.value, startup_deadline, self.config.api_keys)
@@ -204,7 +221,7 @@ class Daemon:
         self.metrics.requests_by_status = lambda: dict(proxy.status_counts)
         try:
             await self.listen(proxy)
-            code = await self.startup(client, identity, memory, child_exited, startup_deadline)
+            code = await self.startup(client, Early(identity, memory, scanned), child_exited, startup_deadline)
             if code is not None:
                 gate.close()
                 return code
@@ -280,12 +297,7 @@ class Daemon:
         return Race.TIMEOUT, None
 
     async def startup(
-        self,
-        client: LlamaClient,
-        identity: asyncio.Future[dict[str, Any]],
-        memory: asyncio.Future[Any],
-        child_exited: asyncio.Future[int],
-        deadline: float,
+        self, client: LlamaClient, early: Early, child_exited: asyncio.Future[int], deadline: float
     ) -> int | None:
         """Wait for the child's health, then restore. Returns an exit code when startup ends the run.
 
@@ -295,7 +307,7 @@ class Daemon:
         outcome, _ = await self._race(self.wait_healthy(client), self.stop_requested, child_exited, deadline)
         if outcome is Race.DONE:
             self.set_state(State.RESTORING)
-            restore = self.restore(client, identity, memory)
+            restore = self.restore(client, early)
             outcome, _ = await self._race(restore, self.stop_requested, child_exited, deadline)
         if outcome is Race.DONE:
             return None
@@ -330,11 +342,13 @@ class Daemon:
                 pass
             await asyncio.sleep(HEALTH_POLL_S)
 
-    async def restore(
-        self, client: LlamaClient, identity: asyncio.Future[dict[str, Any]], memory: asyncio.Future[Any]
-    ) -> None:
+    async def restore(self, client: LlamaClient, early: Early) -> None:
         """Open the model's state (its store, placement, shared tier), then restore its most recent chats."""
-        facts = await read_server_facts(self.config, client, identity, memory)
+        facts = await read_server_facts(self.config, client, early.identity, early.memory)
+        try:
+            scanned: Prescan | None = await early.scanned
+        except OSError:  # the store's open reads it again, and says why it cannot
+            scanned = None
         if facts.router:
             self.router = Router(self.config, client, self.metrics)
             remove_transients(self.config.save_dir / SNAPSHOTS_DIR)  # (the models' stores share it)
@@ -344,7 +358,7 @@ class Daemon:
                 self.config.models_max,
             )
             return
-        model = self.model = await open_model(self.config, client, facts, self.metrics)
+        model = self.model = await open_model(self.config, client, facts, self.metrics, scanned=scanned)
         if self.options.placement or model.policy is CachePolicy.PREFIX:
             await model.placement.restore_recent()
             model.plan_recompute()

@@ -38,6 +38,7 @@ from .placement.recompute import Recomputer
 from .store.conversations import ConversationStore, default_cap, server_identity
 from .store.fingerprint import build_fingerprint, kv_flags, model_identity, namespace_key
 from .store.layout import SNAPSHOTS_DIR
+from .store.prescan import Prescan
 
 if TYPE_CHECKING:  # (imported only with --remote-store: obstore is under it)
     from .remote.tier import RemoteTier
@@ -231,11 +232,17 @@ def model_memory(path: str | None) -> ModelMemory | None:
 
 
 async def open_model(
-    config: RunConfig, client: LlamaClient, facts: ServerFacts, metrics: Metrics, root: Path | None = None
+    config: RunConfig,
+    client: LlamaClient,
+    facts: ServerFacts,
+    metrics: Metrics,
+    root: Path | None = None,
+    scanned: Prescan | None = None,
 ) -> Model:
     """The model's store opened (its entries indexed, its format checked against this llama-server's), its
     placement and its shared tier: ready for the restore at start. `root`: the store's directory, when it is
-    not the save directory (a router's models each have one below it, and share its snapshots/)."""
+    not the save directory (a router's models each have one below it, and share its snapshots/). `scanned`:
+    what store.prescan read of it at the spawn."""
     options = config.options
     store_root = root or config.save_dir
     swa_full = "swa_full" in kv_flags(config.child_args)
@@ -259,7 +266,7 @@ async def open_model(
         media=MediaBook(facts.media_marker),
         vocabulary=vocabulary,
     )
-    await store.load()
+    await store.load(scanned)
     if store.cap_bytes is None:
         store.cap_bytes = default_cap(store_root, store.total_bytes)
     await store.check_format()

@@ -63,6 +63,7 @@ from .entries import (
 from .fit import UNFIT_WORDS, Fit, Running, Unfit, fit, group_of, same_tensors
 from .index import EntryIndex, extends
 from .layout import ENTRIES_DIR, QUARANTINE_DIR, SNAPSHOTS_DIR, prepare_layout
+from .prescan import Prescan
 from .scan import remove_transients, scan_entries, take_over_slot_files
 from .slotfiles import SavedFile, low_space, read_saved, report_progress, transient_path
 from .statefile import StateFileError, StateHeader, read_header
@@ -190,35 +191,46 @@ class ConversationStore(EntryIndex):
 
     # ---- opening ------------------------------------------------------------------------------------------
 
-    async def load(self) -> None:
+    async def load(self, scanned: Prescan | None = None) -> None:
         """Open the store in a thread (`open`), then teach the media book what its entries show of pictures,
-        here on the event loop."""
-        await asyncio.to_thread(self.open)
+        here on the event loop. `scanned`: what `prescan.prescan` read of it while llama-server loaded."""
+        await asyncio.to_thread(self.open, scanned)
         for entry in self.entries.values():
             self._remember_pictures(entry)
 
-    def open(self) -> None:
-        """Finish what a killed run left, take over a directory of the slot-file layout, read the manifests.
+    def open(self, scanned: Prescan | None = None) -> None:
+        """Finish what a killed run left, take over a directory of the slot-file layout, read the manifests
+        (`scanned`: already read, by `prescan.prescan` at the spawn, its index taken when it guessed this
+        configuration; read again when a slot file was taken over).
 
         The cyclic garbage collector is off meanwhile: building tens of thousands of entries, it would walk the
         growing heap again and again (a third of the time at 20,000), and none of this makes cycles."""
         collecting = gc.isenabled()
         gc.disable()
         try:
-            self._open()
+            self._open(scanned)
         finally:
             if collecting:
                 gc.enable()
 
-    def _open(self) -> None:
+    def _open(self, scanned: Prescan | None) -> None:
         prepare_layout(self.root)
         if self._own_snapshots:
             remove_transients(self.snapshots_dir)
-        take_over_slot_files(self.root, self.fingerprint, restore_unverified=self.restore_unverified, fsync=self.fsync)
-        found = scan_entries(self.root)
+        taken = take_over_slot_files(
+            self.root, self.fingerprint, restore_unverified=self.restore_unverified, fsync=self.fsync
+        )
+        if scanned is None or taken:  # (a slot file taken over is a new entry: listed again)
+            scanned = Prescan(scan_entries(self.root))
+        found = scanned.found
         self.cache_changes = found.manifests_read
-        for entry_id, data, size in found.pairs:
+        pairs = found.pairs
+        if scanned.index is not None and self.take_index(scanned.index):  # the guess was this configuration
+            pairs = scanned.rest
+        for entry_id, data, size in pairs:
             self._admit(entry_id, data, size)
+        # consumed: the manifests read are not held by the prescan, which the daemon's start keeps to its end
+        found.pairs, scanned.rest, scanned.index = [], [], None
         found.warn(self.entries_dir)
 
     def say_kept(self) -> None:

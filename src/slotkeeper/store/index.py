@@ -81,6 +81,22 @@ class EntryIndex:
         self._opening_ids.discard(entry.id)
         self._totals.add(entry, -1)
 
+    def take_index(self, other: EntryIndex) -> bool:
+        """Take over the indexes `other` built (store.prescan, in a thread, before this configuration was known),
+        when nothing is indexed here yet and `other` was built for this configuration and llama-server; whether
+        it was taken. Its entries then share this index's fingerprint and server, as index() makes them."""
+        if self.entries or other.fingerprint != self.fingerprint or other.server != self.server:
+            return False
+        for entry in other.entries.values():
+            if entry.fingerprint is other.fingerprint:
+                entry.fingerprint = self.fingerprint
+            if entry.server is other.server:
+                entry.server = self.server
+        self.entries, self._tree, self._by_message_keys = other.entries, other._tree, other._by_message_keys
+        self._keyless, self._by_exact, self._opening_ids = other._keyless, other._by_exact, other._opening_ids
+        self._totals = other._totals
+        return True
+
     # ---- finding ------------------------------------------------------------------------------------------
 
     def lookup(self, keys: list[str]) -> tuple[Entry | None, int]:

@@ -45,12 +45,13 @@ def remove_transients(snapshots_dir: Path) -> None:
             leftover.unlink(missing_ok=True)
 
 
-def take_over_slot_files(root: Path, fingerprint: dict[str, Any], *, restore_unverified: bool, fsync: bool) -> None:
+def take_over_slot_files(root: Path, fingerprint: dict[str, Any], *, restore_unverified: bool, fsync: bool) -> int:
     """`<slot>.bin` + `<slot>.json` from the slot-file layout become entries; clients' own files move to snapshots/.
 
     So an upgrade loses no cache. A slot file without a manifest is taken over only with --restore-unverified
-    (it is then trusted to match the running configuration, `fingerprint`).
+    (it is then trusted to match the running configuration, `fingerprint`). Returns how many became entries.
     """
+    taken = 0
     for manifest_path in sorted(root.glob(f"*{MANIFEST_SUFFIX}{PARTIAL_SUFFIX}")):
         final = manifest_path.with_name(manifest_path.name.removesuffix(PARTIAL_SUFFIX))
         data = read_json(manifest_path)
@@ -72,21 +73,22 @@ def take_over_slot_files(root: Path, fingerprint: dict[str, Any], *, restore_unv
                     "%s has no slotkeeper manifest; left as it is (--restore-unverified takes it over)", path.name
                 )
                 continue
-            _take_over_one(path, old, root / ENTRIES_DIR, fingerprint, fsync)
+            taken += _take_over_one(path, old, root / ENTRIES_DIR, fingerprint, fsync)
         elif path.suffix != MANIFEST_SUFFIX and is_state_file(path):
             os.replace(path, root / SNAPSHOTS_DIR / path.name)
             log.info("moved %s (a client's own slot file) to %s/", path.name, SNAPSHOTS_DIR)
+    return taken
 
 
 def _take_over_one(
     bin_path: Path, old: dict[str, Any] | None, entries_dir: Path, fingerprint: dict[str, Any], fsync: bool
-) -> None:
+) -> bool:
     manifest_path = bin_path.with_suffix(MANIFEST_SUFFIX)
     try:
         header = read_header(bin_path)
     except (OSError, StateFileError) as exc:
         log.warning("%s is not a slot file slotkeeper can read (%s); left as it is", bin_path.name, exc)
-        return
+        return False
     now = time.time()
     saved_at = float((old or {}).get("saved_at", bin_path.stat().st_mtime))
     entry = Entry(
@@ -115,6 +117,7 @@ def _take_over_one(
         fmt_bytes(entry.nbytes),
         now - saved_at,
     )
+    return True
 
 
 @dataclass

@@ -158,7 +158,8 @@ def test_a_request_that_comes_mid_recompute_waits_for_one_step_at_most(starter, 
         [*model, *ARGS, "-c", "16384", "-np", "1"],
     )(own=("--log-level", "debug"))
     assert wait_until(lambda: "recomputing the 6 most recent" in sk2.logs(), 10, interval=0.01), sk2.logs()[-3000:]
-    time.sleep(0.3)  # a chat is half done
+    # A chat under way: its first step prefilled (a chat is ~7.5k tokens, ~15 steps).
+    assert wait_until(lambda: recompute_status(sk2.port)["prefilled_tokens"] > 0, 30, interval=0.01), sk2.logs()[-3000:]
     during = timed_new_chat(sk2.port, 100)
     status = wait_recomputed(sk2)
     idle = timed_new_chat(sk2.port, 101)

@@ -176,8 +176,11 @@ class Recomputer:
                 if reached is None:
                     raise ConnectionError(f"llama-server did not prefill slot {slot.id}")
                 self.table.held(slot, None, block_keys(tokens[:step]), step, exact_key(tokens[:step]))
+                took = time.monotonic() - started
                 progress.done, progress.prefilled = step, progress.prefilled + reached.prefilled
-                progress.seconds += time.monotonic() - started
+                progress.seconds += took
+                self.prefilled += reached.prefilled  # (the status counts each step as it ends)
+                self.seconds += took
             finally:
                 self.table.release(slot)
             if time.monotonic() - last_line >= PROGRESS_EVERY_S:
@@ -201,16 +204,17 @@ class Recomputer:
         )
         if reached is None or result is None:
             raise ConnectionError(f"llama-server did not prefill slot {slot.id}")
+        took = time.monotonic() - started
         progress.prefilled += reached.prefilled
-        progress.seconds += time.monotonic() - started
+        progress.seconds += took
+        self.prefilled += reached.prefilled
+        self.seconds += took
         if result.entry is None:
             log.warning("chat %s recomputed but not saved: %s", entry.short, result.reason)
             return True
         new = result.entry
         self.store.recomputed(entry, new)
         self.recomputed += 1
-        self.prefilled += progress.prefilled
-        self.seconds += progress.seconds
         left = len(self.queue) - 1
         log.info(
             "chat %s recomputed into slot %d: %s tokens prefilled in %s, saved as entry %s%s",

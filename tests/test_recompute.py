@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from family_helpers import LOGPROB_TOLERANCE, NO_THINKING, Chat, answer, converse, same_answer, swap_out
+from test_router import ROUTER, models_dir, statuses
 
 from slotkeeper.placement.recompute import CHUNK_TOKENS
 from slotkeeper.testing.harness import http_call, plain_server, wait_until
@@ -112,6 +113,30 @@ def test_a_requantized_model_of_the_same_vocabulary_recomputes_the_chats(starter
     status = wait_recomputed(sk2)
     assert status["recomputed"] == 6, (status, sk2.logs()[-4000:])
     next_turns_warm_and_right(sk2, chats, llama_server, after, tmp_path)
+
+
+def test_in_router_mode_a_model_recomputes_its_chats_once_it_is_loaded(starter, llama_server, family_models, tmp_path):
+    """Router mode, -np 1 -> -np 2: nothing is recomputed for a model the router has not loaded (a's child does
+    not exist yet); a client's load of it starts its recompute, and then every chat's next turn is warm and
+    answers as a cold plain llama-server of a's new configuration."""
+    models = models_dir(tmp_path, family_models)
+    router = ["--models-dir", str(models), *ROUTER]
+    chats = six_chats_saved(starter, llama_server, [*router, "-np", "1"], {"model": "a"})
+    sk2 = starter(llama_server, [*router, "-np", "2"])()
+    assert statuses(sk2.port)["a"] != "loaded" and "recomputing" not in sk2.logs(), sk2.logs()[-3000:]
+    assert http_call(sk2.port, "POST", "/models/load", {"model": "a"}).status == 200, sk2.logs()[-3000:]
+
+    def recompute_of_a() -> dict[str, Any]:
+        models_status = http_call(sk2.port, "GET", "/slotkeeper/status").body["models"] or {}
+        return models_status.get("a", {}).get("recompute", {"pending": -1})
+
+    assert wait_until(lambda: recompute_of_a()["pending"] == 0, RECOMPUTE_WITHIN_S, interval=0.2), (
+        recompute_of_a(),
+        sk2.logs()[-4000:],
+    )
+    assert recompute_of_a()["recomputed"] == 6, (recompute_of_a(), sk2.logs()[-4000:])
+    plain_args = ["-m", str(models / "a.gguf"), *ROUTER, "-np", "2"]
+    next_turns_warm_and_right(sk2, chats, llama_server, plain_args, tmp_path)
 
 
 def six_chats_saved(starter: Any, server: str, args: list[str], request: dict[str, Any]) -> list[Chat]:

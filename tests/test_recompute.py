@@ -115,6 +115,22 @@ def test_a_requantized_model_of_the_same_vocabulary_recomputes_the_chats(starter
     next_turns_warm_and_right(sk2, chats, llama_server, after, tmp_path)
 
 
+def test_recomputed_chats_stay_warm_across_llama_servers_own_sleep(starter, llama_server, family_models, tmp_path):
+    """-np 1 -> -np 2 with --sleep-idle-seconds: the chats are recomputed, then the child falls asleep and
+    nothing of slotkeeper's wakes it (the recompute asks /props only); each chat's next turn wakes it, is
+    restored from its recomputed entry, warm and right."""
+    model = ["-m", str(family_models["llama"])]
+    chats = six_chats_saved(starter, llama_server, [*model, *ARGS, "-c", "8192", "-np", "1"], {})
+    after = [*model, *ARGS, "-c", "8192", "-np", "2"]
+    sk2 = starter(llama_server, [*after, "--sleep-idle-seconds", "2"])()
+    assert wait_recomputed(sk2)["recomputed"] == 6, sk2.logs()[-4000:]
+    assert wait_until(lambda: "llama-server is asleep" in sk2.logs(), 30, interval=0.1), sk2.logs()[-3000:]
+    time.sleep(3)  # (a window in which a wake would show)
+    logs = sk2.logs()
+    assert logs.count("server is entering sleeping state") == 1 and "exiting sleeping state" not in logs, logs[-3000:]
+    next_turns_warm_and_right(sk2, chats, llama_server, after, tmp_path)
+
+
 def test_in_router_mode_a_model_recomputes_its_chats_once_it_is_loaded(starter, llama_server, family_models, tmp_path):
     """Router mode, -np 1 -> -np 2: nothing is recomputed for a model the router has not loaded (a's child does
     not exist yet); a client's load of it starts its recompute, and then every chat's next turn is warm and

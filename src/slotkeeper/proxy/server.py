@@ -86,6 +86,8 @@ class Proxy:
         self.connections: set[ClientConnection] = set()
         self.last_activity = time.monotonic()  # when the last request that made llama-server work ended
         self.requests_total = 0
+        self.working = 0  # requests in flight that make llama-server work (not a status poll)
+        self.work_total = 0  # such requests so far
         self.status_counts: collections.Counter[int] = collections.Counter()  # 499: the client went away
         self.own_routes: dict[str, OwnRoute] = {}  # path -> handler
         self.hook: CompletionHook | None = None  # completion requests go through it (the conversation cache)
@@ -155,12 +157,19 @@ class Proxy:
         self.in_flight.add(conn)
         self.requests_total += 1
         self._idle.clear()
+        req = conn.active
+        if req is not None and (req.method != b"GET" or req.path not in STATUS_PATHS):
+            req.works = True
+            self.working += 1
+            self.work_total += 1
 
     def leave(self, conn: ClientConnection, status: int) -> None:
         self.status_counts[status] += 1
         self.in_flight.discard(conn)
         req = conn.active
-        if req is None or req.method != b"GET" or req.path not in STATUS_PATHS:
+        if req is not None and req.works:
+            req.works = False
+            self.working -= 1
             self.last_activity = time.monotonic()
         if not self.in_flight:
             self._idle.set()

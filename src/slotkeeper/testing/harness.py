@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -228,7 +228,7 @@ def clean_env(binary: str | None = None, *, cache_home: Path | None = None) -> d
     return env
 
 
-def stream_lines(port: int, path: str, body: Any, timeout: float = 30.0) -> Iterator[tuple[float, bytes]]:
+def stream_lines(port: int, path: str, body: Any, timeout: float = 30.0) -> Generator[tuple[float, bytes], None, None]:
     """(arrival time, line) for each line of a streamed response, as it arrives."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})

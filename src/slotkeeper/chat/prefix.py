@@ -186,6 +186,8 @@ class KeyChain(Sequence[str]):
         if a is None or b is None:
             return None
         lo, hi = start, min(end, len(a) // KEY_BYTES - 1, len(b) // KEY_BYTES - 1)
+        if a[hi * KEY_BYTES : (hi + 1) * KEY_BYTES] == b[hi * KEY_BYTES : (hi + 1) * KEY_BYTES]:
+            return hi  # the common case, one chat added below a run it shares whole (an opening): one comparison
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if a[mid * KEY_BYTES : (mid + 1) * KEY_BYTES] == b[mid * KEY_BYTES : (mid + 1) * KEY_BYTES]:

@@ -34,6 +34,7 @@ import gc
 import os
 import secrets
 import shutil
+import stat
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -636,8 +637,9 @@ class ConversationStore(EntryIndex):
         started = time.monotonic()
         check: asyncio.Future[str] | None = None
         try:
-            if is_link(source):
-                raise OSError(errno.ELOOP, "it became a link: never followed")
+            if reason := file_differs(entry, source):  # never handed to llama-server
+                self._quarantine(entry, reason)
+                return RestoreResult(outcome=RestoreOutcome.QUARANTINED, reason=reason)
             if entry.checksum:
                 check = asyncio.ensure_future(asyncio.to_thread(file_checksum, source))
             await self._expose(source, link)
@@ -829,3 +831,14 @@ def default_cap(root: Path, store_bytes: int) -> int:
 
 def format_entry(entry: Entry) -> str:
     return f"entry {entry.short} ({entry.n_tokens:,} tokens, {fmt_bytes(entry.nbytes)})"
+
+
+def file_differs(entry: Entry, source: Path) -> str:
+    """Why an entry's file is not the one its manifest describes ("" when it is), looked at just before a restore;
+    raises OSError for a file gone or become a link (never followed). Why here: a start does not look at the files
+    of the entries its manifest cache holds (at 20,000 entries, 20,000 lstat calls), and a file rewritten in place
+    after its save changes nothing else."""
+    st = os.lstat(source)
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(errno.ELOOP, "it became a link: never followed")
+    return "" if st.st_size == entry.nbytes else f"size {st.st_size} differs from its manifest's {entry.nbytes}"

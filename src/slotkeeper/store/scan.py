@@ -10,6 +10,7 @@ then the store's to judge (`entries.judge`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import time
@@ -150,47 +151,65 @@ class Found:
 
 
 def scan_entries(root: Path) -> Found:  # noqa: C901 - one pass over entries/, one branch per kind of file
-    """List entries/ in one pass (lstat answers, links never followed): remove partial files and the files of
-    interrupted saves, and read each committed pair's manifest, from the manifest cache when it is current."""
+    """List entries/ in one pass (the listing's file types, links never followed): remove partial files and the
+    files of interrupted saves, and read each committed pair's manifest, from the manifest cache when it is
+    current (one lstat per manifest; an entry's file is looked at only when its manifest was read).
+
+    Only names and file types are kept from the listing (not its DirEntry objects: at 20,000 entries, megabytes
+    freed among the entries that stay, which the process then never gives back)."""
     entries_dir = root / ENTRIES_DIR
-    bins: dict[str, os.DirEntry[str]] = {}
-    manifests: dict[str, os.DirEntry[str]] = {}
+    folder = str(entries_dir)
+    bins: dict[str, bool] = {}  # entry id -> a regular file (else a link, or anything else)
+    manifests: dict[str, bool] = {}
     with os.scandir(entries_dir) as listing:
         for item in listing:
-            if item.name.endswith(PARTIAL_SUFFIX):  # manifests, downloads
+            name = item.name
+            if name.endswith(PARTIAL_SUFFIX):  # manifests, downloads
                 if item.is_file(follow_symlinks=False):
-                    discard(Path(item.path))
-            elif item.name.endswith(BIN_SUFFIX):
-                bins[item.name.removesuffix(BIN_SUFFIX)] = item
-            elif item.name.endswith(MANIFEST_SUFFIX):
-                manifests[item.name.removesuffix(MANIFEST_SUFFIX)] = item
+                    discard(entries_dir / name)
+            elif name.endswith(BIN_SUFFIX):
+                bins[name[: -len(BIN_SUFFIX)]] = item.is_file(follow_symlinks=False)
+            elif name.endswith(MANIFEST_SUFFIX):
+                manifests[name[: -len(MANIFEST_SUFFIX)]] = item.is_file(follow_symlinks=False)
     found = Found()
-    for entry_id, item in bins.items():
-        if not item.is_file(follow_symlinks=False):
+    for entry_id, regular in bins.items():
+        if not regular:
             found.links += 1
         elif entry_id not in manifests:  # saved, never committed: an interrupted save
-            discard(Path(item.path))
+            discard(entries_dir / f"{entry_id}{BIN_SUFFIX}")
             log.info("removed entry %s left by an interrupted save", entry_id[:4])
-    stamps = {
-        entry_id: manifestcache.stamp_of(item.stat(follow_symlinks=False))
-        for entry_id, item in manifests.items()
-        if item.is_file(follow_symlinks=False)
-    }
+
+    stamps: dict[str, manifestcache.Stamp] = {}
+    for entry_id, regular in manifests.items():
+        if regular:
+            with contextlib.suppress(OSError):  # (gone since: read as such below)
+                stamps[entry_id] = manifestcache.stamp_of(os.lstat(f"{folder}/{entry_id}{MANIFEST_SUFFIX}"))
     cached = manifestcache.read(root, stamps)  # what the manifests held when last seen: most need no reading
-    for entry_id, item in manifests.items():
-        bin_item = bins.get(entry_id)
-        if not item.is_file(follow_symlinks=False):
-            found.links += bin_item is None or bin_item.is_file(follow_symlinks=False)  # a link pair counts once
+    for entry_id, regular in manifests.items():
+        bin_regular = bins.get(entry_id)
+        if not regular:
+            found.links += bin_regular is None or bin_regular  # a link pair counts once
             continue
-        if bin_item is not None and not bin_item.is_file(follow_symlinks=False):
+        if bin_regular is False:
             continue  # counted with the bins
         data: dict[str, Any] | Entry | None = cached.pop(entry_id, None)
         if data is None:
-            data = read_manifest(item.path)
+            data = read_manifest(f"{folder}/{entry_id}{MANIFEST_SUFFIX}")
             found.manifests_read += 1
         if data is None:
             found.unreadable += 1  # another slotkeeper version's, or damaged: kept as it is, not used
+        elif bin_regular is None:
+            found.pairs.append((entry_id, data, None))
+        elif isinstance(data, Entry):  # its manifest is as cached, so its file as saved: its size is looked at
+            found.pairs.append((entry_id, data, data.nbytes))  # before a restore (conversations.file_differs)
         else:
-            size = None if bin_item is None else bin_item.stat(follow_symlinks=False).st_size
-            found.pairs.append((entry_id, data, size))
+            found.pairs.append((entry_id, data, _size(f"{folder}/{entry_id}{BIN_SUFFIX}")))
     return found
+
+
+def _size(path: str) -> int | None:
+    """A listed regular file's size (None: gone since)."""
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return None

@@ -96,7 +96,7 @@ def _pairs(folder: Path, names: Iterable[str]) -> dict[str, Pair]:
             slot, stem = 1, name[: -len(MANIFEST_SUFFIX)]
         else:
             continue
-        if stem and (stat := FileStat.maybe(folder / name)) is not None:
+        if stem and (stat := FileStat.maybe_in(folder, name)) is not None:
             found.setdefault(stem, [None, None])[slot] = stat
     return {stem: (pair[0], pair[1]) for stem, pair in found.items()}
 
@@ -115,7 +115,7 @@ def _scan_entries(save_dir: SaveDir) -> None:
     the reference's fingerprint and state format, as the next start judges against its own."""
     folder = save_dir.path / ENTRIES_DIR
     names = list_names(folder)
-    save_dir.partials += [s for n in names if n.endswith(PARTIAL_SUFFIX) and (s := FileStat.maybe(folder / n))]
+    save_dir.partials += [s for n in names if n.endswith(PARTIAL_SUFFIX) and (s := FileStat.maybe_in(folder, n))]
     found = _pairs(folder, names)
     # What the manifests held when the last run stopped (the manifest cache, as a start reads it): a manifest
     # whose stamp is the cached one is not read again, and a store of 20,000 is one file read, not 20,000.
@@ -124,7 +124,7 @@ def _scan_entries(save_dir: SaveDir) -> None:
         stem: (pair, cached.pop(stem, None) or (read_manifest(pair[1].path) if pair[1] else None))
         for stem, pair in found.items()
     }
-    seen = {stat.path.name for pair in found.values() for stat in pair if stat is not None}
+    seen = {stat.name for pair in found.values() for stat in pair if stat is not None}
     # never followed, as the store never follows them (entries.is_link); only the names _pairs found no regular
     # file under are looked at again
     links = _links(folder, (name for name in names if name not in seen))

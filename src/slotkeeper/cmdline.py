@@ -16,8 +16,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .store.entries import cache_root
-from .store.layout import SNAPSHOTS_DIR, StoreLockedError, lock_store, prepare_layout
+from .store.layout import SNAPSHOTS_DIR, StoreLockedError, cache_root, lock_store, prepare_layout
 
 Env = os._Environ[str] | dict[str, str]
 

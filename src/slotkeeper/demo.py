@@ -26,7 +26,7 @@ from typing import Any
 
 from .cmdline import ConfigError, find_llama_server
 from .log import fmt_bytes
-from .store.entries import cache_root
+from .store.layout import cache_root
 
 DEMO_CHATS = 6
 DEMO_TURNS_BEFORE_SWAP = 2

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ..store.entries import cache_root
+from ..store.layout import cache_root
 from .dirs import resolve_dirs
 from .formats import CatalogError, RemoteFailure, display_path, parse_duration, parse_size, say
 from .jsontext import dumps_indented

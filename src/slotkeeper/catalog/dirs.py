@@ -1,7 +1,7 @@
 """Which directories are save directories, where they are by default, and whether a slotkeeper uses one.
 
 A save directory (layout.py) is found by what the store or an older slotkeeper leaves in it; the default ones
-are the per-model directories under the cache root (entries.cache_root, as the daemon chooses them).
+are the per-model directories under the cache root (layout.cache_root, as the daemon chooses them).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..store.entries import cache_root, is_slot_name
-from ..store.layout import ENTRIES_DIR, LOCK_NAME, MODELS_DIR, QUARANTINE_DIR
+from ..store.entries import is_slot_name
+from ..store.layout import ENTRIES_DIR, LOCK_NAME, MODELS_DIR, QUARANTINE_DIR, cache_root
 from .formats import CatalogError
 
 SLOT_FILE_SUFFIXES = ("bin", "json", "bin.partial", "json.partial")

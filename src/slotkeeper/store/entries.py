@@ -42,11 +42,6 @@ TRANSIENT_NAME = re.compile(rf"{TRANSIENT_PREFIX}[0-9a-f]{{32}}\{BIN_SUFFIX}")  
 # ---- where entries live -----------------------------------------------------------------------------------------
 
 
-def cache_root(env: Mapping[str, str]) -> Path:
-    """$XDG_CACHE_HOME/slotkeeper or ~/.cache/slotkeeper: where the per-model default save directories live."""
-    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slotkeeper"
-
-
 def pair_paths(folder: Path, name: str) -> tuple[Path, Path]:
     """`<name>.bin` and `<name>.json` in `folder` (entries, quarantined pairs and slot files are all named so)."""
     return folder / f"{name}{BIN_SUFFIX}", folder / f"{name}{MANIFEST_SUFFIX}"

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 ENTRIES_DIR = "entries"
@@ -20,6 +21,11 @@ SNAPSHOTS_DIR = "snapshots"
 QUARANTINE_DIR = "quarantine"
 LOCK_NAME = ".lock"
 MODELS_DIR = "models"
+
+
+def cache_root(env: Mapping[str, str]) -> Path:
+    """$XDG_CACHE_HOME/slotkeeper or ~/.cache/slotkeeper: where the per-model default save directories live."""
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slotkeeper"
 
 
 class StoreLockedError(Exception):

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from slotkeeper.cmdline import find_llama_server
-from slotkeeper.store.entries import cache_root
+from slotkeeper.store.layout import cache_root
 from slotkeeper.testing.tinymodel import BENCH_MODEL_E, write_tiny_model
 
 if TYPE_CHECKING:

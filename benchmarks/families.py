@@ -38,7 +38,7 @@ from typing import Any
 
 from slotkeeper.cmdline import find_llama_server
 from slotkeeper.demo import Chat, Turn, fmt_s
-from slotkeeper.store.entries import cache_root
+from slotkeeper.store.layout import cache_root
 from slotkeeper.testing.harness import PlainServer, Slotkeeper, clean_env, free_port, http_call
 from slotkeeper.testing.tinymodel import BENCH_MODEL_E, PRESETS, TinyModelSpec, write_tiny_model
 

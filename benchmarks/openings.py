@@ -30,7 +30,7 @@ from families import FAMILIES, model_file
 
 from slotkeeper.cmdline import find_llama_server
 from slotkeeper.demo import Turn, fmt_s, stream_chat
-from slotkeeper.store.entries import cache_root
+from slotkeeper.store.layout import cache_root
 from slotkeeper.testing.harness import PlainServer, Slotkeeper, clean_env, free_port, http_call
 from slotkeeper.testing.tinymodel import BENCH_MODEL_E, write_tiny_model
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from slotkeeper.cmdline import find_llama_server
 from slotkeeper.demo import DEMO_SEED_TEXT
-from slotkeeper.store.entries import cache_root
+from slotkeeper.store.layout import cache_root
 from slotkeeper.testing.harness import Slotkeeper, free_port, http_call, stream_completion, wait_until
 from slotkeeper.testing.tinymodel import BENCH_MODEL_E, write_tiny_model
 

@@ -16,7 +16,9 @@ most recent, so they are the ones restored at start). Per size, one row:
   a save        then --saves chats worth saving, through slotkeeper only, on the system prompt every entry shares
                 (each parks the one before it): the median of the log's save times (`... in N ms`, the store's
                 admission included)
-  ls, ls --json, prune --dry-run --older-than 7d: wall time of each command as a process
+  ls, ls --json, prune --dry-run --older-than 7d: wall time of each command as a process, on the synthesized
+                store (its manifests never seen: each is read) and again once slotkeeper has run on it (what
+                it leaves at a stop: the manifest cache)
   RSS           slotkeeper's own (the daemon, not llama-server: VmRSS), after ready and after the chats
 
 With --profile, the slotkeeper side runs under cProfile with the store's threads run in line (so that one
@@ -110,9 +112,8 @@ class Row:
     slotkeeper: Side  # its next start
     rss_ready: float
     rss_after: float
-    ls_s: float
-    ls_json_s: float
-    prune_s: float
+    catalog_s: tuple[float, float, float]  # ls, ls --json, prune --dry-run on the synthesized store (no cache)
+    catalog_cached_s: tuple[float, float, float]  # ... once slotkeeper has run on it (the manifest cache written)
     save_ms: list[float]
 
 
@@ -327,13 +328,21 @@ def measure(
     save_dir = root / f"store-{size}"
     entries = synthesize(seed, save_dir, size, time.time())
     env = clean_env(binary)
-    ls_s = time_command(["ls", str(save_dir)], env)
-    ls_json_s = time_command(["ls", str(save_dir), "--json"], env)
-    prune_s = time_command(["prune", str(save_dir), "--dry-run", "--older-than", PRUNE_AGE], env)
+    catalog = time_catalog(save_dir, env)
     plain = run_plain(binary, model, root, str(size), chats)
     first, *_ = run_slotkeeper(binary, model, save_dir, root, f"{size}-first", 1, 0, None)
     sk, rss_ready, rss_after, saved = run_slotkeeper(binary, model, save_dir, root, str(size), chats, saves, profile)
-    return Row(entries, plain, first.ready_s, sk, rss_ready, rss_after, ls_s, ls_json_s, prune_s, saved)
+    catalog_cached = time_catalog(save_dir, env)
+    return Row(entries, plain, first.ready_s, sk, rss_ready, rss_after, catalog, catalog_cached, saved)
+
+
+def time_catalog(save_dir: Path, env: dict[str, str]) -> tuple[float, float, float]:
+    """`ls`, `ls --json` and `prune --dry-run`, each as a process."""
+    return (
+        time_command(["ls", str(save_dir)], env),
+        time_command(["ls", str(save_dir), "--json"], env),
+        time_command(["prune", str(save_dir), "--dry-run", "--older-than", PRUNE_AGE], env),
+    )
 
 
 # ---- the report ---------------------------------------------------------------------------------------------------
@@ -342,7 +351,8 @@ def measure(
 HEADER = (
     "| saved chats | ready: plain / slotkeeper first start, next start | new chat's first token: plain / "
     "slotkeeper (added) | "
-    "a save (median, count) | `ls` | `ls --json` | `prune --dry-run` | slotkeeper RSS: ready / after chats |\n"
+    "a save (median, count) | `ls`: no cache / cached | `ls --json` | `prune --dry-run` | "
+    "slotkeeper RSS: ready / after chats |\n"
     "|---|---|---|---|---|---|---|---|"
 )
 
@@ -354,7 +364,8 @@ def table_row(row: Row) -> str:
         f"| {row.entries:,} | {fmt_s(row.plain.ready_s)} / {fmt_s(row.first_ready_s)}, "
         f"{fmt_s(row.slotkeeper.ready_s)} | "
         f"{fmt_s(row.plain.first_token)} / {fmt_s(row.slotkeeper.first_token)} ({added:+.0f} ms) | {save} | "
-        f"{row.ls_s:.2f} s | {row.ls_json_s:.2f} s | {row.prune_s:.2f} s | "
+        + " | ".join(f"{a:.2f} / {b:.2f} s" for a, b in zip(row.catalog_s, row.catalog_cached_s))
+        + " | "
         f"{row.rss_ready:.0f} / {row.rss_after:.0f} MB |"
     )
 

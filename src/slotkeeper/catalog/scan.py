@@ -143,8 +143,10 @@ def _scan_entries(save_dir: SaveDir) -> None:
         )
 
     last, reference, newest = None, None, (0.0, 0.0)  # the first of the most recently used usable entries
-    for stem in pairs:
+    for stem, ((bin_stat, manifest_stat), manifest) in pairs.items():
         alone = judged(stem, None)
+        if alone.entry is not None and isinstance(manifest, dict):  # parsed once: judged again as the Entry
+            pairs[stem] = ((bin_stat, manifest_stat), alone.entry)
         if (
             alone.status is Status.USABLE
             and (entry := alone.entry) is not None

@@ -22,6 +22,7 @@ from slotkeeper.testing.harness import http_call, stream_lines, wait_until
 SLEEP_S = 3
 POLL_S = 0.02  # how often the tests ask /props: far more often than slotkeeper's poll (1 s)
 ASLEEP = "llama-server is asleep"
+LONG_CONTEXT = 65536
 
 
 def sleeping(sk) -> bool:
@@ -119,8 +120,10 @@ def test_in_router_mode_a_models_chat_is_saved_before_its_child_sleeps_while_ano
     Why: each child sleeps on its own; a save that waited for every model to be quiet lost a's chat with its cache
     (found on a loaded machine, where b's first request outlasted a's 3 s)."""
     models = models_dir(tmp_path, family_models)
-    start = starter(llama_server, ["--models-dir", str(models), *ROUTER, "--sleep-idle-seconds", str(SLEEP_S)])
-    sk = start(own=("--log-level", "debug"))
+    # a context b's answer takes far longer to fill than a takes to fall asleep, on a quiet machine too
+    long_context = ("-c", str(LONG_CONTEXT))
+    args = ["--models-dir", str(models), *ROUTER, *long_context, "--sleep-idle-seconds", str(SLEEP_S)]
+    sk = starter(llama_server, args)(own=("--log-level", "debug"))
     chat = Chat(0, {"model": "a"})
     chat.turn(sk.port)
     chat.turn(sk.port)  # changed since its opening's save

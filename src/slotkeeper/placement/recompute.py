@@ -233,20 +233,24 @@ class Recomputer:
         waited = False
         while True:
             if quiet() and not any(s.busy for s in self.table) and not await self._asleep():
-                if waited and progress.done:
-                    self.paused += 1
-                    log.debug(
-                        "recompute of chat %s resumes at %s of %s tokens (it waited for requests)",
-                        progress.entry.short,
-                        f"{progress.done:,}",
-                        f"{len(progress.token_ids):,}",
-                    )
                 held = progress.slot
+                slot: Slot | None
                 if held is not None and progress.done and held.exact == exact_key(progress.token_ids[: progress.done]):
-                    return held
-                free = [s for s in self.table if not worth_keeping(s, self.keeper.rules)]
-                if free:
-                    return min(free, key=lambda s: (s.entry is not None, s.last_used))
+                    slot = held
+                else:
+                    free = [s for s in self.table if not worth_keeping(s, self.keeper.rules)]
+                    slot = min(free, key=lambda s: (s.entry is not None, s.last_used)) if free else None
+                if slot is not None:
+                    if waited and progress.done:  # (one line when it goes on, not one per look)
+                        self.paused += 1
+                        log.debug(
+                            "recompute of chat %s resumes at %s of %s tokens in slot %d (it waited for requests)",
+                            progress.entry.short,
+                            f"{progress.done:,}",
+                            f"{len(progress.token_ids):,}",
+                            slot.id,
+                        )
+                    return slot
             waited = True
             await asyncio.sleep(IDLE_POLL_S)
 

@@ -35,7 +35,8 @@ class EntryIndex:
         # hybrid and sliding-window models keep a chat's boundaries, and ask)
         self._by_message_keys: PrefixTree | None = None
         self._keyless: set[str] = set()  # entries without a full block
-        self._by_exact: dict[str, list[str]] = {}  # exact key -> entry ids
+        # exact key -> the entry id, or the ids when several hold those tokens (rare: one str each, not a list)
+        self._by_exact: dict[str, str | list[str]] = {}
         self._opening_ids: set[str] = set()
         self._totals = _Totals()  # running sums over self.entries
 
@@ -61,7 +62,13 @@ class EntryIndex:
         if entry.message_keys and self._by_message_keys is not None:
             self._by_message_keys.add(entry.id, entry.message_keys)
         if entry.exact:
-            self._by_exact.setdefault(entry.exact, []).append(entry.id)
+            held = self._by_exact.get(entry.exact)
+            if held is None:
+                self._by_exact[entry.exact] = entry.id
+            elif isinstance(held, str):
+                self._by_exact[entry.exact] = [held, entry.id]
+            else:
+                held.append(entry.id)
         if entry.opening:
             self._opening_ids.add(entry.id)
         self._totals.add(entry, 1)
@@ -152,8 +159,10 @@ class EntryIndex:
 
     def find_exact(self, key: str) -> Entry | None:
         """The entry holding exactly these tokens (by `prefix.exact_key`), if one is saved."""
-        ids = self._by_exact.get(key)
-        return self.entries[ids[0]] if ids else None
+        held = self._by_exact.get(key)
+        if held is None:
+            return None
+        return self.entries[held if isinstance(held, str) else held[0]]
 
     def openings(self) -> list[Entry]:
         return [self.entries[i] for i in self._opening_ids]
@@ -200,13 +209,15 @@ class _Totals:
             self.save_ms += sign * entry.save_ms
 
 
-def _drop(index: dict[str, list[str]], key: str, entry_id: str) -> None:
-    ids = index.get(key)
-    if ids is not None:
+def _drop(index: dict[str, str | list[str]], key: str, entry_id: str) -> None:
+    held = index.get(key)
+    if held == entry_id:
+        del index[key]
+    elif isinstance(held, list):
         with contextlib.suppress(ValueError):
-            ids.remove(entry_id)
-        if not ids:
-            del index[key]
+            held.remove(entry_id)
+        if len(held) == 1:
+            index[key] = held[0]
 
 
 def extends(new: Entry, old: Entry) -> bool:

@@ -18,6 +18,7 @@ import pytest
 from slotkeeper.testing.harness import http_call, stream_lines
 
 BASE = ["-c", "16384", "-t", "2", "--no-warmup"]
+STREAMED_TOKENS = 1500  # each of four parallel streams (a slot's 4,096 tokens hold it after a chat's first turn)
 SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: answer briefly and kindly." for i in range(14))
 
 
@@ -139,8 +140,10 @@ def test_four_chats_at_once_on_four_slots_run_in_parallel_and_stay_warm(real):
     """-np 4: four chats streamed at the same time all generate at once (each has its first token before any
     has finished), and after a swap all four continue warm.
 
-    Each stream is a few hundred tokens long, so that the overlap is far wider than what a loaded two-core
-    machine can delay one reader by (48 tokens took 45 ms in all, and one reader once saw them 45 ms late)."""
+    Each stream is long enough that the overlap is far wider than what a loaded two-core machine can delay one
+    reader by: 48 tokens took 45 ms in all, and one reader once saw them 45 ms late; 320 took 170-420 ms, and one
+    reader, descheduled, read all 320 of its lines in 29 ms, 120 ms before another saw its first (the server had
+    run all four at once). 1,500 take seconds there."""
     sk = real("-np", "4")
     chats = [Chat(i) for i in range(4)]
     converse_round(chats, sk.port, titles=False)
@@ -155,7 +158,7 @@ def test_four_chats_at_once_on_four_slots_run_in_parallel_and_stay_warm(real):
             timings: dict = {}
             body = {
                 "messages": chats[i].messages,
-                "max_tokens": 320,
+                "max_tokens": STREAMED_TOKENS,
                 "ignore_eos": True,
                 "temperature": 0,
                 "stream": True,

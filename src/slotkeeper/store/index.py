@@ -46,9 +46,9 @@ class EntryIndex:
             return
         # What most entries repeat is shared, not copied (this configuration's fingerprint and server), and
         # their keys are packed (prefix.KeyChain): a store of 20,000 entries is then tens of MB, not hundreds.
-        if entry.fingerprint == self.fingerprint:
+        if entry.fingerprint is not self.fingerprint and entry.fingerprint == self.fingerprint:
             entry.fingerprint = self.fingerprint
-        if entry.server == self.server:
+        if entry.server is not self.server and entry.server == self.server:
             entry.server = self.server
         if not isinstance(entry.keys, KeyChain):
             entry.keys = KeyChain(entry.keys)

@@ -180,10 +180,17 @@ def scan_entries(root: Path) -> Found:  # noqa: C901 - one pass over entries/, o
             log.info("removed entry %s left by an interrupted save", entry_id[:4])
 
     stamps: dict[str, manifestcache.Stamp] = {}
-    for entry_id, regular in manifests.items():
-        if regular:
-            with contextlib.suppress(OSError):  # (gone since: read as such below)
-                stamps[entry_id] = manifestcache.stamp_of(os.lstat(f"{folder}/{entry_id}{MANIFEST_SUFFIX}"))
+    stamp_of, lstat = manifestcache.stamp_of, os.lstat
+    directory = os.open(entries_dir, os.O_RDONLY | os.O_DIRECTORY)  # names looked up in it, not paths walked
+    try:
+        for entry_id, regular in manifests.items():
+            if regular:
+                try:
+                    stamps[entry_id] = stamp_of(lstat(entry_id + MANIFEST_SUFFIX, dir_fd=directory))
+                except OSError:  # gone since: read as such below
+                    pass
+    finally:
+        os.close(directory)
     cached = manifestcache.read(root, stamps)  # what the manifests held when last seen: most need no reading
     for entry_id, regular in manifests.items():
         bin_regular = bins.get(entry_id)

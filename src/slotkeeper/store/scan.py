@@ -10,7 +10,6 @@ then the store's to judge (`entries.judge`).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import time

@@ -100,6 +100,15 @@ def llama_server_b11349() -> str:
 
 
 @pytest.fixture(scope="session")
+def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model slow enough (~350-400 tokens/s on 2 quiet cores) that a 30,000-token generation takes over
+    a minute: the tests of a client that leaves mid-answer need it still generating. (4 layers of 256 ran at
+    5,000 tokens/s on a quiet CI machine, 6 s for 30,000 tokens: too fast for their checks.)"""
+    spec = TinyModelSpec(n_layers=8, width=512, n_heads=4, n_kv_heads=1, seed=7)
+    return write_tiny_model(tmp_path_factory.mktemp("slow") / "slow.gguf", spec)
+
+
+@pytest.fixture(scope="session")
 def models(tmp_path_factory) -> dict[str, Path]:
     """Tiny random-weight GGUF models: A, B (same shape as A, other weights), and W (other dimensions)."""
     from slotkeeper.testing.tinymodel import TinyModelSpec, write_tiny_model

@@ -88,16 +88,6 @@ async def _call(port: int) -> RawResponse:
 # ---- a real llama-server ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny model slow enough (~350-400 tokens/s on 2 quiet cores) that a long generation takes over a minute.
-    (4 layers of 256 ran at 5,000 tokens/s on a quiet CI machine: 30,000 tokens took 6 s, under the test's 3x.)"""
-    from slotkeeper.testing.tinymodel import TinyModelSpec, write_tiny_model
-
-    spec = TinyModelSpec(n_layers=8, width=512, n_heads=4, n_kv_heads=1, seed=7)
-    return write_tiny_model(tmp_path_factory.mktemp("slow") / "slow.gguf", spec)
-
-
 @pytest.fixture(params=["slotkeeper", "llama-server"])
 def server_port(request: pytest.FixtureRequest, starter, llama_server: str, slow_model: Path) -> Iterator[int]:
     """The public port of slotkeeper around the real llama-server, or of a plain llama-server (the reference)."""

@@ -836,15 +836,6 @@ def _slot_busy(port: int) -> bool:
     return any(slot["is_processing"] for slot in http_call(port, "GET", "/slots").body)
 
 
-@pytest.fixture(scope="module")
-def slow_model(tmp_path_factory) -> Path:
-    """A tiny model slow enough (~1,000 tokens/s on 2 cores) that a long generation takes tens of seconds."""
-    from slotkeeper.testing.tinymodel import TinyModelSpec, write_tiny_model
-
-    spec = TinyModelSpec(n_layers=4, width=256, n_heads=4, n_kv_heads=1, seed=7)
-    return write_tiny_model(tmp_path_factory.mktemp("slow") / "slow.gguf", spec)
-
-
 def test_real_server_client_disconnect_frees_the_slot_at_once(starter, llama_server, slow_model):
     """A client that hangs up mid-stream: llama-server cancels the generation and the slot is idle right away.
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -129,11 +131,12 @@ def test_6_cli_bad_value_exit_2_one_line(tmp_path, argv):
 
 
 def test_own_options_table_matches_the_model():
-    """cmdline parses own options before pydantic is imported; its table must list exactly Options' fields."""
+    """cmdline parses own options before config is imported; its table must list exactly Options' fields."""
     from slotkeeper.cmdline import OWN_OPTIONS
     from slotkeeper.config import Options
 
-    assert {name: f.annotation is bool for name, f in Options.model_fields.items()} == OWN_OPTIONS
+    types = typing.get_type_hints(Options, localns={"ByteSize": int})
+    assert {f.name: types[f.name] is bool for f in dataclasses.fields(Options)} == OWN_OPTIONS
 
 
 def test_dotenv_in_the_working_directory_is_read(tmp_path):
@@ -187,3 +190,23 @@ def test_a_router_is_run_so_that_slotkeeper_decides_its_unloads(tmp_path, given,
     assert ("--no-models-autoload" in config.child_args) == (not autoload)
     one_model = build_run_config(["-m", "m.gguf", "--models-dir", str(tmp_path), *given], env_for(tmp_path))
     assert not one_model.router
+
+
+def test_no_own_option_means_no_pydantic_import(tmp_path):
+    """Importing pydantic and building its model cost ~110 ms of every start (config.py): without an option of
+    slotkeeper's own there is nothing for it to validate, and the defaults are taken as they are."""
+    code = (
+        "import sys\n"
+        "from slotkeeper.config import build_run_config\n"
+        "config = build_run_config(sys.argv[1:], {'LLAMA_SERVER': sys.executable, 'HOME': sys.argv[-1]})\n"
+        "assert config.options.drain_timeout == 5.0 and config.port == 8080\n"
+        "print('pydantic' in sys.modules)\n"
+    )
+    save_dir = str(tmp_path / "c")
+    run = [sys.executable, "-c", code, "-m", "m.gguf", "--slot-save-path", save_dir]
+    without = subprocess.run(run, capture_output=True, text=True, timeout=30, check=True)
+    assert without.stdout.strip() == "False", without.stderr
+    with_one = subprocess.run(
+        [*run[:3], "--drain-timeout", "5", "--", *run[3:]], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert with_one.stdout.strip() == "True", with_one.stderr

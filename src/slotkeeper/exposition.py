@@ -1,8 +1,8 @@
 """GET /slotkeeper/metrics' text: the counters of metrics.Metrics as Prometheus families, prefixed `slotkeeper_`.
 
 Every family is a row of a table (name, help, type, and the getter that reads its value), and one function
-renders any row: a new counter is one row, and every family is exposed the same way. prometheus-client is
-imported at the first scrape, so that nothing of it is on the start-up path.
+renders any row: a new counter is one row, and every family is exposed the same way. This module and
+prometheus-client are imported at the first scrape, so that nothing of them is on the start-up path.
 """
 
 from __future__ import annotations

@@ -92,6 +92,9 @@ class Options:
     log_format: Literal["plain", "json"] = option("plain", "plain lines, or one JSON object per line")
 
 
+LLAMA_AUTO_SLOTS = 4  # llama-server's slots without -np (or with -np -1: chosen automatically)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Everything run mode needs, validated: own options, the public address and the child's command."""
@@ -115,6 +118,13 @@ class RunConfig:
     def api_key(self) -> str | None:
         """The key slotkeeper's own calls to llama-server send."""
         return self.api_keys[0] if self.api_keys else None
+
+    @property
+    def expected_slots(self) -> int:
+        """The slots llama-server will have as far as its command line says, before /props does: -np, else its
+        automatic choice (LLAMA_AUTO_SLOTS)."""
+        hint = self.total_slots_hint
+        return hint if hint is not None and hint > 0 else LLAMA_AUTO_SLOTS
 
     @property
     def child_sleeps_after(self) -> int | None:

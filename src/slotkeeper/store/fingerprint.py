@@ -7,6 +7,7 @@ it saves and restores only files whose fingerprint matches the running configura
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -93,3 +94,14 @@ def first_difference(saved: dict[str, Any], current: dict[str, Any]) -> str | No
         if saved.get(key) != current.get(key):
             return f"{key}: {saved.get(key)!r} -> {current.get(key)!r}"
     return None
+
+
+def server_identity(binary: str | None) -> dict[str, Any]:
+    """Which llama-server wrote a file: its path, size and mtime (build_info says `b0-unknown` when built
+    from the sdist, so it cannot tell builds apart)."""
+    if not binary:
+        return {}
+    with contextlib.suppress(OSError):
+        st = os.stat(binary)
+        return {"path": str(Path(binary).resolve()), "size": st.st_size, "mtime": int(st.st_mtime)}
+    return {"path": binary}

@@ -33,6 +33,11 @@ class FileStat:
     def path(self) -> Path:
         return self.folder / self.name
 
+    @property
+    def path_text(self) -> str:
+        """str(self.path), without making the Path (ls --json's two per row)."""
+        return f"{self.folder}/{self.name}"
+
     @classmethod
     def of(cls, path: Path) -> FileStat:
         return cls.from_stat(path, path.stat())
@@ -141,6 +146,6 @@ class Row(Listed):
             "uses": entry.uses if entry and entry.opening else None,  # the chats that started from it
             "images": len(entry.images) if entry else None,  # the pictures it holds
             "llama_server": (entry.server or None) if entry else None,
-            "bin": str(self.bin.path) if self.bin else None,
-            "manifest": str(self.manifest_file.path) if self.manifest_file else None,
+            "bin": self.bin.path_text if self.bin else None,
+            "manifest": self.manifest_file.path_text if self.manifest_file else None,
         }

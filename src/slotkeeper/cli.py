@@ -124,20 +124,19 @@ def run(argv: list[str]) -> int:
 
         setup_logging(config.options.log_level, config.options.log_format)
         try:
-            # Neither the store's prescan nor importing the daemon makes garbage cycles, only objects that live
-            # as long as the process: the collector stays off until the prescan is done (the daemon then
-            # freezes what they built, and turns it on), and its passes over them (~15 ms of the imports) are
-            # saved. The prescan starts first: at 20,000 entries it is what a start waits for.
+            # Neither the early reads (the store's prescan) nor importing the daemon makes garbage cycles, only
+            # objects that live as long as the process: the collector stays off until the prescan is done (the
+            # daemon then freezes what they built, and turns it on), and its passes over them (~15 ms of the
+            # imports) are saved. The reads start first: at 20,000 entries the prescan is what a start waits for.
             gc.disable()
-            from .store.fingerprint import server_identity
-            from .store.prescan import start as start_prescan
+            from .early import start_early_reads
 
-            scanned = start_prescan(config.save_dir, server_identity(config.llama_binary), config.expected_slots)
+            reads = start_early_reads(config)
             import uvloop
 
             from .daemon import Daemon
 
-            return uvloop.run(Daemon(config, child, early_signals, scanned).run())
+            return uvloop.run(Daemon(config, child, early_signals, reads).run())
         except Exception as exc:  # noqa: BLE001 - one line, never a traceback; the child must not outlive us
             child.kill_now()
             log.error("internal error: %r", exc, exc_info=config.options.log_level == "debug")

@@ -13,26 +13,26 @@ import enum
 import gc
 import signal
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from .chat.attribution import AttributionFilter
 from .config import RunConfig
+from .early import EarlyReads
 from .idlesaves import Activity, IdleSaves
 from .llama.client import LlamaClient
+from .llama.modelinfo import ModelMemory
 from .llama.policy import CachePolicy
 from .llama.sleep import POLL_S, ChildSleep, save_after
 from .llama.supervisor import ChildProcess
 from .log import MODEL, fmt_bytes, fmt_ms, log
 from .metrics import Metrics
-from .model import Model, model_memory, open_model, read_server_facts
+from .model import Model, open_model, read_server_facts
 from .proxy.hook import CompletionHook
 from .proxy.messages import Reply
 from .proxy.server import Gate, Proxy
 from .router import Router
-from .store.fingerprint import model_identity
 from .store.layout import SNAPSHOTS_DIR
 from .store.prescan import Prescan
 from .store.scan import remove_transients
@@ -98,20 +98,18 @@ class Race(enum.Enum):
 
 @dataclass(frozen=True)
 class Early:
-    """What is read while llama-server loads the model (started at the spawn, awaited by the restore): the
-    model file's identity and memory kind, and the store's listing and guessed index (store.prescan)."""
+    """What is read while llama-server loads the model (early.py, started at the spawn), as the restore awaits
+    it: the model file's identity and memory kind, and the store's listing and guessed index."""
 
     identity: asyncio.Future[dict[str, Any]]
-    memory: asyncio.Future[Any]
+    memory: asyncio.Future[ModelMemory | None]
     scanned: asyncio.Future[Prescan]
 
 
 class Daemon:
     """Owns the child, the public server and the model's state for one run."""
 
-    def __init__(
-        self, config: RunConfig, child: ChildProcess, early_signals: list[int], scanned: Future[Prescan]
-    ) -> None:
+    def __init__(self, config: RunConfig, child: ChildProcess, early_signals: list[int], reads: EarlyReads) -> None:
         self.config = config
         self.options = config.options
         self.child = child
@@ -120,7 +118,7 @@ class Daemon:
         self.healthy_at: float | None = None
         self.signals_received = 0
         self._early_signals = early_signals
-        self._scanned = scanned  # the store's prescan, started at the spawn (cli.run)
+        self._reads = reads  # started at the spawn (cli.run)
         self.stop_requested = asyncio.Event()
         self.force_requested = asyncio.Event()
         self.metrics = Metrics(state=lambda: self.state.value)
@@ -213,17 +211,17 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for handled in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(handled, self.on_signal, handled)
-        for early in self._early_signals:
-            self.on_signal(early)
+        for signum in self._early_signals:
+            self.on_signal(signum)
         loop.set_exception_handler(self.on_loop_error)
         child_exited = self.child.watch(loop)
-        # Hash the model file while llama-server loads it (hashlib releases the GIL): ready for the restore.
-        identity = asyncio.ensure_future(asyncio.to_thread(model_identity, self.config.model))
-        memory = asyncio.ensure_future(asyncio.to_thread(model_memory, self.config.model))
-        # ... while the store's prescan (started at the spawn) lists and indexes the store: once it is done,
-        # what it and the imports built is frozen, and the collector (off since the spawn) is turned on
-        scanned = asyncio.wrap_future(self._scanned)
-        scanned.add_done_callback(lambda _: collect_from_now_on())
+        reads = self._reads
+        early = Early(
+            asyncio.wrap_future(reads.identity), asyncio.wrap_future(reads.memory), asyncio.wrap_future(reads.scanned)
+        )
+        # Once the prescan is done, what it and the imports built is frozen and the collector (off since the
+        # spawn) is turned on.
+        early.scanned.add_done_callback(lambda _: collect_from_now_on())
         startup_deadline = self.started_at + self.options.startup_timeout
         gate = Gate()
         proxy = Proxy(self.child.endpoint, gate, lambda: self.state.value, startup_deadline, self.config.api_keys)
@@ -234,7 +232,7 @@ class Daemon:
         self.metrics.requests_by_status = lambda: dict(proxy.status_counts)
         try:
             await self.listen(proxy)
-            code = await self.startup(client, Early(identity, memory, scanned), child_exited, startup_deadline)
+            code = await self.startup(client, early, child_exited, startup_deadline)
             if code is not None:
                 gate.close()
                 return code

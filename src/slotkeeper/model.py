@@ -26,7 +26,7 @@ from .llama.modelinfo import (
     ModelMemory,
     kv_cache_bytes,
     llama_server_slots,
-    read_model_memory,
+    model_memory,
 )
 from .llama.policy import CachePolicy, cache_policy
 from .llama.sleep import SleepWatch
@@ -218,17 +218,6 @@ def model_vocabulary(path: str | None, memory: ModelMemory | None) -> str:
         tuple((layer.k, layer.v, layer.swa) for layer in memory.kv_layers),
     )
     return f"{vocabulary}:{hashlib.blake2b(repr(shape).encode(), digest_size=8).hexdigest()}"
-
-
-def model_memory(path: str | None) -> ModelMemory | None:
-    """The model's memory kind from its GGUF header, or None (one line) when it cannot be read."""
-    if not path:
-        return None
-    try:
-        return read_model_memory(path)
-    except (ModelInfoError, OSError) as exc:
-        log.debug("model memory of %s unknown: %s", path, exc)
-        return None
 
 
 async def open_model(

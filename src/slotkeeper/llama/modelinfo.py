@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..log import log
 from .arch import (
     HYBRID_ARCHITECTURES,
     INTERVAL_HYBRIDS,
@@ -49,6 +50,7 @@ __all__ = [
     "SkippedArray",
     "kv_cache_bytes",
     "llama_server_slots",
+    "model_memory",
     "model_memory_from_metadata",
     "read_gguf_metadata",
     "read_model_memory",
@@ -435,3 +437,14 @@ def kv_cache_bytes(  # noqa: PLR0913 - llama-server's KV-cache settings, one key
         v = layer.v if flash_attn or layer.v == 0 else v_max
         elements += (layer.k + v) * (swa_cells if layer.swa else cells)
     return round(elements * streams * bytes_per_element)
+
+
+def model_memory(path: str | None) -> ModelMemory | None:
+    """The model's memory kind from its GGUF header, or None (one line) when it cannot be read."""
+    if not path:
+        return None
+    try:
+        return read_model_memory(path)
+    except (ModelInfoError, OSError) as exc:
+        log.debug("model memory of %s unknown: %s", path, exc)
+        return None

@@ -20,7 +20,6 @@ import heapq
 import os
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,22 +40,6 @@ class Prescan:
     found: Found
     index: EntryIndex | None = None  # None: no entry says which configuration saved it
     rest: list[Pair] = field(default_factory=list)  # the pairs the index left: judged by the store's open
-
-
-def start(root: Path, server: dict[str, Any], slots: int) -> Future[Prescan]:
-    """`prescan` in a thread of its own, started by run mode right after the spawn and before the daemon is
-    imported: at 20,000 entries the prescan, not llama-server, is what a start waits for, and it was started
-    only once those imports were done."""
-    scanned: Future[Prescan] = Future()
-
-    def work() -> None:
-        try:
-            scanned.set_result(prescan(root, server, slots))
-        except BaseException as exc:  # noqa: BLE001 - raised where the daemon awaits it (an OSError: the store says why)
-            scanned.set_exception(exc)
-
-    threading.Thread(target=work, name="prescan", daemon=True).start()
-    return scanned
 
 
 def prescan(root: Path, server: dict[str, Any], slots: int) -> Prescan:

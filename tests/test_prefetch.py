@@ -12,7 +12,7 @@ from pathlib import Path
 
 from slotkeeper.store.conversations import ConversationStore
 from slotkeeper.store.entries import Entry, pair_paths, write_json_atomic
-from slotkeeper.store.prescan import prescan, recent_chats
+from slotkeeper.store.prescan import prefetch, prefetch_budget, prescan, recent_chats
 
 FINGERPRINT = {"model": "m.gguf", "n_ctx": 4096}
 SERVER = {"path": "/bin/llama-server", "size": 1, "mtime": 2}
@@ -108,3 +108,21 @@ def test_the_chats_a_start_restores_are_read_ahead_into_the_page_cache(tmp_path:
         time.sleep(0.01)
     assert [resident_pages(files[i]) for i in recent] == [whole, whole], "the restored chats were not read ahead"
     assert resident_pages(files[older]) == 0 and resident_pages(files[opening]) == 0, "only what a start restores"
+
+
+def test_what_does_not_fit_the_budget_is_left_to_the_restore(tmp_path: Path) -> None:
+    """The page cache must hold the model llama-server is reading meanwhile: chats beyond a quarter of the
+    available memory are not read ahead."""
+    ConversationStore(tmp_path, None, FINGERPRINT).open()
+    now = time.time()
+    first, second = (write_entry(tmp_path, last_used=now - i) for i in range(2))
+    files = [tmp_path / "entries" / f"{entry_id}.bin" for entry_id in (first, second)]
+    for path in files:
+        evict(path)
+    assert 0 < prefetch_budget() < os.sysconf("SC_PHYS_PAGES") * PAGE
+    assert prefetch(tmp_path, [first, second], FILE_BYTES + PAGE) == 1
+    whole = FILE_BYTES // PAGE
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and resident_pages(files[0]) < whole:
+        time.sleep(0.01)
+    assert [resident_pages(path) for path in files] == [whole, 0]

@@ -50,7 +50,9 @@ def prescan(root: Path, server: dict[str, Any], slots: int) -> Prescan:
     gc.disable()
     try:
         found = scan_entries(root)
-        reading = threading.Thread(target=prefetch, args=(root, recent_chats(found.pairs, slots)), daemon=True)
+        reading = threading.Thread(
+            target=prefetch, args=(root, recent_chats(found.pairs, slots), prefetch_budget()), daemon=True
+        )
         reading.start()
         guess = last_fingerprint(found.pairs)
         if guess is None:
@@ -88,9 +90,12 @@ def recent_chats(pairs: Sequence[Pair], count: int) -> list[str]:
     return [entry_id for used, entry_id in ranked if used >= 0]
 
 
-def prefetch(root: Path, entry_ids: list[str]) -> int:
-    """Start reading these entries' files into the page cache (POSIX_FADV_WILLNEED); returns how many were
-    asked for. A guess that misses costs a read, never a verdict.
+def prefetch(root: Path, entry_ids: list[str], budget: int) -> int:
+    """Start reading these entries' files into the page cache (POSIX_FADV_WILLNEED), as many as fit in
+    `budget` bytes; returns how many were asked for. A guess that misses costs a read, never a verdict.
+
+    The budget (`prefetch_budget`) keeps the chats from pushing the model, which llama-server is reading at
+    the same time, out of a page cache too small for both.
 
     One call per READ_AHEAD_STEP: the kernel reads at most the device's read-ahead size per call (8 MiB here,
     128 KiB on many disks), so one call for the whole file read its first 8 MiB only. Queued this way, a 213 MB
@@ -104,6 +109,9 @@ def prefetch(root: Path, entry_ids: list[str]) -> int:
             continue
         try:
             size = os.fstat(fd).st_size
+            if size > budget:
+                continue
+            budget -= size
             for offset in range(0, size, READ_AHEAD_STEP):
                 os.posix_fadvise(fd, offset, READ_AHEAD_STEP, os.POSIX_FADV_WILLNEED)
             asked += 1
@@ -112,6 +120,19 @@ def prefetch(root: Path, entry_ids: list[str]) -> int:
         finally:
             os.close(fd)
     return asked
+
+
+def prefetch_budget() -> int:
+    """A quarter of the memory the kernel could give to new data without swapping (MemAvailable); 0, so that
+    nothing is read ahead, when it does not say."""
+    try:
+        with open("/proc/meminfo", "rb") as meminfo:
+            for line in meminfo:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 4
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def last_fingerprint(pairs: list[Pair]) -> dict[str, Any] | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import marshal
 import secrets
 import time
 from pathlib import Path
@@ -85,7 +86,20 @@ def test_a_manifest_written_after_the_cache_is_read_from_disk(tmp_path):
 def test_a_damaged_cache_costs_only_time(tmp_path):
     write_store(tmp_path, 5)
     cold = opened(tmp_path)
-    for damage in (b"{not json", json.dumps({"version": 99, "shared": {}, "entries": []}).encode(), b""):
+    asyncio.run(cold.write_cache())
+    whole = (tmp_path / manifestcache.CACHE_NAME).read_bytes()
+    magic = manifestcache.MAGIC
+    damages = (
+        b"{not json",  # the text format of version 5 and before
+        json.dumps({"version": 99, "shared": {}, "entries": []}).encode(),
+        b"",
+        whole[: len(whole) // 2],  # cut short
+        magic + b"\xff" * 64,  # not marshal
+        magic + marshal.dumps((manifestcache.FORMAT, [], [], "rows")),  # another shape
+        magic + marshal.dumps(((5, marshal.version, (3, 10)), [], [], [])),  # another version, another Python
+        magic + marshal.dumps((manifestcache.FORMAT, [], [], [("x",) * 3])),  # rows of another shape
+    )
+    for damage in damages:
         (tmp_path / manifestcache.CACHE_NAME).write_bytes(damage)
         store = opened(tmp_path)
         assert seen(store) == seen(cold) and store.cache_changes >= 5, "every manifest read from disk"

@@ -117,13 +117,17 @@ class KeyChain(Sequence[str]):
                 self._packed, self._plain = bytes.fromhex("".join(plain)), ()
 
     @classmethod
-    def from_hex(cls, joined: str) -> KeyChain:
-        """The chain hex() wrote."""
+    def from_packed(cls, packed: bytes) -> KeyChain:
+        """The chain packed() gave."""
+        if len(packed) % KEY_BYTES:
+            raise ValueError("a packed key chain is whole keys")
         chain = cls.__new__(cls)
-        chain._packed, chain._plain = bytes.fromhex(joined), ()
-        if len(chain._packed) % KEY_BYTES:
-            raise ValueError("a key chain's hex is whole keys")
+        chain._packed, chain._plain = packed, ()
         return chain
+
+    def packed(self) -> bytes | None:
+        """All keys, KEY_BYTES bytes each (None for a chain of made-up keys)."""
+        return self._packed
 
     def tree_key(self, i: int) -> TreeKey:
         """Key i as prefix.tree_key gives it: the raw 8 bytes of a packed chain's."""
@@ -132,10 +136,6 @@ class KeyChain(Sequence[str]):
         if i < 0:
             i += len(self._packed) // KEY_BYTES
         return self._packed[i * KEY_BYTES : (i + 1) * KEY_BYTES]
-
-    def hex(self) -> str | None:
-        """All keys as one hex string (None for a chain of made-up keys)."""
-        return None if self._packed is None else self._packed.hex()
 
     def __len__(self) -> int:
         return len(self._packed) // KEY_BYTES if self._packed is not None else len(self._plain)

@@ -50,7 +50,7 @@ def read(root: Path, stamps: dict[str, Stamp]) -> dict[str, Entry]:
     if cache is None:
         return found
     fingerprints, servers, rows = cache
-    while rows:  # each row goes once read, and its memory takes the next entry (not a peak of both: ~13 MB)
+    while rows:  # each row goes once read, and its memory takes the next entry's (6 MB less at 20,000)
         row = rows.pop()
         if stamps.get(row[0]) == row[1]:
             try:  # (not contextlib.suppress: a context manager per row was a tenth of this loop)

@@ -10,6 +10,7 @@ import marshal
 import secrets
 import time
 from pathlib import Path
+from typing import Any
 
 from slotkeeper.chat.prefix import block_keys, exact_key
 from slotkeeper.store import manifestcache
@@ -89,15 +90,24 @@ def test_a_damaged_cache_costs_only_time(tmp_path):
     asyncio.run(cold.write_cache())
     whole = (tmp_path / manifestcache.CACHE_NAME).read_bytes()
     magic = manifestcache.MAGIC
+
+    def frame(value: Any) -> bytes:
+        data = marshal.dumps(value)
+        return len(data).to_bytes(4, "little") + data
+
+    header = frame((manifestcache.FORMAT, [], []))
     damages = (
         b"{not json",  # the text format of version 5 and before
         json.dumps({"version": 99, "shared": {}, "entries": []}).encode(),
         b"",
         whole[: len(whole) // 2],  # cut short
         magic + b"\xff" * 64,  # not marshal
-        magic + marshal.dumps((manifestcache.FORMAT, [], [], "rows")),  # another shape
-        magic + marshal.dumps(((5, marshal.version, (3, 10)), [], [], [])),  # another version, another Python
-        magic + marshal.dumps((manifestcache.FORMAT, [], [], [("x",) * 3])),  # rows of another shape
+        magic + marshal.dumps((manifestcache.FORMAT, [], [], [])),  # not framed
+        magic + frame(((5, marshal.version, (3, 10)), [], [])),  # another version, another Python
+        magic + frame((manifestcache.FORMAT, [], [], "more")),  # a header of another shape
+        magic + header + frame("rows"),  # a chunk of another shape
+        magic + header + frame([("x",) * 3]),  # rows of another shape
+        magic + header + b"\x10\x00\x00\x00" + b"\xff" * 16,  # a damaged chunk
     )
     for damage in damages:
         (tmp_path / manifestcache.CACHE_NAME).write_bytes(damage)

@@ -13,7 +13,6 @@ import enum
 import gc
 import signal
 import time
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -22,7 +21,6 @@ from .config import RunConfig
 from .early import EarlyReads
 from .idlesaves import Activity, IdleSaves
 from .llama.client import LlamaClient
-from .llama.modelinfo import ModelMemory
 from .llama.policy import CachePolicy
 from .llama.sleep import POLL_S, ChildSleep, save_after
 from .llama.supervisor import ChildProcess
@@ -42,13 +40,6 @@ EXIT_OK = 0
 EXIT_FORCED = 1
 EXIT_STARTUP_FAILED = 1
 FORCED_STOP_TIMEOUT_S = 0.5  # a second signal: the child gets this long after SIGTERM before SIGKILL
-
-
-def collect_from_now_on() -> None:
-    """Turn the collector on, after freezing what start-up built (modules, the store's entries and index: all
-    live as long as the process), so that no collection walks it again."""
-    gc.freeze()
-    gc.enable()
 
 
 def describe_error(exc: BaseException) -> str:
@@ -94,16 +85,6 @@ class Race(enum.Enum):
     INTERRUPTED = "interrupted"
     CHILD_EXITED = "child exited"
     TIMEOUT = "timeout"
-
-
-@dataclass(frozen=True)
-class Early:
-    """What is read while llama-server loads the model (early.py, started at the spawn), as the restore awaits
-    it: the model file's identity and memory kind, and the store's listing and guessed index."""
-
-    identity: asyncio.Future[dict[str, Any]]
-    memory: asyncio.Future[ModelMemory | None]
-    scanned: asyncio.Future[Prescan]
 
 
 class Daemon:
@@ -215,13 +196,6 @@ class Daemon:
             self.on_signal(signum)
         loop.set_exception_handler(self.on_loop_error)
         child_exited = self.child.watch(loop)
-        reads = self._reads
-        early = Early(
-            asyncio.wrap_future(reads.identity), asyncio.wrap_future(reads.memory), asyncio.wrap_future(reads.scanned)
-        )
-        # Once the prescan is done, what it and the imports built is frozen and the collector (off since the
-        # spawn) is turned on.
-        early.scanned.add_done_callback(lambda _: collect_from_now_on())
         startup_deadline = self.started_at + self.options.startup_timeout
         gate = Gate()
         proxy = Proxy(self.child.endpoint, gate, lambda: self.state.value, startup_deadline, self.config.api_keys)
@@ -232,7 +206,7 @@ class Daemon:
         self.metrics.requests_by_status = lambda: dict(proxy.status_counts)
         try:
             await self.listen(proxy)
-            code = await self.startup(client, early, child_exited, startup_deadline)
+            code = await self.startup(client, child_exited, startup_deadline)
             if code is not None:
                 gate.close()
                 return code
@@ -307,9 +281,7 @@ class Daemon:
             return Race.CHILD_EXITED, None
         return Race.TIMEOUT, None
 
-    async def startup(
-        self, client: LlamaClient, early: Early, child_exited: asyncio.Future[int], deadline: float
-    ) -> int | None:
+    async def startup(self, client: LlamaClient, child_exited: asyncio.Future[int], deadline: float) -> int | None:
         """Wait for the child's health, then restore. Returns an exit code when startup ends the run.
 
         A stop cancels the restore (no further entry is restored; nothing changed, so nothing is saved), but
@@ -318,7 +290,7 @@ class Daemon:
         outcome, _ = await self._race(self.wait_healthy(client), self.stop_requested, child_exited, deadline)
         if outcome is Race.DONE:
             self.set_state(State.RESTORING)
-            restore = self.restore(client, early)
+            restore = self.restore(client)
             outcome, _ = await self._race(restore, self.stop_requested, child_exited, deadline)
         if outcome is Race.DONE:
             return None
@@ -353,11 +325,14 @@ class Daemon:
                 pass
             await asyncio.sleep(HEALTH_POLL_S)
 
-    async def restore(self, client: LlamaClient, early: Early) -> None:
+    async def restore(self, client: LlamaClient) -> None:
         """Open the model's state (its store, placement, shared tier), then restore its most recent chats."""
-        facts = await read_server_facts(self.config, client, early.identity, early.memory)
+        reads = self._reads  # read while llama-server loaded the model (early.py)
+        facts = await read_server_facts(
+            self.config, client, asyncio.wrap_future(reads.identity), asyncio.wrap_future(reads.memory)
+        )
         try:
-            scanned: Prescan | None = await early.scanned
+            scanned: Prescan | None = await asyncio.wrap_future(reads.scanned)
         except OSError:  # the store's open reads it again, and says why it cannot
             scanned = None
         if facts.router:

@@ -15,7 +15,6 @@ load, on the path to ready; read ahead meanwhile, it overlaps the load.
 
 from __future__ import annotations
 
-import gc
 import heapq
 import os
 import threading
@@ -45,34 +44,25 @@ class Prescan:
 def prescan(root: Path, server: dict[str, Any], slots: int) -> Prescan:
     """In a thread, at the spawn: list the store, read ahead the files of its `slots` most recent chats, and
     index what the last run's configuration can use (`server`: this run's llama-server identity,
-    store.server_identity). The collector is off meanwhile, as in the store's open: none of this makes cycles."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        found = scan_entries(root)
-        reading = threading.Thread(
-            target=prefetch, args=(root, recent_chats(found.pairs, slots), prefetch_budget()), daemon=True
-        )
-        reading.start()
-        guess = last_fingerprint(found.pairs)
-        if guess is None:
-            return Prescan(found)
-        index = EntryIndex(guess, server)
-        rest: list[Pair] = []
-        for entry_id, data, size in found.pairs:
-            verdict = judge(data, size, guess)
-            if verdict.status is Status.USABLE and verdict.entry is not None:
-                index.index(verdict.entry)
-            else:
-                rest.append((entry_id, data, size))
-        return Prescan(found, index, rest)
-    finally:
-        if collecting:
-            # What was built lives as long as the store: frozen, the collection that enabling the collector
-            # sets off (every object made meanwhile is young) does not walk it. Unfrozen, that collection
-            # took ~30 ms at 20,000 entries, between the prescan's end and the store's open.
-            gc.freeze()
-            gc.enable()
+    store.server_identity). None of this makes cycles: run mode keeps the collector off until it is done
+    (cli.run), so that no collection walks the entries as they are built."""
+    found = scan_entries(root)
+    reading = threading.Thread(
+        target=prefetch, args=(root, recent_chats(found.pairs, slots), prefetch_budget()), daemon=True
+    )
+    reading.start()
+    guess = last_fingerprint(found.pairs)
+    if guess is None:
+        return Prescan(found)
+    index = EntryIndex(guess, server)
+    rest: list[Pair] = []
+    for entry_id, data, size in found.pairs:
+        verdict = judge(data, size, guess)
+        if verdict.status is Status.USABLE and verdict.entry is not None:
+            index.index(verdict.entry)
+        else:
+            rest.append((entry_id, data, size))
+    return Prescan(found, index, rest)
 
 
 def recent_chats(pairs: Sequence[Pair], count: int) -> list[str]:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import slotkeeper
 from slotkeeper.cmdline import find_llama_server
 from slotkeeper.store.layout import cache_root
 from slotkeeper.testing.tinymodel import BENCH_MODEL_E, write_tiny_model
@@ -21,6 +22,19 @@ from slotkeeper.testing.tinymodel import BENCH_MODEL_E, write_tiny_model
 if TYPE_CHECKING:
     from slotkeeper.testing.harness import Slotkeeper
     from slotkeeper.testing.tinymodel import TinyModelSpec
+
+
+def compile_slotkeeper() -> None:
+    """The slotkeeper the benchmarks start (this checkout's src, or the older one on PYTHONPATH) compiled to
+    bytecode, as an install has it (`uv tool install --compile-bytecode`, pip): where PYTHONDONTWRITEBYTECODE is
+    set, an editable checkout's modules are otherwise compiled at every start, ~0.1 s that every start-up
+    number would count (slotkeeper logs it: cli.uncached_bytecode_hint)."""
+    import compileall
+
+    compileall.compile_dir(Path(slotkeeper.__file__).parent, quiet=1)
+
+
+compile_slotkeeper()  # every benchmark measures slotkeeper as installed
 
 
 def llama_server() -> str:

@@ -63,3 +63,27 @@ def test_json_log_format(stub_slotkeeper):
     ours = [json.loads(line) for line in sk.logs().splitlines() if line.startswith("{")]
     assert any(entry["msg"].startswith("ready ") and entry["level"] == "info" for entry in ours)
     assert any(line.startswith("stub: ") for line in sk.logs().splitlines())
+
+
+def test_a_start_says_when_it_compiles_its_modules(stub_slotkeeper, tmp_path):
+    """With PYTHONDONTWRITEBYTECODE (container images set it) and an install without cached bytecode, every start
+    compiles slotkeeper's modules inside llama-swap's health check budget: the log says so, and how to stop it;
+    once they are compiled, it says nothing."""
+    import compileall
+    import shutil
+    from pathlib import Path
+
+    import slotkeeper
+
+    install = tmp_path / "site"
+    package = install / "slotkeeper"
+    shutil.copytree(Path(slotkeeper.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__"))
+    env = {"PYTHONPATH": str(install), "PYTHONDONTWRITEBYTECODE": "1"}
+    hint = f"every start compiles them (~0.1 s): python -m compileall -q {package} once"
+    sk = stub_slotkeeper(stub=env)
+    assert hint in sk.logs() and not any(package.rglob("*.pyc"))
+    sk.killpg(signal.SIGTERM)
+    assert sk.wait() == 0
+    assert compileall.compile_dir(package, quiet=1)
+    sk = stub_slotkeeper(stub=env)
+    assert "no cached bytecode" not in sk.logs() and "ready" in sk.logs()

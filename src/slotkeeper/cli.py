@@ -123,6 +123,8 @@ def run(argv: list[str]) -> int:
         from .log import log, setup_logging
 
         setup_logging(config.options.log_level, config.options.log_format)
+        if (hint := uncached_bytecode_hint()) is not None:
+            log.info("%s", hint)
         try:
             # Neither the early reads (the store's prescan) nor importing the daemon makes garbage cycles, only
             # objects that live as long as the process: the collector stays off until the prescan is done, then
@@ -145,6 +147,22 @@ def run(argv: list[str]) -> int:
             return EXIT_INTERNAL
     finally:
         shutil.rmtree(endpoint.runtime_dir, ignore_errors=True)
+
+
+def uncached_bytecode_hint() -> str | None:
+    """One line when slotkeeper's modules were compiled from source at this start, not read from cached bytecode
+    (PYTHONDONTWRITEBYTECODE, as container images often set, or a read-only install): that costs every start
+    ~0.1 s, inside llama-swap's health check budget, and one compileall saves it."""
+    from . import cmdline  # imported before this (not run as __main__): Python wrote its bytecode if it could
+
+    cached = getattr(cmdline, "__cached__", None)
+    if not cached or os.path.exists(cached):
+        return None
+    package = os.path.dirname(cmdline.__file__ or "")
+    return (
+        "slotkeeper's modules have no cached bytecode, so every start compiles them (~0.1 s): "
+        f"python -m compileall -q {package} once (or install with uv tool install --compile-bytecode)"
+    )
 
 
 def collect_from_now_on() -> None:

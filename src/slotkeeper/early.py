@@ -25,6 +25,8 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class EarlyReads:
+    """The reads started at the spawn, each resolved by its own thread."""
+
     identity: Future[dict[str, Any]]
     memory: Future[ModelMemory | None]
     scanned: Future[Prescan]

@@ -38,6 +38,8 @@ class Histogram:
 
 @dataclass
 class Metrics:
+    """The run's counters, written where the work happens and read by /slotkeeper/status and /slotkeeper/metrics."""
+
     restores: collections.Counter[str] = field(default_factory=collections.Counter)  # by outcome
     restore_seconds: Histogram = field(default_factory=Histogram)
     restored_bytes: int = 0

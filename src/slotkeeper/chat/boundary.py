@@ -39,6 +39,8 @@ class Turn:
 
 @dataclass(frozen=True, kw_only=True)
 class Reached:
+    """A slot brought to a turn's boundary (what the pinned prompt cost)."""
+
     n_tokens: int  # the slot now holds this many tokens
     prefilled: int  # of which llama-server had to process this many
     seconds: float

@@ -38,6 +38,8 @@ class Usage:
 
 @dataclass
 class _Read:
+    """A response body as parsed: the assistant message (None: not one) and its usage."""
+
     message: dict[str, Any] | None
     usage: Usage | None
 

@@ -81,6 +81,9 @@ class KvLayer:
 
 @dataclass(frozen=True)
 class ModelMemory:
+    """What the model keeps per sequence, from its GGUF header: which cache policy its restores need (a
+    recurrent or sliding-window state is reused only when extended) and how many bytes a token costs."""
+
     architecture: str
     kind: MemoryKind
     sliding_window: int | None  # n_swa, for SLIDING_WINDOW (and for a hybrid whose attention uses a window)

@@ -100,6 +100,8 @@ class SaveFailure(enum.StrEnum):
 
 @dataclass(frozen=True, kw_only=True)
 class SaveResult:
+    """How a save ended: the entry it wrote, or why none."""
+
     entry: Entry | None = None
     failure: SaveFailure | None = None  # when entry is None
     reason: str = ""  # the failure in words
@@ -117,6 +119,8 @@ class RestoreOutcome(enum.StrEnum):
 
 @dataclass(frozen=True, kw_only=True)
 class RestoreResult:
+    """How a restore ended, and what it read."""
+
     outcome: RestoreOutcome
     reason: str = ""  # why it was not restored, in words
     n_tokens: int = 0

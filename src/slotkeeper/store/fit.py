@@ -52,6 +52,8 @@ UNFIT_WORDS = {
 
 @dataclass(frozen=True, kw_only=True)
 class Verdict:
+    """Whether an entry fits the running configuration, and if it is kept but unfit, why."""
+
     fit: Fit
     unfit: Unfit | None = None  # KEPT: why
 

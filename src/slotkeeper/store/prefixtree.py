@@ -21,6 +21,8 @@ from ..chat.prefix import KeyChain, TreeKey, tree_key
 
 @dataclass(slots=True)
 class _Run:
+    """A stretch of positions that the same entries all hold (the module docstring says why runs, not keys)."""
+
     start: int  # the position of its first key
     end: int  # ... and of its last
     holders: list[str]  # the entries holding all of its keys (those ending here and those going on)

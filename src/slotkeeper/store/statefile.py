@@ -33,6 +33,9 @@ class StateFileError(ValueError):
 
 @dataclass(frozen=True)
 class StateHeader:
+    """What a slot file says before its state: the format that wrote it and the tokens (and images) it holds,
+    read without loading the state."""
+
     version: int  # LLAMA_STATE_SEQ_VERSION of the llama.cpp that wrote it
     layout: str  # "plain", or "packed-<n>" for server_tokens' packed payload version n
     token_ids: array[int]  # array('i'); media positions are TOKEN_NULL

@@ -9,9 +9,11 @@ import typing
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from slotkeeper.cmdline import ConfigError, parse_llama_args, plan_launch
-from slotkeeper.config import build_run_config
+from slotkeeper.config import Options, build_run_config, plain_options
 
 
 def env_for(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -192,21 +194,102 @@ def test_a_router_is_run_so_that_slotkeeper_decides_its_unloads(tmp_path, given,
     assert not one_model.router
 
 
-def test_no_own_option_means_no_pydantic_import(tmp_path):
-    """Importing pydantic and building its model cost ~110 ms of every start (config.py): without an option of
-    slotkeeper's own there is nothing for it to validate, and the defaults are taken as they are."""
+def test_plain_own_options_mean_no_pydantic_import(tmp_path):
+    """Importing pydantic and building its model cost ~125 ms of every start (config.py): with no option of
+    slotkeeper's own, or only plain values, there is nothing for it to judge; a value that is not plain is
+    judged by it, and its message is the one line."""
     code = (
         "import sys\n"
+        "from slotkeeper.cmdline import ConfigError\n"
         "from slotkeeper.config import build_run_config\n"
-        "config = build_run_config(sys.argv[1:], {'LLAMA_SERVER': sys.executable, 'HOME': sys.argv[-1]})\n"
-        "assert config.options.drain_timeout == 5.0 and config.port == 8080\n"
+        "try:\n"
+        "    config = build_run_config(sys.argv[1:], {'LLAMA_SERVER': sys.executable, 'HOME': sys.argv[-1]})\n"
+        "    print(config.options.drain_timeout, config.options.max_cache_bytes, config.port)\n"
+        "except ConfigError as exc:\n"
+        "    print(exc)\n"
         "print('pydantic' in sys.modules)\n"
     )
     save_dir = str(tmp_path / "c")
     run = [sys.executable, "-c", code, "-m", "m.gguf", "--slot-save-path", save_dir]
-    without = subprocess.run(run, capture_output=True, text=True, timeout=30, check=True)
-    assert without.stdout.strip() == "False", without.stderr
-    with_one = subprocess.run(
-        [*run[:3], "--drain-timeout", "5", "--", *run[3:]], capture_output=True, text=True, timeout=30, check=True
-    )
-    assert with_one.stdout.strip() == "True", with_one.stderr
+
+    def started(*own: str) -> list[str]:
+        head = [*run[:3], *own, "--"] if own else run[:3]
+        done = subprocess.run([*head, *run[3:]], capture_output=True, text=True, timeout=30, check=True)
+        return done.stdout.strip().splitlines()
+
+    assert started() == ["5.0 None 8080", "False"]
+    assert started("--drain-timeout", "2.5", "--max-cache-bytes", "20GB", "--log-level=debug", "--no-fsync") == [
+        "2.5 20000000000 8080",
+        "False",
+    ]
+    message, imported = started("--drain-timeout", "soon")
+    assert message.startswith("invalid --drain-timeout: input should be a valid number") and imported == "True"
+
+
+# Raw values as command lines and environments give them: plain forms, near misses and junk.
+RAW_WORDS = [
+    *("0", "1", "5", "007", "0.5", "2.5", ".5", "5.", "1e3", "-1", "+1", " 5", "5 ", "1_000", "inf", "nan"),
+    *("10GB", "10gb", "10 GB", "1.5GiB", "2kib", "3KB", "4k", "5Mb", "10XB", "20G", "0b", "0.4b", "1.0000001TB"),
+    *("true", "True", "TRUE", "on", "Off", "yes", "no", "enabled", "t", "f", ""),
+    *("debug", "DEBUG", "info", "json", "plain", "auto", "full", "sliding-window", "recurrent", "s3://b/p", "abc"),
+    *("99999999999999999999", "9" * 16, "1.1234567"),
+]
+raw_value = st.one_of(
+    st.sampled_from(RAW_WORDS), st.booleans(), st.text(alphabet="0123456789.-+eE _kKmMgGtTbBiI", max_size=10)
+)
+raw_options = st.dictionaries(st.sampled_from([f.name for f in dataclasses.fields(Options)]), raw_value, max_size=4)
+
+
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(Options)])
+def test_each_option_reads_every_raw_word_as_pydantic_does(name):
+    for value in [*RAW_WORDS, True, False]:
+        assert_read_as_pydantic_reads({name: value})
+
+
+@settings(max_examples=3000, deadline=None)
+@given(raw_options)
+def test_plain_values_are_read_as_pydantic_reads_them(raw):
+    assert_read_as_pydantic_reads(raw)
+
+
+def assert_read_as_pydantic_reads(raw: dict[str, str | bool]) -> None:
+    """What plain_options reads, pydantic reads the same (value and kind); what pydantic refuses, it leaves to
+    pydantic (None), so that every message about a bad value stays pydantic's."""
+    from pydantic import ValidationError
+
+    from slotkeeper.config import _options_model
+
+    plain = plain_options(raw)
+    try:
+        judged = Options(**dict(_options_model().model_validate(raw)))
+    except ValidationError:
+        assert plain is None, raw
+        return
+    if plain is not None:
+        fast = Options(**plain)
+        assert fast == judged, raw
+        for spec in dataclasses.fields(Options):
+            assert isinstance(getattr(fast, spec.name), float) == isinstance(getattr(judged, spec.name), float)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {"max_cache_bytes": "20GB"},
+        {"max_cache_bytes": "1.5GiB"},
+        {"max_cache_bytes": "20000000000"},
+        {"log_level": "debug", "log_format": "json"},
+        {"fsync": False, "child_tcp": True},
+        {"llama_idle_slot_caching": "on", "placement": "false"},
+        {"drain_timeout": "5", "autosave_idle": "2.5", "startup_timeout": "120"},
+        {"remote_store": "s3://bucket/prefix", "llama_server": "/opt/llama/llama-server"},
+        {"recompute": "0", "min_save_tokens": "512", "model_memory": "sliding-window"},
+    ],
+)
+def test_a_usual_command_line_is_read_without_pydantic(raw):
+    """What command lines hold is plain (or every start with an option pays for pydantic again), and read as
+    pydantic reads it."""
+    from slotkeeper.config import _options_model
+
+    plain = plain_options(raw)
+    assert plain is not None and Options(**plain) == Options(**dict(_options_model().model_validate(raw)))

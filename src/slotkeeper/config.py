@@ -3,17 +3,20 @@
 `cmdline` reads the command line with the stdlib only, so that the child can be spawned first; this module
 then validates the whole plan. A bad value is one line on stderr and exit code 2, never a traceback.
 
-Why the settings are stdlib dataclasses, and pydantic validates only what the user typed for slotkeeper:
-importing pydantic and building its models took ~110 ms of every start, on the path to ready whenever the
-model loads faster than that (a small model: plain llama-server is healthy in ~80 ms). With no option of
-its own given (on the command line or as SLOTKEEPER_* variables), slotkeeper has nothing to validate and
-takes the defaults; with one, a pydantic model is made from the same fields (`_options_model`). llama-server's
-own values that slotkeeper reads (the port, -np, ...) are integers checked here against their ranges.
+Why the settings are stdlib dataclasses, and pydantic validates only what needs its judgment: importing
+pydantic and building its model took ~125 ms of every start, on the path to ready whenever the model loads
+faster than that (a small model: plain llama-server is healthy in ~80 ms). With no option of its own given
+(on the command line or as SLOTKEEPER_* variables), slotkeeper takes the defaults. Values in a plain form
+(a decimal number, a size such as 20GB, a listed word) are read as pydantic reads them (`plain_options`,
+checked against pydantic's own answers by the tests); anything else goes to a pydantic model made from the
+same fields (`_options_model`), which decides and says what is wrong. llama-server's own values that
+slotkeeper reads (the port, -np, ...) are integers checked here against their ranges.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -173,10 +176,11 @@ def integer(flag: str, raw: str, *, low: int, high: int | None = None) -> int:
 
 
 def validate_options(raw: Mapping[str, str | bool]) -> Options:
-    """slotkeeper's own options from their raw values (cmdline.parse_own_options); the defaults, without
-    importing pydantic, when none was given."""
-    if not raw:
-        return Options()
+    """slotkeeper's own options from their raw values (cmdline.parse_own_options): without importing pydantic
+    when none was given or all are plain (plain_options)."""
+    plain = plain_options(raw)
+    if plain is not None:
+        return Options(**plain)
     from pydantic import ValidationError
 
     try:
@@ -184,6 +188,59 @@ def validate_options(raw: Mapping[str, str | bool]) -> Options:
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc)) from None
     return Options(**dict(checked))
+
+
+# The plain forms, each read to the value pydantic gives it (lax mode): no sign, exponent, underscore or space.
+_DECIMAL = re.compile(r"[0-9]{1,15}(?:\.[0-9]{1,6})?")
+_COUNT = re.compile(r"0|[1-9][0-9]{0,15}")
+_SIZE = re.compile(r"([0-9]{1,15}(?:\.[0-9]{1,6})?)(b|kb|mb|gb|tb|kib|mib|gib|tib)?", re.IGNORECASE)
+_SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_SIZE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+_CHOICE = re.compile(r"""['"]([^'"]*)['"]""")  # Literal's choices, as the annotation's text quotes them
+
+
+def plain_options(raw: Mapping[str, str | bool]) -> dict[str, Any] | None:
+    """Options' values when every raw one is in a plain form, read as pydantic reads it; None when any is not
+    (or breaks a constraint): pydantic then judges them all. Read by each field's annotation as written."""
+    values: dict[str, Any] = {}
+    for spec in dataclasses.fields(Options):
+        if spec.name not in raw:
+            continue
+        value = _plain_value(str(spec.type), raw[spec.name])
+        if value is None or not _within(value, spec.metadata):
+            return None
+        values[spec.name] = value
+    return values
+
+
+def _plain_value(annotation: str, raw: str | bool) -> Any:
+    """A raw value as the field annotated `annotation` takes it (None: not a plain form of it)."""
+    if isinstance(raw, bool):  # a bare --flag or --no-flag
+        return raw if annotation == "bool" else None
+    if annotation == "bool":
+        return _WORDS.get(raw.lower())
+    if annotation == "float":
+        return float(raw) if _DECIMAL.fullmatch(raw) else None
+    if annotation == "int":
+        return int(raw) if _COUNT.fullmatch(raw) else None
+    if annotation == "ByteSize | None":
+        if not (size := _SIZE.fullmatch(raw)):
+            return None
+        scalar, unit = size.groups()
+        return int(float(scalar) * _SIZE_UNITS[(unit or "b").lower()])  # ByteSize's own arithmetic
+    if annotation == "str | None":
+        return raw
+    if annotation.startswith("Literal["):
+        return raw if raw in _CHOICE.findall(annotation) else None
+    return None
+
+
+def _within(value: Any, constraints: Mapping[str, Any]) -> bool:
+    """The field's gt/ge constraints (option()'s), which pydantic would check."""
+    return ("gt" not in constraints or value > constraints["gt"]) and (
+        "ge" not in constraints or value >= constraints["ge"]
+    )
 
 
 def _options_model() -> type[BaseModel]:

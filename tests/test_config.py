@@ -241,8 +241,9 @@ raw_options = st.dictionaries(st.sampled_from([f.name for f in dataclasses.field
 
 
 @pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(Options)])
-def test_each_option_reads_every_raw_word_as_pydantic_does(name):
-    for value in [*RAW_WORDS, True, False]:
+def test_each_option_reads_every_raw_word_as_pydantic_does(name: str) -> None:
+    values: list[str | bool] = [*RAW_WORDS, True, False]
+    for value in values:
         assert_read_as_pydantic_reads({name: value})
 
 

@@ -34,7 +34,7 @@ class EarlyReads:
 
 def start_early_reads(config: RunConfig) -> EarlyReads:
     return EarlyReads(
-        identity=in_thread("model identity", model_identity, config.model),
+        identity=in_thread("model identity", model_identity, config.model, config.save_dir),
         memory=in_thread("model memory", model_memory, config.model),
         scanned=in_thread(
             "prescan", prescan, config.save_dir, server_identity(config.llama_binary), config.expected_slots

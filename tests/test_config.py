@@ -132,6 +132,23 @@ def test_6_cli_bad_value_exit_2_one_line(tmp_path, argv):
     assert len(lines) == 1 and lines[0].startswith("slotkeeper: error: invalid"), proc.stderr
 
 
+def test_a_llama_server_that_cannot_start_is_one_clear_error(tmp_path):
+    """An executable file the kernel cannot run (no format it knows): one line, exit 2, as before the daemon."""
+    binary = tmp_path / "llama-server"
+    binary.write_bytes(b"\x00not a program\n")
+    binary.chmod(0o755)
+    proc = subprocess.run(
+        [sys.executable, "-m", "slotkeeper.cli", "-m", "m.gguf", "--slot-save-path", str(tmp_path / "c")],
+        capture_output=True,
+        text=True,
+        env={**env_for(tmp_path), "LLAMA_SERVER": str(binary)},
+        cwd=tmp_path,
+        timeout=30,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"slotkeeper: error: cannot start {binary}: Exec format error"]
+
+
 def test_own_options_table_matches_the_model():
     """cmdline parses own options before config is imported; its table must list exactly Options' fields."""
     from slotkeeper.cmdline import OWN_OPTIONS

@@ -149,3 +149,20 @@ def test_issue4_2_same_shape_foreign_model_never_restored(real):
     sk2 = real("-np", "1", model="B", own=("--recompute", "0"))
     assert complete(sk2)["timings"]["cache_n"] == 0
     assert "saved for another configuration: model" in sk2.logs()
+
+
+def test_llama_server_runs_with_the_signal_dispositions_it_has_alone(real, llama_server, models, tmp_path):
+    """slotkeeper is Python, which ignores SIGPIPE and SIGXFSZ, and an ignored signal survives exec: its child
+    must not inherit that (what llama-server ignores is its own choice, the same as when run alone)."""
+    from slotkeeper.testing.harness import plain_server
+
+    def ignored(pid: int) -> int:
+        status = Path(f"/proc/{pid}/status").read_text()
+        return int(next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1], 16)
+
+    sk = real()
+    child = sk.call("GET", "/slotkeeper/status").body["child_pid"]
+    args = ["-m", str(models["A"]), *BASE]
+    with plain_server(llama_server, args, tmp_path) as plain:
+        assert ignored(child) == ignored(plain.proc.pid)
+    assert ignored(sk.pid) & (1 << (signal.SIGPIPE - 1))  # slotkeeper's own: ignored, as Python does

@@ -109,8 +109,7 @@ def run(argv: list[str]) -> int:
         try:
             child = ChildProcess(plan.child_command(endpoint.host_arg), endpoint, plan.child_env(os.environ))
         except OSError as exc:
-            print(f"slotkeeper: error: cannot start {plan.binary[0]}: {exc.strerror or exc}", file=sys.stderr)
-            return EXIT_USAGE
+            return cannot_start(plan.binary[0], exc)
         # The child is loading now; the heavy imports below overlap its load instead of adding to it.
         try:
             from .config import validate
@@ -140,6 +139,10 @@ def run(argv: list[str]) -> int:
 
             from .daemon import Daemon
 
+            try:
+                child.confirm_started()  # the exec, long done by now (supervisor.py says why it was not awaited)
+            except OSError as exc:
+                return cannot_start(plan.binary[0], exc)
             return uvloop.run(Daemon(config, child, early_signals, reads).run())
         except Exception as exc:  # noqa: BLE001 - one line, never a traceback; the child must not outlive us
             child.kill_now()
@@ -147,6 +150,11 @@ def run(argv: list[str]) -> int:
             return EXIT_INTERNAL
     finally:
         shutil.rmtree(endpoint.runtime_dir, ignore_errors=True)
+
+
+def cannot_start(binary: str, exc: OSError) -> int:
+    print(f"slotkeeper: error: cannot start {binary}: {exc.strerror or exc}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def uncached_bytecode_hint() -> str | None:

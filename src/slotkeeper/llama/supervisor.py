@@ -13,7 +13,6 @@ import contextlib
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ if TYPE_CHECKING:  # asyncio is imported after the child is spawned: its import 
 RUNTIME_DIR_PREFIX = "slotkeeper-"
 CHILD_SOCKET_NAME = "llama-server.sock"
 PR_SET_PDEATHSIG = 1
+MAX_FD = os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 1 << 16
 
 
 @dataclass(frozen=True)
@@ -95,24 +95,60 @@ def exit_code_of(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def _spawn(command: list[str], env: dict[str, str] | None) -> tuple[int, int]:
+    """fork and exec `command` in a process group of its own, stdin from /dev/null, dying with us; returns its
+    pid and the read end of a pipe that says whether the exec failed (ChildProcess.confirm_started).
+
+    Why not subprocess.Popen: with the prctl to run in the child, Popen forks and waits until the child has
+    exec'd, ~5 ms in which the child imports ctypes, and importing subprocess takes ~8 ms more: both before
+    llama-server starts loading the model. Here nothing waits for the exec; its outcome is read once the
+    daemon is imported. What Popen does besides is done too: the signals Python ignores (SIGPIPE, SIGXFSZ)
+    are reset to their defaults, every descriptor but 0-2 closed."""
+    parent_pid = os.getpid()
+    exec_errors, exec_error = os.pipe()  # both close on exec: a successful exec says nothing
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    pid = os.fork()
+    if pid == 0:  # the child: never returns, and nothing here may raise past the except
+        try:
+            os.dup2(stdin, 0)
+            os.closerange(3, exec_error)
+            os.closerange(exec_error + 1, MAX_FD)
+            for ignored in (signal.SIGPIPE, signal.SIGXFSZ):
+                signal.signal(ignored, signal.SIG_DFL)
+            os.setpgid(0, 0)
+            _die_with_parent(parent_pid)
+            os.execve(command[0], command, os.environ if env is None else env)
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent, which says why in one line
+            os.write(exec_error, str(getattr(exc, "errno", None) or 0).encode())
+        finally:
+            os._exit(127)
+    os.close(exec_error)
+    os.close(stdin)
+    return pid, exec_errors
+
+
 class ChildProcess:
     """One llama-server; stop() is idempotent and escalates from SIGTERM to SIGKILL."""
 
     def __init__(self, command: list[str], endpoint: ChildEndpoint, env: dict[str, str] | None = None) -> None:
-        """`env`: the child's environment (the caller's choice of what it inherits; default: ours)."""
-        parent_pid = os.getpid()
+        """`env`: the child's environment (the caller's choice of what it inherits; default: ours). The exec's
+        outcome is known only once confirm_started() has read it."""
         self.command = command
         self.endpoint = endpoint
         self.started_at = time.monotonic()
-        self.popen = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            process_group=0,
-            preexec_fn=lambda: _die_with_parent(parent_pid),
-        )
-        self.pid = self.popen.pid
+        self.pid, self._exec_errors = _spawn(command, env)
+        self._returncode: int | None = None  # once reaped: the raw status as Popen gives it (-N: signal N)
         self._exited: asyncio.Future[int] | None = None
+
+    def confirm_started(self) -> None:
+        """Raise the OSError that kept llama-server from starting (the exec's), if one did; waits for the exec,
+        long done by the time the daemon is imported."""
+        with os.fdopen(self._exec_errors, "rb") as errors:
+            report = errors.read()
+        if report:
+            self._reap(0)
+            code = int(report) if report.isdigit() else 0
+            raise OSError(code, os.strerror(code) if code else "exec failed")
 
     def watch(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[int]:
         """A future that resolves with the exit code (128+signal if killed) the moment the child exits."""
@@ -128,7 +164,9 @@ class ChildProcess:
         def on_exit() -> None:
             loop.remove_reader(pidfd)
             os.close(pidfd)
-            self._resolve(self.popen.wait())
+            code = self._reap(0)
+            assert code is not None  # waited for
+            self._resolve(code)
 
         loop.add_reader(pidfd, on_exit)
         return self._exited
@@ -136,7 +174,7 @@ class ChildProcess:
     async def _poll_exit(self) -> None:
         import asyncio
 
-        while (code := self.popen.poll()) is None:
+        while (code := self._reap(os.WNOHANG)) is None:
             await asyncio.sleep(0.05)
         self._resolve(code)
 
@@ -144,9 +182,22 @@ class ChildProcess:
         if self._exited is not None and not self._exited.done():
             self._exited.set_result(exit_code_of(returncode))
 
+    def _reap(self, flags: int) -> int | None:
+        """The child's status as Popen gives it (-N: killed by signal N), once it has exited; it is reaped once,
+        and remembered. None: still running (flags=os.WNOHANG)."""
+        if self._returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, flags)
+            except ChildProcessError:  # reaped elsewhere: nothing more to learn
+                pid, status = self.pid, 255 << 8
+            if pid == 0:
+                return None
+            self._returncode = os.waitstatus_to_exitcode(status)
+        return self._returncode
+
     @property
     def returncode(self) -> int | None:
-        code = self.popen.poll()
+        code = self._reap(os.WNOHANG)
         return None if code is None else exit_code_of(code)
 
     def _signal_group(self, sig: signal.Signals) -> None:

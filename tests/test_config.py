@@ -249,7 +249,7 @@ RAW_WORDS = [
     *("10GB", "10gb", "10 GB", "1.5GiB", "2kib", "3KB", "4k", "5Mb", "10XB", "20G", "0b", "0.4b", "1.0000001TB"),
     *("true", "True", "TRUE", "on", "Off", "yes", "no", "enabled", "t", "f", ""),
     *("debug", "DEBUG", "info", "json", "plain", "auto", "full", "sliding-window", "recurrent", "s3://b/p", "abc"),
-    *("99999999999999999999", "9" * 16, "1.1234567"),
+    *("99999999999999999999", "9" * 16, "1.1234567", str(10**15), "12345678901234567", "12345678901234567GB"),
 ]
 raw_value = st.one_of(
     st.sampled_from(RAW_WORDS), st.booleans(), st.text(alphabet="0123456789.-+eE _kKmMgGtTbBiI", max_size=10)
@@ -296,6 +296,7 @@ def assert_read_as_pydantic_reads(raw: dict[str, str | bool]) -> None:
         {"max_cache_bytes": "20GB"},
         {"max_cache_bytes": "1.5GiB"},
         {"max_cache_bytes": "20000000000"},
+        {"max_cache_bytes": str(10**15)},
         {"log_level": "debug", "log_format": "json"},
         {"fsync": False, "child_tcp": True},
         {"llama_idle_slot_caching": "on", "placement": "false"},

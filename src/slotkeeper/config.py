@@ -224,9 +224,9 @@ def _plain_value(annotation: str, raw: str | bool) -> Any:
         return float(raw) if _DECIMAL.fullmatch(raw) else None
     if annotation == "int":
         return int(raw) if _COUNT.fullmatch(raw) else None
-    if annotation == "ByteSize | None":
-        if not (size := _SIZE.fullmatch(raw)):
-            return None
+    if annotation == "ByteSize | None" and raw.isascii() and raw.isdigit():
+        return int(raw)  # ByteSize takes a whole number of bytes as it is, however long
+    if annotation == "ByteSize | None" and (size := _SIZE.fullmatch(raw)):
         scalar, unit = size.groups()
         return int(float(scalar) * _SIZE_UNITS[(unit or "b").lower()])  # ByteSize's own arithmetic
     if annotation == "str | None":

@@ -225,5 +225,8 @@ class ChildProcess:
         return exited.result()
 
     def kill_now(self) -> None:
-        """Last resort on the way out (second signal, unexpected error): no waiting."""
+        """Last resort on the way out (second signal, unexpected error, a bad option): no waiting. The child
+        itself too: just forked (not waited for), it may not have made its group yet."""
         self._signal_group(signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(self.pid, signal.SIGKILL)

@@ -87,8 +87,9 @@ def _remembered(save_dir: Path, model: str, stamp: list[int]) -> str | None:
 def _remember(save_dir: Path, model: str, stamp: list[int], digest: str) -> None:
     """Add `model`'s hash to the cache (the IDENTITY_CACHE_FILES most recent files), written whole or not at
     all; a cache that cannot be written only costs the next start a hash."""
+    from .entries import write_json_atomic  # (entries reads fingerprints: imported here, not at the top)
+
     path = save_dir / IDENTITY_CACHE_NAME
-    partial = path.with_name(path.name + ".partial")
     try:
         with open(path, encoding="utf-8") as f:
             files = dict(json.load(f)["files"])
@@ -97,13 +98,8 @@ def _remember(save_dir: Path, model: str, stamp: list[int], digest: str) -> None
     files.pop(model, None)
     kept = dict(list(files.items())[-(IDENTITY_CACHE_FILES - 1) :])
     kept[model] = [*stamp, digest]
-    try:
-        with open(partial, "w", encoding="utf-8") as f:
-            json.dump({"files": kept}, f)
-        os.replace(partial, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            partial.unlink()
+    with contextlib.suppress(OSError):
+        write_json_atomic(path, {"files": kept}, fsync=False)
 
 
 def kv_flags(child_args: list[str]) -> dict[str, str]:

@@ -197,42 +197,68 @@ def _first_turn(sk, session: AgentSession) -> tuple[dict, Turn]:
     return body, session.turn(sk.port)
 
 
+def _own_prefill(sk) -> int:
+    """The tokens slotkeeper has had llama-server prefill of its own so far: openings, and slots brought to a
+    turn boundary (before a save, or settled while idle)."""
+    status = sk.call("GET", "/slotkeeper/status").body
+    extend_only = status["extend_only"]
+    return (
+        status["openings"]["prefill_tokens"]
+        + extend_only["boundary_prefill_tokens"]
+        + extend_only["settle_prefill_tokens"]
+    )
+
+
+def _first_turn_prefilling(sk, session: AgentSession) -> tuple[dict, Turn, int]:
+    """_first_turn, and every token prefilled on its way: the request's own (its prompt less what it reused)
+    and what slotkeeper prefilled meanwhile (an opening, a boundary before it parked another chat)."""
+    before = _own_prefill(sk)
+    body, turn = _first_turn(sk, session)
+    return body, turn, turn.prompt - turn.reused + _own_prefill(sk) - before
+
+
 @pytest.mark.parametrize("family_name", AGENT_FAMILIES)
 def test_every_new_claude_code_session_starts_from_the_one_saved_opening(
     family_start, family_name, llama_server, family_models, request, tmp_path
 ):
     """Claude Code's attribution line differs per session. Dropped, two sessions with different first prompts,
     and a third after a swap, each reuse the whole system prompt and tools on their first request: the opening
-    the first session saved, with none prefilled for them, their first token sooner than the first session's
-    first request's (streamed, as Claude Code asks); and each answers as a plain llama-server answers the
-    request without the line."""
+    the first session saved, with none prefilled for them; all that is prefilled on the way to their first
+    token (the request's own, a boundary reached to park another chat) is under a tenth of what the first
+    session's first request needed (streamed, as Claude Code asks); and each answers as a plain llama-server
+    answers the request without the line.
+
+    Work, not wall time: on a loaded machine llama-server's small decodes (a 57-token boundary) took longer than
+    the first session's 5,453-token prefill (1.4 s against 0.37 s, two busy loops beside it), so a comparison of
+    first-token times measured the scheduler. benchmarks/agents.py times the new session's first token."""
     family = FAMILIES[family_name]
     sk = family_start(family, "-np", "2")
     first = claude_code_session(1, FIRSTS[0], family.request, stream=True)
-    first_body, first_turn = _first_turn(sk, first)
+    first_body, first_turn, first_work = _first_turn_prefilling(sk, first)
+    assert first_work >= first_turn.prompt, (first_turn, first_work)  # the opening prefilled on its way
     first.turn(sk.port)
     opening_n = _opening_tokens(sk.port, first_body)
     assert opening_n > 2000, opening_n
     saved = _openings(sk)
     assert saved["saved"] == 1, (saved, sk.logs()[-3000:])
     second = claude_code_session(2, FIRSTS[1], family.request, stream=True)
-    second_body, second_turn = _first_turn(sk, second)
+    second_body, second_turn, second_work = _first_turn_prefilling(sk, second)
     after = _openings(sk)
     # No opening prefilled for it: the one saved serves it (restored, or live in the first session's slot).
     assert (after["saved"], after["prefill_tokens"]) == (1, saved["prefill_tokens"]), (after, sk.logs()[-3000:])
     assert second_turn.reused >= 0.9 * opening_n, (second_turn, opening_n, sk.logs()[-3000:])
-    assert second_turn.first_token_s < first_turn.first_token_s, (second_turn, first_turn, sk.logs()[-3000:])
+    assert second_work * 10 < first_work, (second_turn, second_work, first_work, sk.logs()[-3000:])
     swap_out(sk)
     assert len(re.findall(r"opening \w+ saved from slot", sk.logs())) == 1, sk.logs()[-4000:]
 
     sk = family_start(family, "-np", "2")
     third = claude_code_session(3, FIRSTS[2], family.request, stream=True)
-    third_body, third_turn = _first_turn(sk, third)
+    third_body, third_turn, third_work = _first_turn_prefilling(sk, third)
     status = _openings(sk)  # (on full attention the opening may be live in a slot: then no restore is needed)
     assert (status["saved"], status["prefill_tokens"]) == (0, 0), (status, sk.logs()[-3000:])
     assert not re.search(r"opening \w+ saved from slot", sk.logs()), sk.logs()[-3000:]
     assert third_turn.reused >= 0.9 * opening_n, (third_turn, opening_n, sk.logs()[-3000:])
-    assert third_turn.first_token_s < first_turn.first_token_s, (third_turn, first_turn, sk.logs()[-3000:])
+    assert third_work * 10 < first_work, (third_turn, third_work, first_work, sk.logs()[-3000:])
     assert sk.call("GET", "/slotkeeper/status").body["attribution_lines_dropped"] == 1
 
     model = model_path(family.model, family_models, request)

@@ -153,6 +153,7 @@ def run(argv: list[str]) -> int:
 
 
 def cannot_start(binary: str, exc: OSError) -> int:
+    """The one line for a llama-server that could not be started (forked, or exec'd), and the exit code."""
     print(f"slotkeeper: error: cannot start {binary}: {exc.strerror or exc}", file=sys.stderr)
     return EXIT_USAGE
 

@@ -212,8 +212,9 @@ class Daemon:
                 return code
             proxy.hook = self.completion_hook()
             gate.open()
-            # What start-up built (modules, pydantic models, the loop) lives as long as the process: moved out
-            # of the collector's sight, a full collection no longer walks it while requests are proxied.
+            # What start-up built since the prescan's freeze (cli.collect_from_now_on: the store's open, the loop)
+            # lives as long as the process: moved out of the collector's sight, a full collection no longer walks
+            # it while requests are proxied.
             gc.freeze()
             self.set_state(State.READY)
             now = time.monotonic()

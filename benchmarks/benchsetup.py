@@ -45,7 +45,7 @@ def llama_server() -> str:
 def bench_model(file_name: str, spec: TinyModelSpec) -> Path:
     """The tiny model `spec` as bench/`file_name` in slotkeeper's cache, written only if it is not there yet:
     every run, and every checkout of src it runs against, measures the same file."""
-    cache = cache_root(os.environ) / "bench"
+    cache = Path(cache_root(os.environ)) / "bench"
     cache.mkdir(parents=True, exist_ok=True)
     model = cache / file_name
     if not model.exists():

@@ -70,7 +70,7 @@ def main() -> None:
     args = parser.parse_args()
 
     binary = find_llama_server(None, os.environ)[0]
-    cache = cache_root(os.environ) / "bench"
+    cache = Path(cache_root(os.environ)) / "bench"
     cache.mkdir(parents=True, exist_ok=True)
     model = args.model or cache / "model-e.gguf"
     if not model.exists():

@@ -153,7 +153,7 @@ def main() -> None:
     args = parser.parse_args()
 
     binary = find_llama_server(None, os.environ)[0]
-    cache = cache_root(os.environ) / "bench"
+    cache = Path(cache_root(os.environ)) / "bench"
     cache.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="slotkeeper-bench-openings-"))
     definitions = tools(args.tools)

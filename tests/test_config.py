@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
+import shutil
+import stat
 import subprocess
 import sys
 import typing
@@ -12,8 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slotkeeper.cmdline import ConfigError, parse_llama_args, plan_launch
+from slotkeeper.cmdline import ConfigError, executable, find_llama_server, parse_llama_args, plan_launch
 from slotkeeper.config import Options, build_run_config, plain_options
+from slotkeeper.llama.supervisor import make_endpoint, remove_stale_runtime_dirs
 
 
 def env_for(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -65,11 +70,14 @@ def test_6_env_forms(tmp_path):
     assert build_run_config(["--drain-timeout=1", "--", "-m", "m.gguf"], env).options.drain_timeout == 1
 
 
-def test_6_default_save_dir_is_per_model(tmp_path):
+def test_6_default_save_dir_is_per_model(tmp_path, monkeypatch):
     a = build_run_config(["-m", str(tmp_path / "a.gguf")], env_for(tmp_path)).save_dir
     b = build_run_config(["-m", str(tmp_path / "b.gguf")], env_for(tmp_path)).save_dir
     assert a != b and a.parent == b.parent == (tmp_path / "xdg" / "slotkeeper").resolve()
-    assert a.name.startswith("a.gguf-")
+    # the name every earlier version chose: a user's default store stays where it was
+    assert a.name == "a.gguf-" + hashlib.sha256(str((tmp_path / "a.gguf").resolve()).encode()).hexdigest()[:8]
+    monkeypatch.chdir(tmp_path)  # the model's real path names it, however it is given
+    assert build_run_config(["-m", "a.gguf"], env_for(tmp_path)).save_dir == a
 
 
 def test_6_user_choice_of_idle_slot_caching_is_kept(tmp_path):
@@ -115,6 +123,43 @@ def test_missing_llama_server(tmp_path):
     env = {"PATH": str(tmp_path), "HOME": str(tmp_path), "LLAMA_SERVER": str(tmp_path / "nope")}
     with pytest.raises(ConfigError, match="not found"):
         build_run_config([], env)
+
+
+def test_llama_server_is_found_where_shutil_which_finds_it(tmp_path, monkeypatch):
+    """cmdline.executable stands in for shutil.which, whose import would come before the spawn: the same answer
+    for a bare name on PATH (a directory and a file that cannot run in the way), a path, and a name nowhere."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    (first / "llama-server").mkdir(parents=True)
+    (first / "tool").write_text("")
+    second.mkdir()
+    for program in (second / "llama-server", second / "tool"):
+        program.write_text("#!/bin/sh\n")
+        program.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{first}{os.pathsep}{second}")
+    names = ["llama-server", "tool", "nowhere", str(first / "tool"), str(second / "tool"), str(first / "llama-server")]
+    assert [executable(name) for name in names] == [shutil.which(name) for name in names]
+    assert find_llama_server(None, {}) == [str(second / "llama-server")]
+    assert find_llama_server(f"{second / 'tool'} --flag", {}) == [str(second / "tool"), "--flag"]
+
+
+def test_the_childs_runtime_directory_is_private_and_stale_ones_are_removed(tmp_path, monkeypatch):
+    """A slotkeeper that was SIGKILLed leaves its runtime directory (named after its pid) in $TMPDIR; the next
+    start removes it, and no other."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale, living, unrelated = (
+        tmp_path / name for name in (f"slotkeeper-{gone.pid}-x", f"slotkeeper-{os.getpid()}-x", "slotkeeper-x")
+    )
+    for folder in (stale, living, unrelated):
+        folder.mkdir()
+    (stale / "llama-server.sock").write_text("")
+    endpoint = make_endpoint(False)
+    runtime_dir = Path(endpoint.runtime_dir)
+    assert runtime_dir.parent == tmp_path and stat.S_IMODE(runtime_dir.stat().st_mode) == 0o700
+    assert endpoint.host_arg == ["--host", str(runtime_dir / "llama-server.sock")]
+    remove_stale_runtime_dirs()
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([runtime_dir.name, living.name, unrelated.name])
 
 
 @pytest.mark.parametrize("argv", [["--port", "abc"], ["--drain-timeout", "x", "--"]])

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import gc
 import os
-import shutil
 import signal
 import sys
-from pathlib import Path
 
 from .cmdline import ConfigError, lock_save_dir, plan_launch, raw_flag
 
@@ -90,8 +88,8 @@ def run(argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: early_signals.append(signum))
 
-    dotenv_file = Path.cwd() / ".env"
-    if dotenv_file.is_file():  # python-dotenv costs ~50 ms to import: only when there is a .env to read
+    dotenv_file = os.path.join(os.getcwd(), ".env")
+    if os.path.isfile(dotenv_file):  # python-dotenv costs ~50 ms to import: only when there is a .env to read
         from dotenv import load_dotenv
 
         load_dotenv(dotenv_file, override=False)
@@ -102,7 +100,7 @@ def run(argv: list[str]) -> int:
         print(f"slotkeeper: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
-    from .llama.supervisor import ChildProcess, make_endpoint
+    from .llama.supervisor import ChildProcess, make_endpoint, remove_runtime_dir, remove_stale_runtime_dirs
 
     endpoint = make_endpoint(raw_flag(plan.own, "child_tcp"))
     try:
@@ -111,6 +109,7 @@ def run(argv: list[str]) -> int:
         except OSError as exc:
             return cannot_start(plan.binary[0], exc)
         # The child is loading now; the heavy imports below overlap its load instead of adding to it.
+        remove_stale_runtime_dirs()
         try:
             from .config import validate
 
@@ -149,7 +148,7 @@ def run(argv: list[str]) -> int:
             log.error("internal error: %r", exc, exc_info=config.options.log_level == "debug")
             return EXIT_INTERNAL
     finally:
-        shutil.rmtree(endpoint.runtime_dir, ignore_errors=True)
+        remove_runtime_dir(endpoint.runtime_dir)
 
 
 def cannot_start(binary: str, exc: OSError) -> int:

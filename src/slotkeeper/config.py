@@ -145,7 +145,7 @@ def validate(plan: LaunchPlan) -> RunConfig:
         options=validate_options(plan.own),
         hosts=hosts,
         port=integer("--port", llama.port, low=0, high=65535),
-        save_dir=plan.save_dir,
+        save_dir=Path(plan.save_dir),
         api_keys=plan.api_keys,
         total_slots_hint=None if llama.parallel is None else integer("-np", llama.parallel, low=-1),
         slots_endpoint=llama.slots_endpoint,

@@ -66,7 +66,7 @@ def fmt_s(seconds: float) -> str:
 
 
 def demo_cache_dir() -> Path:
-    return cache_root(os.environ) / "demo"
+    return Path(cache_root(os.environ)) / "demo"
 
 
 # ---- the traffic --------------------------------------------------------------------------------------------

@@ -114,7 +114,7 @@ def with_model_stores(save_dir: Path) -> list[Path]:
 
 def find_save_dirs(env: Mapping[str, str]) -> list[Path]:
     """Every default (per-model) save directory under $XDG_CACHE_HOME/slotkeeper or ~/.cache/slotkeeper."""
-    return [found for save_dir in save_dirs_under(cache_root(env)) for found in with_model_stores(save_dir)]
+    return [found for save_dir in save_dirs_under(Path(cache_root(env))) for found in with_model_stores(save_dir)]
 
 
 def resolve_dirs(given: Sequence[str], env: Mapping[str, str]) -> list[Path]:

@@ -68,9 +68,9 @@ def format_age(seconds: float) -> str:
     return f"{seconds // 86400} d"
 
 
-def display_path(path: Path) -> str:
+def display_path(path: str | os.PathLike[str]) -> str:
     """A path as people type it: the home directory as `~`."""
-    text = str(path)
+    text = os.fspath(path)
     home = _home(os.environ.get("HOME"))
     if home not in ("", "/") and (text == home or text.startswith(home + os.sep)):
         return "~" + text[len(home) :]

@@ -4,22 +4,19 @@ llama-swap sends SIGTERM to slotkeeper's whole process group, so the child gets 
 survives long enough to have its slots saved. Because llama-swap may then SIGKILL that group, the child also
 asks the kernel for SIGKILL when slotkeeper dies (PR_SET_PDEATHSIG): never an orphan holding the model's RAM.
 The child inherits slotkeeper's stdout and stderr, so its output passes through byte for byte and can never
-be blocked by slotkeeper. Stdlib only: the child is spawned before slotkeeper's heavy imports.
+be blocked by slotkeeper. What this module imports loads in a few ms, as cmdline.py's does: the child is
+spawned before everything else is imported (no tempfile, which imports shutil and random; no dataclasses).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (mypy reads the name alike)
 if TYPE_CHECKING:  # asyncio is imported after the child is spawned: its import would delay the model load
     import asyncio
 
@@ -27,20 +24,29 @@ RUNTIME_DIR_PREFIX = "slotkeeper-"
 CHILD_SOCKET_NAME = "llama-server.sock"
 PR_SET_PDEATHSIG = 1
 MAX_FD = os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 1 << 16
+TEMP_DIR_VARIABLES = ("TMPDIR", "TEMP", "TMP")  # tempfile.gettempdir()'s, in its order
 
 
-@dataclass(frozen=True)
 class ChildEndpoint:
     """Where the child listens: a unix socket in slotkeeper's 0700 runtime directory, or a loopback port."""
 
-    runtime_dir: Path
-    socket_path: Path | None = None
-    tcp_port: int | None = None
+    __slots__ = ("runtime_dir", "socket_path", "tcp_port")
+
+    def __init__(
+        self,
+        *,
+        runtime_dir: str | os.PathLike[str],
+        socket_path: str | os.PathLike[str] | None = None,
+        tcp_port: int | None = None,
+    ) -> None:
+        self.runtime_dir = os.fspath(runtime_dir)
+        self.socket_path = None if socket_path is None else os.fspath(socket_path)
+        self.tcp_port = tcp_port
 
     @property
     def host_arg(self) -> list[str]:
         if self.socket_path is not None:
-            return ["--host", str(self.socket_path)]
+            return ["--host", self.socket_path]
         return ["--host", "127.0.0.1", "--port", str(self.tcp_port)]
 
     @property
@@ -51,30 +57,46 @@ class ChildEndpoint:
         return f"unix:{self.socket_path}" if self.socket_path is not None else f"127.0.0.1:{self.tcp_port}"
 
 
+def temp_dir() -> str:
+    """tempfile.gettempdir()'s choice where it matters: $TMPDIR (or $TEMP, $TMP) if a directory, else /tmp."""
+    chosen = (os.environ.get(name) for name in TEMP_DIR_VARIABLES)
+    return next((path for path in chosen if path and os.path.isdir(path)), "/tmp")
+
+
 def make_endpoint(tcp: bool) -> ChildEndpoint:
-    """A fresh runtime directory (0700, named after our pid so stale ones can be recognised) and an address in it."""
-    remove_stale_runtime_dirs()
-    runtime_dir = Path(tempfile.mkdtemp(prefix=f"{RUNTIME_DIR_PREFIX}{os.getpid()}-"))
+    """A fresh runtime directory (0700, named after our pid so stale ones can be recognised, with a random
+    part as tempfile.mkdtemp's) and an address in it."""
+    runtime_dir = os.path.join(temp_dir(), f"{RUNTIME_DIR_PREFIX}{os.getpid()}-{os.urandom(6).hex()}")
+    os.mkdir(runtime_dir, 0o700)  # (48 random bits: no name is taken twice)
     if not tcp:
-        return ChildEndpoint(runtime_dir, socket_path=runtime_dir / CHILD_SOCKET_NAME)
+        return ChildEndpoint(runtime_dir=runtime_dir, socket_path=os.path.join(runtime_dir, CHILD_SOCKET_NAME))
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    return ChildEndpoint(runtime_dir, tcp_port=port)
+    return ChildEndpoint(runtime_dir=runtime_dir, tcp_port=port)
+
+
+def remove_runtime_dir(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def remove_stale_runtime_dirs() -> None:
-    """Runtime directories left by a slotkeeper that was SIGKILLed (its pid no longer exists)."""
-    for entry in Path(tempfile.gettempdir()).glob(f"{RUNTIME_DIR_PREFIX}*-*"):
-        pid_text = entry.name[len(RUNTIME_DIR_PREFIX) :].split("-", 1)[0]
-        if not pid_text.isdigit() or int(pid_text) == os.getpid() or not entry.is_dir():
+    """Runtime directories left by a slotkeeper that was SIGKILLed (its pid no longer exists); run after the
+    spawn, which need not wait for it."""
+    with os.scandir(temp_dir()) as found:
+        candidates = [entry for entry in found if entry.name.startswith(RUNTIME_DIR_PREFIX)]
+    for entry in candidates:
+        pid_text, dash, _ = entry.name[len(RUNTIME_DIR_PREFIX) :].partition("-")
+        if not dash or not pid_text.isdigit() or not entry.is_dir():  # (ours is alive: kept)
             continue
         try:
             os.kill(int(pid_text), 0)
         except ProcessLookupError:
-            shutil.rmtree(entry, ignore_errors=True)
+            remove_runtime_dir(entry.path)
         except PermissionError:
             pass
 

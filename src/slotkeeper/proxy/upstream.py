@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from pathlib import Path
 from typing import Protocol
 
 import httptools
@@ -30,7 +29,7 @@ class Endpoint(Protocol):
     endpoint is one; the proxy does not import the supervisor)."""
 
     @property
-    def socket_path(self) -> Path | None: ...
+    def socket_path(self) -> str | None: ...
 
     @property
     def tcp_port(self) -> int | None: ...

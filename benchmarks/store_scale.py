@@ -21,12 +21,16 @@ most recent, so they are the ones restored at start). Per size, one row:
                 it leaves at a stop: the manifest cache)
   RSS           slotkeeper's own (the daemon, not llama-server: VmRSS), after ready and after the chats
 
+With --starts N, the stores are kept until every row is done, and then N rounds of starts follow, alternated
+(plain llama-server, then slotkeeper on each store): medians of the time to ready, and each store's growth over
+the smallest one's, side by side in one run (a single start, as in the table, swings by 100-300 ms here).
+
 With --profile, the slotkeeper side runs under cProfile with the store's threads run in line (so that one
 profile sees store.open and the saves' work; the timings then include the profiler's cost), and the busiest
 functions of the largest size are printed after the table.
 
     uv run python benchmarks/store_scale.py [--sizes 10,1000,5000,20000] [--chats 6] [--saves 3]
-        [--seed-chats 4] [--profile] [--keep DIR]
+        [--seed-chats 4] [--starts N] [--profile] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -336,6 +340,26 @@ def measure(
     return Row(entries, plain, first.ready_s, sk, rss_ready, rss_after, catalog, catalog_cached, saved)
 
 
+def alternated_ready(binary: str, model: Path, work: Path, sizes: list[int], starts: int) -> None:
+    """`starts` rounds of plain llama-server, then slotkeeper on each store (its next start: no traffic, stopped
+    at once); prints the medians of the time to ready and each store's growth over the smallest's."""
+    ready: dict[str, list[float]] = {"plain": [], **{f"{size:,}": [] for size in sizes}}
+    for n in range(starts):
+        ready["plain"].append(run_plain(binary, model, work, f"alternated-{n}", 0).ready_s)
+        for size in sizes:
+            side = run_slotkeeper(binary, model, work / f"store-{size}", work, f"alternated-{size}-{n}", 0, 0, None)[0]
+            ready[f"{size:,}"].append(side.ready_s)
+    medians = {name: statistics.median(times) for name, times in ready.items()}
+    smallest = medians[f"{min(sizes):,}"]
+    print(f"\nready, medians of {starts} alternated starts (ms; min-max):")
+    for name, median in medians.items():
+        growth = "" if name == "plain" else f"  {(median - medians['plain']) * 1000:+.0f} over plain, "
+        growth += "" if name == "plain" else f"{(median - smallest) * 1000:+.0f} over the smallest store"
+        label = name if name == "plain" else f"{name} entries"
+        low, high = min(ready[name]) * 1000, max(ready[name]) * 1000
+        print(f"  {label:>16} {median * 1000:6.0f} ({low:.0f}-{high:.0f}){growth}", flush=True)
+
+
 def time_catalog(save_dir: Path, env: dict[str, str]) -> tuple[float, float, float]:
     """`ls`, `ls --json` and `prune --dry-run`, each as a process."""
     return (
@@ -406,6 +430,13 @@ def main() -> None:
     )
     parser.add_argument("--seed-chats", type=int, default=4, help="real chats saved first (default 4)")
     parser.add_argument(
+        "--starts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="then N alternated rounds of starts: plain, slotkeeper on each store (medians of ready; default 0)",
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="run slotkeeper under cProfile; print the profile of the largest size"
     )
     parser.add_argument(
@@ -446,8 +477,10 @@ def main() -> None:
             print(table_row(row), flush=True)
             if profile is not None:
                 profiles[row.entries] = profile
-            if not args.keep:
+            if not args.keep and not args.starts:
                 shutil.rmtree(work / f"store-{size}", ignore_errors=True)
+        if args.starts:
+            alternated_ready(binary, model, work, sizes, args.starts)
         if profiles:
             largest = max(profiles)
             print_profile(profiles[largest], largest)

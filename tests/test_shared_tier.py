@@ -63,8 +63,8 @@ def turn(sk, body: dict) -> dict:
 
 def own_time(sk, body: dict) -> float:
     """A turn's wall time less llama-server's own work on it (its timings): what slotkeeper and the hops add.
-    Under a CPU-bound neighbour llama-server's decode alone takes up to ~0.2 s a token (its two threads wait
-    for each other at every step), so wall times compare the scheduler, not a wait of slotkeeper's."""
+    Under a CPU-bound neighbour llama-server's decode alone takes up to ~0.2 s a token (its two threads spin
+    waiting for each other), so wall times compare the scheduler, not a wait of slotkeeper's."""
     started = time.monotonic()
     timings = turn(sk, body)["timings"]
     return time.monotonic() - started - (timings["prompt_ms"] + timings["predicted_ms"]) / 1000

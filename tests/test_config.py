@@ -117,6 +117,11 @@ def test_unwritable_save_dir(tmp_path):
     blocker.write_text("")
     with pytest.raises(ConfigError, match="cannot create slot save directory"):
         build_run_config(["--slot-save-path", str(blocker / "sub")], env_for(tmp_path))
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "entries").write_text("")  # a file where the store's folder goes
+    with pytest.raises(ConfigError, match="cannot prepare slot save directory .*: File exists"):
+        build_run_config(["--slot-save-path", str(taken)], env_for(tmp_path))
 
 
 def test_missing_llama_server(tmp_path):

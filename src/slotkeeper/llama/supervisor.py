@@ -79,6 +79,7 @@ def make_endpoint(tcp: bool) -> ChildEndpoint:
 
 
 def remove_runtime_dir(path: str) -> None:
+    """A runtime directory and the socket in it, at exit or stale (shutil is imported only then)."""
     import shutil
 
     shutil.rmtree(path, ignore_errors=True)

@@ -37,10 +37,11 @@ class StoreLockedError(Exception):
 def prepare_layout(root: StrPath) -> str:
     """Create entries/ and snapshots/; returns llama-server's --slot-save-path (snapshots/)."""
     for name in (ENTRIES_DIR, SNAPSHOTS_DIR):
+        path = os.path.join(root, name)
         try:
-            os.mkdir(os.path.join(root, name))
-        except FileExistsError:
-            if not os.path.isdir(os.path.join(root, name)):
+            os.mkdir(path)
+        except FileExistsError:  # as Path.mkdir(exist_ok=True): only a directory may be there already
+            if not os.path.isdir(path):
                 raise
     return os.path.join(root, SNAPSHOTS_DIR)
 

@@ -28,10 +28,12 @@ def compile_slotkeeper() -> None:
     """The slotkeeper the benchmarks start (this checkout's src, or the older one on PYTHONPATH) compiled to
     bytecode, as an install has it (`uv tool install --compile-bytecode`, pip): where PYTHONDONTWRITEBYTECODE is
     set, an editable checkout's modules are otherwise compiled at every start, ~0.1 s that every start-up
-    number would count (slotkeeper logs it: cli.uncached_bytecode_hint)."""
+    number would count (slotkeeper logs it: cli.uncached_bytecode_hint). Forced (~0.1 s of CPU): compileall
+    keeps a .pyc whose source has the mtime it recorded, in whole seconds, and Python, which checks the size
+    too, then rejects a file edited within that second and compiles it at every start."""
     import compileall
 
-    compileall.compile_dir(Path(slotkeeper.__file__).parent, quiet=1)
+    compileall.compile_dir(Path(slotkeeper.__file__).parent, quiet=1, force=True)
 
 
 compile_slotkeeper()  # every benchmark measures slotkeeper as installed

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from slotkeeper.testing.harness import Slotkeeper, clean_env, free_port
 from slotkeeper.testing.tinymodel import PRESETS, TinyModelSpec, write_tiny_model
 
 Starter = Callable[..., Slotkeeper]
+ReadOnly = Callable[[Path], AbstractContextManager[None]]
 # The stub llama-server (faults on demand) lives with the tests: it is no part of the install.
 STUB_COMMAND = f"{sys.executable} {Path(__file__).resolve().parent / 'stub.py'}"
 
@@ -176,3 +179,24 @@ def family_start(starter, llama_server, family_models, request):
         return starter(llama_server, ["-m", str(model), *BASE, *family.args])(*extra, **kw)
 
     return start
+
+
+@pytest.fixture
+def read_only() -> Iterator[ReadOnly]:
+    """read_only(path): a context in which `path` is a read-only bind mount of itself (a real EROFS)."""
+    if os.geteuid() != 0:
+        pytest.skip("a read-only bind mount needs root (CI runs as root)")
+    mounted: list[Path] = []
+
+    @contextmanager
+    def remount(path: Path) -> Iterator[None]:
+        subprocess.run(["mount", "--bind", str(path), str(path)], check=True)
+        mounted.append(path)
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], check=True)
+        yield
+        subprocess.run(["umount", str(path)], check=True)
+        mounted.remove(path)
+
+    yield remount
+    for path in mounted:  # an assertion failed inside the context
+        subprocess.run(["umount", "-l", str(path)], check=False)

@@ -14,13 +14,9 @@ nobody expected from a patch of the store loaded at interpreter start (the store
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import signal
-import subprocess
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
@@ -54,8 +50,6 @@ _faulty("save_slot")
 _faulty("restore")
 """
 
-ReadOnly = Callable[[Path], AbstractContextManager[None]]
-
 
 def complete(sk, prompt: str = PROMPT, **kw) -> dict:
     reply = sk.call("POST", "/completion", {"prompt": prompt, "n_predict": 8, "temperature": 0, **kw})
@@ -73,27 +67,6 @@ def restarts_warm(family_start, save_dir: Path) -> None:
     sk = family_start(FAMILIES["llama"], "-np", "1", own=("--autosave-idle", "0"))
     assert restored(sk.logs()) == [(entry[:4], 0)], sk.logs()
     assert complete(sk)["timings"]["cache_n"] > 0, sk.logs()
-
-
-@pytest.fixture
-def read_only() -> Iterator[ReadOnly]:
-    """read_only(path): a context in which `path` is a read-only bind mount of itself (a real EROFS)."""
-    if os.geteuid() != 0:
-        pytest.skip("a read-only bind mount needs root (CI runs as root)")
-    mounted: list[Path] = []
-
-    @contextmanager
-    def remount(path: Path) -> Iterator[None]:
-        subprocess.run(["mount", "--bind", str(path), str(path)], check=True)
-        mounted.append(path)
-        subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], check=True)
-        yield
-        subprocess.run(["umount", str(path)], check=True)
-        mounted.remove(path)
-
-    yield remount
-    for path in mounted:  # an assertion failed inside the context
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 @pytest.fixture

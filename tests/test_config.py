@@ -167,6 +167,35 @@ def test_the_childs_runtime_directory_is_private_and_stale_ones_are_removed(tmp_
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted([runtime_dir.name, living.name, unrelated.name])
 
 
+def test_a_read_only_temporary_directory_is_one_clear_error(tmp_path, read_only):
+    """The child's socket directory goes in $TMPDIR: a read-only one (a real EROFS) is one line, exit 2, and no
+    llama-server was started (LLAMA_SERVER would leave a mark)."""
+    temporary, mark = tmp_path / "tmp", tmp_path / "started"
+    temporary.mkdir()
+    with read_only(temporary):
+        proc = subprocess.run(
+            [sys.executable, "-m", "slotkeeper.cli", "-m", "m.gguf", "--slot-save-path", str(tmp_path / "c")],
+            capture_output=True,
+            text=True,
+            env={**env_for(tmp_path), "TMPDIR": str(temporary), "LLAMA_SERVER": f"sh -c 'touch {mark}' sh"},
+            cwd=tmp_path,
+            timeout=30,
+        )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"slotkeeper: error: cannot create llama-server's socket directory in {temporary}: Read-only file system "
+        "(set TMPDIR to a writable directory)"
+    ]
+    assert not mark.exists()
+
+
+def test_a_temporary_directory_that_cannot_be_listed_leaves_the_start_alone(tmp_path, monkeypatch):
+    """Removing stale runtime directories is housekeeping after the spawn: a $TMPDIR gone since ours was made in
+    it (or unreadable) is no reason to stop a start, nor a traceback."""
+    monkeypatch.setattr("slotkeeper.llama.supervisor.temp_dir", lambda: str(tmp_path / "gone"))
+    remove_stale_runtime_dirs()
+
+
 @pytest.mark.parametrize("argv", [["--port", "abc"], ["--drain-timeout", "x", "--"]])
 def test_6_cli_bad_value_exit_2_one_line(tmp_path, argv):
     proc = subprocess.run(

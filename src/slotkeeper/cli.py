@@ -100,9 +100,24 @@ def run(argv: list[str]) -> int:
         print(f"slotkeeper: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
-    from .llama.supervisor import ChildProcess, make_endpoint, remove_runtime_dir, remove_stale_runtime_dirs
+    from .llama.supervisor import (
+        ChildProcess,
+        make_endpoint,
+        remove_runtime_dir,
+        remove_stale_runtime_dirs,
+        temp_dir,
+    )
 
-    endpoint = make_endpoint(raw_flag(plan.own, "child_tcp"))
+    try:
+        endpoint = make_endpoint(raw_flag(plan.own, "child_tcp"))
+    except OSError as exc:  # a read-only or full temporary directory
+        reason = exc.strerror or exc
+        print(
+            f"slotkeeper: error: cannot create llama-server's socket directory in {temp_dir()}: {reason} "
+            "(set TMPDIR to a writable directory)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     try:
         try:
             child = ChildProcess(plan.child_command(endpoint.host_arg), endpoint, plan.child_env(os.environ))

@@ -87,9 +87,13 @@ def remove_runtime_dir(path: str) -> None:
 
 def remove_stale_runtime_dirs() -> None:
     """Runtime directories left by a slotkeeper that was SIGKILLed (its pid no longer exists); run after the
-    spawn, which need not wait for it."""
-    with os.scandir(temp_dir()) as found:
-        candidates = [entry for entry in found if entry.name.startswith(RUNTIME_DIR_PREFIX)]
+    spawn, which need not wait for it. Housekeeping only: a directory it cannot list (made unreadable since
+    our own was made in it) is left as it is, not a reason to stop the start."""
+    try:
+        with os.scandir(temp_dir()) as found:
+            candidates = [entry for entry in found if entry.name.startswith(RUNTIME_DIR_PREFIX)]
+    except OSError:
+        return
     for entry in candidates:
         pid_text, dash, _ = entry.name[len(RUNTIME_DIR_PREFIX) :].partition("-")
         if not dash or not pid_text.isdigit() or not entry.is_dir():  # (ours is alive: kept)

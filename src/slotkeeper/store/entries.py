@@ -104,10 +104,10 @@ def file_checksum(path: Path) -> str:
     the restore it guards. The file is read in place into one reused buffer.
     """
     digest = xxhash.xxh3_128()
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a link is never followed (ELOOP)
     try:
+        # No larger than the file: zero-filling 8 MB cost the check of a 68 KB entry 3-8 ms, its read < 0.2 ms.
+        view = memoryview(bytearray(min(_CHUNK, os.fstat(fd).st_size + 1)))
         while n := os.readv(fd, [view]):
             digest.update(view[:n])
     finally:

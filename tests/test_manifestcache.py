@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from slotkeeper.chat.prefix import block_keys, exact_key
 from slotkeeper.store import manifestcache
 from slotkeeper.store.conversations import ConversationStore
@@ -145,3 +147,30 @@ def test_an_entry_whose_file_cannot_be_checked_leaves_nothing_in_its_slot(tmp_pa
     assert not result.ok and result.reason == "its file could not be checked: Input/output error", result
     assert child.actions == ["restore", "erase"]
     assert entry.id in store.entries, "an entry that could not be read is not judged bad"
+
+
+class BusyMachineChild(FakeChild):
+    """A busy machine: llama-server reads the file in half a millisecond (its own `restore_ms`), and its answer
+    reaches slotkeeper 0.2 s later, each hand-off between the processes having waited for a core."""
+
+    async def slot_action(self, slot_id: int, action: str, filename: str | None = None):
+        from slotkeeper.llama.client import ChildReply
+
+        self.actions.append(action)
+        await asyncio.sleep(0.2)
+        return ChildReply(200, {"n_restored": 700, "n_read": 100, "timings": {"restore_ms": 0.5}})
+
+
+def test_a_restore_is_timed_by_its_reading_not_by_the_hand_offs_around_it(tmp_path, monkeypatch):
+    """What a restore is expected to cost decides whether a new chat's opening is restored or prefilled
+    (placement.decide.slow_restore). It grows with the file; the hand-offs around the read do not. Counted as
+    reading, 0.2 s of waiting for a core made a 2,000-token opening look slower to restore than to prefill."""
+    write_store(tmp_path, 2)
+    store = ConversationStore(tmp_path, BusyMachineChild(), FINGERPRINT, SERVER)  # type: ignore[arg-type]
+    store.open()
+    first, second = store.entries.values()
+    monkeypatch.setattr("slotkeeper.store.conversations.file_checksum", lambda path: first.checksum)
+    result = asyncio.run(store.restore(first, 0))
+    assert result.ok and result.seconds >= 0.2, result
+    expected = second.nbytes / 100 * 0.0005  # at the pace llama-server read the first one's 100 bytes
+    assert store.restore_seconds(second) == pytest.approx(expected, rel=0.5), store.restore_bytes_per_s

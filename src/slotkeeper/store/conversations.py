@@ -173,7 +173,8 @@ class ConversationStore(EntryIndex):
         self.cache_changes = 0  # manifests written or read since the manifest cache was (manifestcache.py)
         self._cache_lock = asyncio.Lock()
         self.bytes_per_s: float | None = None  # measured save speed
-        self.restore_bytes_per_s: float | None = None  # measured restore speed (the last restore's)
+        # measured restore speed (the last restore's, over its reading work: `_reading_seconds`)
+        self.restore_bytes_per_s: float | None = None
         self._warned_copy = False
         self.on_commit = on_commit  # told of each new local save (the remote tier's uploads)
         self.vocabulary = vocabulary  # the model's vocabulary key, recorded in every entry saved here
@@ -265,7 +266,8 @@ class ConversationStore(EntryIndex):
         self.touch(entry)
 
     def restore_seconds(self, entry: Entry) -> float | None:
-        """How long restoring this entry is expected to take (None before any restore or save was timed)."""
+        """How long restoring this entry is expected to take (None before any restore or save was timed): its
+        bytes at the speed restores (else saves) read (wrote) them, timed over that work alone."""
         rate = self.restore_bytes_per_s or self.save_rate()
         return entry.nbytes / rate if rate else None
 
@@ -627,18 +629,20 @@ class ConversationStore(EntryIndex):
         link = transient_path(self.snapshots_dir)
         source = pair_paths(self.entries_dir, entry.id)[0]
         started = time.monotonic()
-        check: asyncio.Future[str] | None = None
+        check: asyncio.Future[tuple[str, float]] | None = None
+        check_s = 0.0
         try:
             if reason := file_differs(entry, source):  # never handed to llama-server
                 self._quarantine(entry, reason)
                 return RestoreResult(outcome=RestoreOutcome.QUARANTINED, reason=reason)
             if entry.checksum:
-                check = asyncio.ensure_future(asyncio.to_thread(file_checksum, source))
+                check = asyncio.ensure_future(asyncio.to_thread(_timed_checksum, source))
             await self._expose(source, link)
             reply = await self.client.slot_action(slot_id, "restore", link.name)
             if check is not None:
                 try:
-                    actual: str | None = await check
+                    actual: str | None
+                    actual, check_s = await check
                 except OSError as exc:  # unread, so unchecked: what llama-server read is not kept either
                     actual, unread = None, exc
                 self.metrics.checksum_seconds += time.monotonic() - started
@@ -667,8 +671,8 @@ class ConversationStore(EntryIndex):
         nbytes = int(reply.body.get("n_read", entry.nbytes))
         self.metrics.restores[RestoreOutcome.RESTORED.value] += 1
         self.metrics.restored(elapsed, nbytes, tokens)
-        if elapsed > 0:
-            self.restore_bytes_per_s = nbytes / elapsed
+        if (reading := _reading_seconds(reply.body, check_s) or elapsed) > 0:
+            self.restore_bytes_per_s = nbytes / reading
         self.touch(entry)
         return RestoreResult(outcome=RestoreOutcome.RESTORED, n_tokens=tokens, nbytes=nbytes, seconds=elapsed)
 
@@ -834,3 +838,23 @@ def file_differs(entry: Entry, source: Path) -> str:
     if not stat.S_ISREG(st.st_mode):
         raise OSError(errno.ELOOP, "it became a link: never followed")
     return "" if st.st_size == entry.nbytes else f"size {st.st_size} differs from its manifest's {entry.nbytes}"
+
+
+def _timed_checksum(path: Path) -> tuple[str, float]:
+    """A file's checksum and the seconds reading it took (in its thread: the wait for the thread is not reading)."""
+    started = time.monotonic()
+    digest = file_checksum(path)
+    return digest, time.monotonic() - started
+
+
+def _reading_seconds(reply: dict[str, Any], check_s: float) -> float:
+    """How long a restore's reading took: llama-server's own load time (its `restore_ms`), or the checksum's
+    read beside it when that was slower (the restore waits for both); 0 when neither was timed. Why not the
+    restore's wall time: that adds the hand-offs between slotkeeper, llama-server's HTTP thread and its task
+    loop, a cost that does not grow with the file. On a busy machine each hand-off waits for a core (a 68 KB
+    restore took 15 ms), and counted as reading it made a 2,000-token opening look slower to restore than to
+    prefill, so new chats started cold (restored, it took 1-4 ms)."""
+    timings = reply.get("timings")
+    restore_ms = timings.get("restore_ms") if isinstance(timings, dict) else None
+    load_s = restore_ms / 1000 if isinstance(restore_ms, (int, float)) and restore_ms > 0 else 0.0
+    return max(load_s, check_s)

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from .statefile import HEADER, SEQ_MAGIC, StateFileError
 
-__all__ = ["KvSection", "RecurrentSection", "Rows", "Signature", "read_signature"]
+__all__ = ["CellData", "KvSection", "RecurrentSection", "RowRun", "Rows", "Signature", "read_layout", "read_signature"]
 
 #: Versions of the seq-state format this reader knows: 3 (b11349 and before), 4 (n_rot_k, n_rot_v added).
 KNOWN_VERSIONS = (3, 4)
@@ -125,6 +125,34 @@ class Signature:
         return tuple(found)
 
 
+@dataclass(frozen=True, slots=True)
+class RowRun:
+    """Where one layer's per-cell data lies in a file: `groups` runs, one after the other from `offset`, each of
+    `size` bytes per cell (a K or V tensor's rows: one group of whole rows; a transposed V: one group per
+    element, each holding that element of every cell)."""
+
+    offset: int
+    size: int
+    groups: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class CellData:
+    """The per-cell data of one KV cache stream that holds cells: every layer's K and V, cell by cell.
+
+    Why: a full-attention KV cache grows by appending cells, so a later save of a growing chat repeats the
+    earlier save's cells byte for byte, and cells [a, b) of every run together are what the block store keeps
+    once (store/blocks.py)."""
+
+    cells: int
+    runs: tuple[RowRun, ...]
+
+    @property
+    def cell_bytes(self) -> int:
+        """Bytes one cell holds across the runs."""
+        return sum(run.size * run.groups for run in self.runs)
+
+
 def _rows_difference(a: tuple[Rows, ...], b: tuple[Rows, ...]) -> str:
     if len(a) != len(b):
         return f"{len(a)} layers vs {len(b)}"
@@ -135,6 +163,12 @@ def _rows_difference(a: tuple[Rows, ...], b: tuple[Rows, ...]) -> str:
 def read_signature(path: Path) -> Signature:
     """The Signature of a slot file; StateFileError when it is not one, is cut short, or no reading of its
     sections ends where the file does."""
+    return read_layout(path)[0]
+
+
+def read_layout(path: Path | str) -> tuple[Signature, tuple[CellData, ...]]:
+    """A slot file's Signature and where its KV caches' per-cell data lies (one CellData per stream holding
+    cells, in file order); StateFileError as read_signature. A recurrent memory's state is not per cell."""
     with open(path, "rb") as f:
         reader = _Reader(f.fileno(), os.fstat(f.fileno()).st_size)
         try:
@@ -148,8 +182,8 @@ def read_signature(path: Path) -> Signature:
         start = HEADER.size + 4 * count
         if start > reader.size:
             raise StateFileError(f"truncated: {count} token words announced in {reader.size} bytes")
-        for sections in _readings(reader, version, start, ()):
-            return Signature(version=version, sections=sections)
+        for sections, data in _readings(reader, version, start, (), ()):
+            return Signature(version=version, sections=sections), data
     raise StateFileError(f"no reading of its memory sections fits its {reader.size} bytes (truncated?)")
 
 
@@ -186,14 +220,16 @@ _KV_DATA = struct.Struct("<II")  # v_trans, n_layer
 _ROTATION = struct.Struct("<II")  # n_rot_k, n_rot_v
 
 
-def _readings(reader: _Reader, version: int, at: int, done: tuple[Section, ...]) -> Iterator[tuple[Section, ...]]:
-    """Each reading of the sections from `at` that ends at the end of the file: a recurrent memory is the last
-    section; at most two KV caches come before it."""
+def _readings(
+    reader: _Reader, version: int, at: int, done: tuple[Section, ...], data: tuple[CellData, ...]
+) -> Iterator[tuple[tuple[Section, ...], tuple[CellData, ...]]]:
+    """Each reading of the sections from `at` that ends at the end of the file, with the per-cell data of its
+    KV caches: a recurrent memory is the last section; at most two KV caches come before it."""
     if at == reader.size and done:
-        yield done
+        yield done, data
         return
     try:
-        yield (*done, _recurrent(reader, at))
+        yield (*done, _recurrent(reader, at)), data
     except _Mismatch:
         pass
     if sum(isinstance(s, KvSection) for s in done) >= 2:
@@ -201,10 +237,10 @@ def _readings(reader: _Reader, version: int, at: int, done: tuple[Section, ...])
     for cell_ext in (False, True):
         for has_v in (True, False):
             try:
-                section, end = _kv(reader, version, at, cell_ext=cell_ext, has_v=has_v)
+                section, end, streams = _kv(reader, version, at, cell_ext=cell_ext, has_v=has_v)
             except _Mismatch:
                 continue
-            yield from _readings(reader, version, end, (*done, section))
+            yield from _readings(reader, version, end, (*done, section), (*data, *streams))
 
 
 def _check(condition: bool) -> None:
@@ -212,36 +248,49 @@ def _check(condition: bool) -> None:
         raise _Mismatch
 
 
-def _kv(reader: _Reader, version: int, at: int, *, cell_ext: bool, has_v: bool) -> tuple[KvSection, int]:
-    """One KV cache's section at `at` (see the module docstring) and where it ends."""
+def _kv(
+    reader: _Reader, version: int, at: int, *, cell_ext: bool, has_v: bool
+) -> tuple[KvSection, int, list[CellData]]:
+    """One KV cache's section at `at` (see the module docstring), where it ends, and its streams' cell data."""
     (n_stream,) = reader.unpack(_U32, at)
     _check(1 <= n_stream <= MAX_STREAMS)
     at += 4
     shape: KvSection | None = None
+    streams: list[CellData] = []
     for _ in range(n_stream):
         (cells,) = reader.unpack(_U32, at)
         at += 4
         if not cells:
             continue
         at = _kv_cells(reader, at, cells, cell_ext)
-        stream, at = _kv_layers(reader, version, at, cells, has_v)
+        runs: list[RowRun] = []
+        stream, at = _kv_layers(reader, version, at, cells, has_v, runs)
         _check(shape is None or shape == stream)  # streams of one cache share their layers
         shape = stream
+        streams.append(CellData(cells=cells, runs=tuple(runs)))
     if shape is None:  # every stream empty: whether cells carry the ext, or there is a V, is not in the file
         _check(not cell_ext and has_v)
-        return KvSection(
-            n_stream=n_stream, cell_ext=None, v_trans=None, n_layer=None, n_rot_k=None, n_rot_v=None, k=(), v=()
-        ), at
-    return KvSection(
-        n_stream=n_stream,
-        cell_ext=cell_ext,
-        v_trans=shape.v_trans,
-        n_layer=shape.n_layer,
-        n_rot_k=shape.n_rot_k,
-        n_rot_v=shape.n_rot_v,
-        k=shape.k,
-        v=shape.v,
-    ), at
+        return (
+            KvSection(
+                n_stream=n_stream, cell_ext=None, v_trans=None, n_layer=None, n_rot_k=None, n_rot_v=None, k=(), v=()
+            ),
+            at,
+            streams,
+        )
+    return (
+        KvSection(
+            n_stream=n_stream,
+            cell_ext=cell_ext,
+            v_trans=shape.v_trans,
+            n_layer=shape.n_layer,
+            n_rot_k=shape.n_rot_k,
+            n_rot_v=shape.n_rot_v,
+            k=shape.k,
+            v=shape.v,
+        ),
+        at,
+        streams,
+    )
 
 
 def _kv_cells(reader: _Reader, at: int, cells: int, cell_ext: bool) -> int:
@@ -256,8 +305,11 @@ def _kv_cells(reader: _Reader, at: int, cells: int, cell_ext: bool) -> int:
     return reader.skip(at, cells * stride)
 
 
-def _kv_layers(reader: _Reader, version: int, at: int, cells: int, has_v: bool) -> tuple[KvSection, int]:
-    """One stream's v_trans, n_layer, rotations and per-layer K and V rows, seeking over the cell data."""
+def _kv_layers(
+    reader: _Reader, version: int, at: int, cells: int, has_v: bool, runs: list[RowRun]
+) -> tuple[KvSection, int]:
+    """One stream's v_trans, n_layer, rotations and per-layer K and V rows, seeking over the cell data (whose
+    places join `runs`)."""
     v_trans, n_layer = reader.unpack(_KV_DATA, at)
     _check(v_trans in (0, 1) and 1 <= n_layer <= MAX_LAYERS)
     at += _KV_DATA.size
@@ -265,16 +317,17 @@ def _kv_layers(reader: _Reader, version: int, at: int, cells: int, has_v: bool) 
     if version >= ROTATION_VERSION:
         n_rot_k, n_rot_v = reader.unpack(_ROTATION, at)
         at += _ROTATION.size
-    k, at = _rows(reader, at, cells, n_layer)
+    k, at = _rows(reader, at, cells, n_layer, runs)
     v: tuple[Rows, ...] = ()
     if has_v and not v_trans:
-        v, at = _rows(reader, at, cells, n_layer)
+        v, at = _rows(reader, at, cells, n_layer, runs)
     elif has_v:
         found = []
         for _ in range(n_layer):
             type_, size, width = reader.unpack(_TRANSPOSED, at)
             _check(0 <= type_ < MAX_GGML_TYPE and size > 0 and width > 0)
             found.append(Rows(type=type_, size=size, width=width))
+            runs.append(RowRun(at + _TRANSPOSED.size, size, width))
             at = reader.skip(at + _TRANSPOSED.size, width * cells * size)
         v = tuple(found)
     section = KvSection(
@@ -283,14 +336,19 @@ def _kv_layers(reader: _Reader, version: int, at: int, cells: int, has_v: bool) 
     return section, at
 
 
-def _rows(reader: _Reader, at: int, cells: int, count: int | None) -> tuple[tuple[Rows, ...], int]:
-    """`count` layers' (type, row size, rows) at `at`; with count None, as many as there are to the end of
-    the file (a recurrent memory's, whose S rows may be empty: LFM2's short convolutions have no S state)."""
+def _rows(
+    reader: _Reader, at: int, cells: int, count: int | None, runs: list[RowRun] | None = None
+) -> tuple[tuple[Rows, ...], int]:
+    """`count` layers' (type, row size, rows) at `at`, each layer's rows joining `runs` when given; with count
+    None, as many as there are to the end of the file (a recurrent memory's, whose S rows may be empty: LFM2's
+    short convolutions have no S state)."""
     found: list[Rows] = []
     while (count is None and at < reader.size) or (count is not None and len(found) < count):
         type_, size = reader.unpack(_ROWS, at)
         _check(0 <= type_ < MAX_GGML_TYPE and (size > 0 or count is None))
         found.append(Rows(type=type_, size=size))
+        if runs is not None:
+            runs.append(RowRun(at + _ROWS.size, size))
         at = reader.skip(at + _ROWS.size, cells * size)
     return tuple(found), at
 

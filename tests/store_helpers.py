@@ -1,8 +1,12 @@
 """Reading a slotkeeper save directory from a test: the committed entries, their manifests and tokens.
 
-The layout (slotkeeper.store.layout): `entries/<id>.bin` + `entries/<id>.json` (an entry is committed once its
-manifest exists), `snapshots/` (llama-server's --slot-save-path: clients' names and slotkeeper's transient
-`slotkeeper-<hex>.bin`), `quarantine/`, and the `.lock`. Log lines name an entry by its first 4 hex digits.
+The layout (slotkeeper.store.layout): `entries/<id>.json` (an entry is committed once its manifest exists), and
+for an entry kept as one file `entries/<id>.bin`; for one kept as blocks, its blocks in `blocks/`. `snapshots/`
+(llama-server's --slot-save-path: clients' names and slotkeeper's transient `slotkeeper-<hex>.bin`),
+`quarantine/`, and the `.lock`. Log lines name an entry by its first 4 hex digits.
+
+The stub llama-server's files are not llama.cpp's memory layout: the store keeps each whole, as one block (its
+skeleton), so `entry_bin` of a stub entry is that block, the entry's file byte for byte.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ from typing import Any
 
 from stub import decode_slot_file
 
+from slotkeeper.store.blockfiles import assemble, block_path
+from slotkeeper.store.blocks import Parts
 from slotkeeper.store.entries import TRANSIENT_PREFIX
-from slotkeeper.store.layout import ENTRIES_DIR, QUARANTINE_DIR, SNAPSHOTS_DIR
+from slotkeeper.store.layout import BLOCKS_DIR, ENTRIES_DIR, QUARANTINE_DIR, SNAPSHOTS_DIR
 from slotkeeper.store.statefile import read_header
 
 RESTORED = re.compile(r"chat ([0-9a-f]{4}) restored into slot (\d+): ")
@@ -35,12 +41,26 @@ def quarantine_dir(save_dir: Path) -> Path:
     return save_dir / QUARANTINE_DIR
 
 
+def blocks_dir(save_dir: Path) -> Path:
+    return save_dir / BLOCKS_DIR
+
+
+def entry_parts(save_dir: Path, entry_id: str) -> Parts | None:
+    """How an entry is made of blocks; None for one kept as one file."""
+    data = json.loads(manifest_path(save_dir, entry_id).read_text()).get("parts")
+    return None if data is None else Parts.from_json(data)
+
+
 def entry_ids(save_dir: Path) -> list[str]:
-    """The committed entries (a .bin with its manifest), sorted."""
+    """The committed entries (a manifest, and its .bin unless it is kept as blocks), sorted."""
     root = entries_dir(save_dir)
     if not root.is_dir():
         return []
-    return sorted(p.stem for p in root.glob("*.json") if (root / f"{p.stem}.bin").is_file())
+    return sorted(
+        p.stem
+        for p in root.glob("*.json")
+        if (root / f"{p.stem}.bin").is_file() or json.loads(p.read_text()).get("parts") is not None
+    )
 
 
 def uncommitted(save_dir: Path) -> list[str]:
@@ -59,7 +79,26 @@ def only_entry(save_dir: Path) -> str:
 
 
 def entry_bin(save_dir: Path, entry_id: str) -> Path:
-    return entries_dir(save_dir) / f"{entry_id}.bin"
+    """The file holding an entry's bytes: its .bin, or, kept as blocks, its one block (a stub entry's: see
+    above; an entry of several blocks has no such file: `entry_bytes`)."""
+    parts = entry_parts(save_dir, entry_id) if manifest_path(save_dir, entry_id).exists() else None
+    if parts is None:
+        return entries_dir(save_dir) / f"{entry_id}.bin"
+    assert not parts.sections, f"entry {entry_id} is made of {1 + sum(len(s.blocks) for s in parts.sections)} blocks"
+    return block_path(blocks_dir(save_dir), parts.skeleton)
+
+
+def entry_bytes(save_dir: Path, entry_id: str, scratch: Path) -> bytes:
+    """An entry's file, put together from its blocks as a restore does (in `scratch`, removed after)."""
+    parts = entry_parts(save_dir, entry_id)
+    if parts is None:
+        return entry_bin(save_dir, entry_id).read_bytes()
+    dest = scratch / f"{entry_id}.assembled"
+    assemble(blocks_dir(save_dir), parts, dest)
+    try:
+        return dest.read_bytes()
+    finally:
+        dest.unlink()
 
 
 def manifest_path(save_dir: Path, entry_id: str) -> Path:
@@ -90,7 +129,7 @@ def entry_tokens(save_dir: Path, entry_id: str) -> list[int]:
 def assert_entry_sound(save_dir: Path, entry_id: str) -> list[int]:
     """The entry's file and manifest agree and the file decodes: it would restore. Returns its tokens."""
     manifest = read_manifest(save_dir, entry_id)
-    assert manifest["version"] == 2 and manifest["id"] == entry_id, manifest
+    assert manifest["version"] == (2 if manifest.get("parts") is None else 3) and manifest["id"] == entry_id, manifest
     assert manifest["bytes"] == entry_bin(save_dir, entry_id).stat().st_size, manifest
     tokens = entry_tokens(save_dir, entry_id)
     assert manifest["tokens"] == len(tokens), manifest
@@ -109,8 +148,24 @@ def entry_files(save_dir: Path) -> list[str]:
 
 
 def only_files_of(save_dir: Path, *ids: str) -> bool:
-    """entries/ holds exactly these entries' pairs: nothing uncommitted, partial or stray beside them."""
-    return entry_files(save_dir) == sorted(f"{i}{suffix}" for i in ids for suffix in (".bin", ".json"))
+    """entries/ holds exactly these entries' files (a manifest, and a .bin for one kept as one file), and
+    blocks/ exactly their blocks: nothing uncommitted, partial or stray beside them."""
+    expected = []
+    blocks: set[str] = set()
+    for i in ids:
+        expected.append(f"{i}.json")
+        parts = entry_parts(save_dir, i) if manifest_path(save_dir, i).exists() else None
+        if parts is None:
+            expected.append(f"{i}.bin")
+        else:
+            blocks.update(parts.block_sizes())
+    return entry_files(save_dir) == sorted(expected) and block_files(save_dir) == sorted(blocks)
+
+
+def block_files(save_dir: Path) -> list[str]:
+    """Every file in blocks/'s folders (blocks, partial or stray)."""
+    root = blocks_dir(save_dir)
+    return sorted(p.name for p in root.glob("*/*")) if root.is_dir() else []
 
 
 def entries_snapshot(save_dir: Path) -> dict[str, bytes]:

@@ -227,7 +227,7 @@ class Keeper:
             slot.id,
             why,
             f"{entry.n_tokens:,}",
-            fmt_bytes(entry.nbytes),
+            result.size_text,
             fmt_ms(result.seconds),
             superseding,
         )
@@ -341,7 +341,7 @@ class Keeper:
             why,
             f"{entry.n_tokens:,}",
             how,
-            fmt_bytes(entry.nbytes),
+            result.size_text,
             fmt_ms(result.seconds),
             superseding,
         )
@@ -437,7 +437,7 @@ class Keeper:
             f"{entry.n_tokens:,}",
             f"{reached.prefilled:,}",
             fmt_ms(reached.seconds),
-            fmt_bytes(entry.nbytes),
+            result.size_text,
             fmt_ms(result.seconds),
         )
 

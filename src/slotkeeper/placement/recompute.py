@@ -23,7 +23,7 @@ from ..chat.boundary import Boundary
 from ..chat.prefix import block_keys, exact_key
 from ..llama.sleep import SleepWatch
 from ..log import fmt_ms, log
-from ..store.entries import Entry, pair_paths
+from ..store.entries import Entry
 from ..store.statefile import StateFileError, read_header
 from .decide import worth_keeping
 from .keeper import Keeper, supersedes_nothing
@@ -148,7 +148,7 @@ class Recomputer:
         """One chat, step by step; True once it is saved (or cannot be)."""
         progress = self._current
         if progress is None or progress.entry is not entry:
-            path = pair_paths(self.store.entries_dir, entry.id)[0]
+            path = self.store.header_path(entry)
             header = await asyncio.to_thread(read_header, path)
             if header.images or exact_key(header.token_ids) != entry.exact:
                 log.warning("chat %s not recomputed: its file does not hold the tokens its manifest names", entry.short)

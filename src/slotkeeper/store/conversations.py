@@ -45,7 +45,8 @@ from ..chat.media import Learnt, MediaBook, MediaBoundary, Wrap
 from ..chat.prefix import exact_key
 from ..log import fmt_bytes, log
 from ..metrics import Metrics
-from . import manifestcache, slotfiles
+from . import blockfiles, manifestcache, slotfiles
+from .blockpool import BlockPool
 from .entries import (
     BIN_SUFFIX,
     MANIFEST_SUFFIX,
@@ -63,7 +64,7 @@ from .entries import (
 )
 from .fit import UNFIT_WORDS, Fit, Running, Unfit, fit, group_of, same_tensors
 from .index import EntryIndex, extends
-from .layout import ENTRIES_DIR, QUARANTINE_DIR, SNAPSHOTS_DIR, prepare_layout
+from .layout import BLOCKS_DIR, ENTRIES_DIR, QUARANTINE_DIR, SNAPSHOTS_DIR, prepare_layout
 from .prescan import Prescan
 from .scan import remove_transients, scan_entries, take_over_slot_files
 from .slotfiles import SavedFile, low_space, read_saved, report_progress, transient_path
@@ -107,6 +108,16 @@ class SaveResult:
     reason: str = ""  # the failure in words
     seconds: float = 0.0
     superseded: int = 0
+    written: int = 0  # the bytes it wrote to the store: its new blocks (kept as blocks) or its file
+
+    @property
+    def size_text(self) -> str:
+        """The entry's size for a log line, with what reached the store when that is less (blocks it shares)."""
+        if self.entry is None:
+            return ""
+        if self.written >= self.entry.nbytes:
+            return fmt_bytes(self.entry.nbytes)
+        return f"{fmt_bytes(self.entry.nbytes)} ({fmt_bytes(self.written)} new)"
 
 
 class RestoreOutcome(enum.StrEnum):
@@ -151,6 +162,7 @@ class ConversationStore(EntryIndex):
         snapshots: Path | None = None,
         media: MediaBook | None = None,
         vocabulary: str = "",
+        blocks: bool = True,
     ) -> None:
         super().__init__(fingerprint, server or {})
         self.media = media or MediaBook()  # what its slot files show of pictures (learnt at each commit)
@@ -182,6 +194,16 @@ class ConversationStore(EntryIndex):
         # and why each of the others cannot be (told once at start, counted in the status)
         self.recomputable: dict[str, Entry] = {}
         self.unfit: dict[str, Unfit] = {}
+        # Saves are kept as blocks (blocks.py), each written once; False: as one file each, as before blocks
+        # (the shared tier, which uploads an entry's file, asks for that).
+        self.keeps_blocks = blocks
+        self.blocks_dir = root / BLOCKS_DIR
+        self._pool = BlockPool()  # the blocks of the entries on disk
+        self._held: set[str] = set()  # the entries on disk (usable or kept), counted in _pool or _file_bytes
+        self._file_bytes = 0  # the bytes of those kept as one file
+        self._block_users = 0  # saves writing blocks and restores reading them: no block is removed meanwhile
+        self._doomed: set[str] = set()  # blocks to remove once no save runs (if still unused then)
+        self._marked_unclean = False  # blocks/.unclean made in this run (blockfiles.mark_unclean)
 
     # ---- opening ------------------------------------------------------------------------------------------
 
@@ -223,9 +245,25 @@ class ConversationStore(EntryIndex):
             pairs = scanned.rest
         for entry_id, data, size in pairs:
             self._admit(entry_id, data, size)
+        if scanned.index is not None:
+            for entry in self.entries.values():
+                self._hold(entry)
         # consumed: the manifests read are not held by the prescan, which the daemon's start keeps to its end
         found.pairs, scanned.rest, scanned.index = [], [], None
         found.warn(self.entries_dir)
+        if blockfiles.is_unclean(self.blocks_dir):
+            self._sweep(unreadable=found.unreadable)
+
+    def _sweep(self, *, unreadable: int) -> None:
+        """After a run that did not stop cleanly: remove the blocks no manifest names (a save it crashed in).
+        Not when some manifest could not be read (a newer slotkeeper's may name blocks): kept, one line."""
+        if unreadable:
+            log.warning("blocks not checked for what an interrupted save left: %d manifest(s) unreadable", unreadable)
+            return
+        removed, freed = blockfiles.sweep(self.blocks_dir, self._pool.__contains__)
+        if removed:
+            log.info("removed %d block(s) left by an interrupted save (%s)", removed, fmt_bytes(freed))
+        blockfiles.mark_clean(self.blocks_dir)
 
     def say_kept(self) -> None:
         """One line per reason for the entries kept but not used."""
@@ -243,13 +281,64 @@ class ConversationStore(EntryIndex):
             case Status.NO_BIN, _:  # a manifest whose file is gone (removed by hand): nothing to keep
                 discard(pair_paths(self.entries_dir, entry_id)[1])
             case Status.USABLE, Entry() as entry:
+                self._hold(entry)
                 self.index(entry)
             case Status.WRONG_SIZE, Entry() as entry:
                 self._quarantine(entry, verdict.reason)
             case _, Entry() as entry:  # another configuration's
+                self._hold(entry)
                 self._keep_unused(entry, verdict.reason)
             case _:
                 log.warning("entry %s: %s; kept, not used", entry_id[:4], verdict.reason)
+
+    # ---- what the entries hold on disk ------------------------------------------------------------------
+
+    def _hold(self, entry: Entry) -> None:
+        """An entry is on disk (once per entry): its blocks count their users, or its file its bytes."""
+        if entry.id in self._held:
+            return
+        self._held.add(entry.id)
+        if entry.parts is None:
+            self._file_bytes += entry.nbytes
+        else:
+            self._pool.acquire(entry.parts)
+
+    def _let_go(self, entry: Entry) -> None:
+        """An entry left the disk (removed, quarantined): the blocks no other entry uses go too, once no save
+        runs or restores (a save in its thread may count on a block it found in use when it started)."""
+        if entry.id not in self._held:
+            return
+        self._held.discard(entry.id)
+        if entry.parts is None:
+            self._file_bytes -= entry.nbytes
+        else:
+            self._doomed.update(self._pool.release(entry.parts))
+            self._remove_doomed()
+
+    def _remove_doomed(self) -> None:
+        """Remove the blocks no entry uses any more, unless a save or restore runs (then its end does)."""
+        if self._block_users or not self._doomed:
+            return
+        doomed = self._pool.unused(self._doomed)
+        self._doomed.clear()
+        if blockfiles.remove_blocks(self.blocks_dir, doomed):
+            log.warning("some unused blocks could not be removed; the next start removes them")
+
+    @property
+    def disk_bytes(self) -> int:
+        """What the entries hold on disk: each block once, each file once (the cap counts this)."""
+        return self._pool.disk_bytes + self._file_bytes
+
+    def own_bytes(self, entry: Entry) -> int:
+        """The bytes only this entry holds (what removing it frees)."""
+        return entry.nbytes if entry.parts is None else self._pool.own_bytes(entry.parts)
+
+    def header_path(self, entry: Entry) -> Path:
+        """A file that starts as the entry's file does, up to its tokens (statefile.read_header reads it): its
+        own, or its skeleton block (the header and tokens come before any cell's data)."""
+        if entry.parts is None:
+            return pair_paths(self.entries_dir, entry.id)[0]
+        return blockfiles.block_path(self.blocks_dir, entry.parts.skeleton)
 
     def _keep_unused(self, entry: Entry, reason: str) -> None:
         self.skipped[entry.id] = reason
@@ -362,6 +451,20 @@ class ConversationStore(EntryIndex):
         configuration's, and that configuration loads it."""
         assert self.client is not None
         for entry in sorted(members, key=lambda e: e.nbytes):
+            if entry.parts is not None:
+                staged = await self._assembled(entry)
+                if isinstance(staged, RestoreResult):  # unreadable (one line), or quarantined with its blocks
+                    continue
+                try:
+                    reply = await self.client.slot_action(slot_id, "restore", staged.name)
+                    if reply.ok:
+                        await self.client.slot_action(slot_id, "erase")
+                    return reply.ok
+                except (OSError, ConnectionError) as exc:
+                    log.debug("entry %s not tried (%s)", entry.short, exc)
+                    return False
+                finally:
+                    discard(staged)
             source = pair_paths(self.entries_dir, entry.id)[0]
             try:
                 if entry.checksum and await asyncio.to_thread(file_checksum, source) != entry.checksum:
@@ -471,16 +574,13 @@ class ConversationStore(EntryIndex):
                 opening=opening,
                 save_ms=save_ms,
             )
-            manifest = entry.manifest()
-            commit = asyncio.ensure_future(
-                asyncio.to_thread(slotfiles.commit, transient, entry.id, manifest, self.entries_dir, fsync=self.fsync)
-            )
+            commit = self._commit(transient, entry)
             try:
-                await asyncio.shield(commit)
+                entry, written = await asyncio.shield(commit)
             except asyncio.CancelledError:  # a budget ran out during the commit: it completes all the same
                 committed = True
                 commit.add_done_callback(
-                    lambda f: f.cancelled() or f.exception() or self._admit_saved(entry, supersedes)
+                    lambda f: f.cancelled() or f.exception() or self._admit_saved(f.result()[0], supersedes)
                 )
                 raise
             committed = True
@@ -495,12 +595,42 @@ class ConversationStore(EntryIndex):
             if not committed:
                 discard(transient)
         superseded = self._admit_saved(entry, supersedes)
-        if self.on_commit is not None:
+        if self.on_commit is not None and entry.parts is None:
             self.on_commit(entry, self.entries_dir / f"{entry.id}{BIN_SUFFIX}")
         elapsed = time.monotonic() - started
         self.bytes_per_s = entry.nbytes / elapsed if elapsed > 0 else self.bytes_per_s
         self.metrics.saved(elapsed, entry.nbytes, entry.n_tokens)
-        return SaveResult(entry=entry, seconds=elapsed, superseded=superseded)
+        return SaveResult(entry=entry, seconds=elapsed, superseded=superseded, written=written)
+
+    def _commit(self, transient: Path, entry: Entry) -> asyncio.Future[tuple[Entry, int]]:
+        """The commit of a saved file as `entry`, in a thread: as blocks, each written once (the committed
+        entry says its parts), or as one file; then the entry and the bytes written. The blocks it counts on stay
+        until it ends, however it ends; a commit that fails leaves the blocks it wrote to be removed, and a
+        transient file never stays."""
+        if not self.keeps_blocks:
+            return asyncio.ensure_future(
+                asyncio.to_thread(slotfiles.commit_file, transient, entry, self.entries_dir, fsync=self.fsync)
+            )
+        writer = blockfiles.BlockWriter(self.blocks_dir, self._pool.names(), fsync=self.fsync)
+        mark = not self._marked_unclean
+        self._block_users += 1
+        commit = asyncio.ensure_future(
+            asyncio.to_thread(
+                slotfiles.commit_blocks, transient, entry, self.entries_dir, writer, fsync=self.fsync, mark=mark
+            )
+        )
+
+        def done(future: asyncio.Future[tuple[Entry, int]]) -> None:
+            self._block_users -= 1
+            if future.cancelled() or future.exception() is not None:
+                self._doomed.update(writer.written)
+            else:
+                self._marked_unclean = True
+                self._hold(future.result()[0])  # its blocks in use before any removal below can see them unused
+            self._remove_doomed()
+
+        commit.add_done_callback(done)
+        return commit
 
     def _new_entry(  # noqa: PLR0913 - what the entry is, each keyword-only
         self,
@@ -567,6 +697,7 @@ class ConversationStore(EntryIndex):
 
     def _admit_saved(self, entry: Entry, supersedes: Callable[[Entry, Entry], bool] | None = None) -> int:
         """A committed save joins the index; the entries it supersedes go. Returns how many went."""
+        self._hold(entry)
         self.cache_changes += 1
         self.current_format = (entry.seq_version, entry.layout)
         rule = supersedes or extends
@@ -626,6 +757,8 @@ class ConversationStore(EntryIndex):
         changed on disk is quarantined and the slot erased: no request ever runs on that state.
         """
         assert self.client is not None
+        if entry.parts is not None:
+            return await self._restore_blocks(entry, slot_id)
         link = transient_path(self.snapshots_dir)
         source = pair_paths(self.entries_dir, entry.id)[0]
         started = time.monotonic()
@@ -667,14 +800,80 @@ class ConversationStore(EntryIndex):
         elapsed = time.monotonic() - started
         if not reply.ok:
             return self._refused(entry, f"llama-server refused it: {reply.error}")
-        tokens = int(reply.body.get("n_restored", 0))
-        nbytes = int(reply.body.get("n_read", entry.nbytes))
+        return self._restored(entry, reply.body, elapsed, _reading_seconds(reply.body, check_s) or elapsed)
+
+    async def _restore_blocks(self, entry: Entry, slot_id: int) -> RestoreResult:
+        """Restore an entry kept as blocks: put together under a transient name and checked first (only a
+        whole, unchanged state is ever handed to llama-server), restored, removed."""
+        assert self.client is not None
+        started = time.monotonic()
+        staged = await self._assembled(entry)
+        if isinstance(staged, RestoreResult):
+            return staged
+        assembled_s = time.monotonic() - started
+        try:
+            reply = await self.client.slot_action(slot_id, "restore", staged.name)
+        except (OSError, ConnectionError) as exc:
+            return self._restore_failed(f"restore failed: {getattr(exc, 'strerror', None) or exc}")
+        finally:
+            discard(staged)
+        elapsed = time.monotonic() - started
+        if not reply.ok:
+            return self._refused(entry, f"llama-server refused it: {reply.error}")
+        return self._restored(entry, reply.body, elapsed, assembled_s + _reading_seconds(reply.body, 0.0))
+
+    def _restored(self, entry: Entry, reply: dict[str, Any], elapsed: float, reading: float) -> RestoreResult:
+        """A restore llama-server accepted: counted, its reading speed learnt (`reading`: its seconds)."""
+        tokens = int(reply.get("n_restored", 0))
+        nbytes = int(reply.get("n_read", entry.nbytes))
         self.metrics.restores[RestoreOutcome.RESTORED.value] += 1
         self.metrics.restored(elapsed, nbytes, tokens)
-        if (reading := _reading_seconds(reply.body, check_s) or elapsed) > 0:
+        if reading > 0:
             self.restore_bytes_per_s = nbytes / reading
         self.touch(entry)
         return RestoreResult(outcome=RestoreOutcome.RESTORED, n_tokens=tokens, nbytes=nbytes, seconds=elapsed)
+
+    async def _assembled(self, entry: Entry) -> Path | RestoreResult:
+        """An entry's file put together from its blocks under a transient name in snapshots/, its checksum
+        checked; else why not. Blocks missing or changed on disk quarantine every entry that uses them."""
+        assert entry.parts is not None
+        staged = transient_path(self.snapshots_dir)
+        self._block_users += 1  # no block removed while it is read
+        try:
+            actual = await asyncio.to_thread(blockfiles.assemble, self.blocks_dir, entry.parts, staged)
+        except (FileNotFoundError, ValueError) as exc:
+            actual = f"unreadable ({getattr(exc, 'strerror', None) or exc})"
+        except OSError as exc:
+            return self._restore_failed(f"its blocks could not be read: {exc.strerror or exc}")
+        finally:
+            self._block_users -= 1
+        if actual == entry.checksum or (not entry.checksum and not actual.startswith("unreadable")):
+            self._remove_doomed()
+            return staged
+        discard(staged)
+        if entry.id not in self._held:  # removed meanwhile: its blocks went with it
+            self._remove_doomed()
+            return self._restore_failed("removed while it was restored")
+        bad = await asyncio.to_thread(blockfiles.bad_blocks, self.blocks_dir, entry.parts.block_sizes())
+        reason = (
+            f"{len(bad)} of its blocks missing or changed on disk"
+            if bad
+            else "its file changed on disk: the content checksum does not match"
+        )
+        for user in self._users_of(bad) if bad else [entry]:
+            self._unkeep(user)
+            self._quarantine(user, reason)
+        self._remove_doomed()
+        return RestoreResult(outcome=RestoreOutcome.QUARANTINED, reason=reason)
+
+    def _users_of(self, blocks: list[str]) -> list[Entry]:
+        """The entries (usable or kept) that use any of these blocks (a scan: only when blocks went bad)."""
+        wanted = set(blocks)
+        return [
+            e
+            for e in [*self.entries.values(), *self._kept.values()]
+            if e.parts is not None and not wanted.isdisjoint(e.parts.block_sizes())
+        ]
 
     def _refused(self, entry: Entry, reason: str) -> RestoreResult:
         """llama-server refused the entry. Saved by this configuration, it is bad: quarantined. Saved by another
@@ -711,14 +910,17 @@ class ConversationStore(EntryIndex):
         entry.last_used = time.time()
         if entry.id not in self.entries:
             return
-        future = asyncio.ensure_future(asyncio.to_thread(self._rewrite_manifest, entry.id, entry.manifest()))
+        future = asyncio.ensure_future(
+            asyncio.to_thread(self._rewrite_manifest, entry.id, entry.manifest(), entry.parts is None)
+        )
         self._pending.add(future)
         future.add_done_callback(self._rewritten)
 
-    def _rewrite_manifest(self, entry_id: str, manifest: dict[str, Any]) -> bool:
-        """In a thread: an entry's manifest written again (its file still there); whether it was."""
+    def _rewrite_manifest(self, entry_id: str, manifest: dict[str, Any], as_file: bool) -> bool:
+        """In a thread: an entry's manifest written again (its file, or its manifest when it is kept as blocks,
+        still there: a removed entry's is not made again); whether it was."""
         with contextlib.suppress(OSError):
-            if (self.entries_dir / f"{entry_id}{BIN_SUFFIX}").exists():
+            if (self.entries_dir / f"{entry_id}{BIN_SUFFIX if as_file else MANIFEST_SUFFIX}").exists():
                 write_json_atomic(self.entries_dir / f"{entry_id}{MANIFEST_SUFFIX}", manifest, False)
                 return True
         return False
@@ -729,9 +931,16 @@ class ConversationStore(EntryIndex):
             self.cache_changes += 1
 
     async def flush(self) -> None:
-        """Wait for background manifest updates."""
+        """Wait for background manifest updates; when no save or restore runs, the blocks are as the manifests
+        say (nothing for the next start to sweep)."""
         if self._pending:
             await asyncio.gather(*list(self._pending), return_exceptions=True)
+        if self._marked_unclean and not self._block_users and not self._doomed:
+            try:
+                await asyncio.to_thread(blockfiles.mark_clean, self.blocks_dir)
+                self._marked_unclean = False
+            except OSError:
+                pass
 
     async def write_cache(self) -> None:
         """Bring the manifest cache up to date (in a thread), when a manifest changed since it was written: so
@@ -763,24 +972,22 @@ class ConversationStore(EntryIndex):
             log.warning(
                 "entry %s not removed (%s): left on disk, not used in this run", entry.short, exc.strerror or exc
             )
+            return
+        self._let_go(entry)
 
     def evict_over_cap(self, protect: Iterable[str] = ()) -> list[Entry]:
         """Remove least recently used entries until the store fits its cap. Entries kept for other configurations
         count too; entries in `protect` (held by a slot and saved nowhere else) stay."""
-        if self.cap_bytes is None:
-            return []
-        total = self.total_bytes + self._kept_bytes
-        if total <= self.cap_bytes:
+        if self.cap_bytes is None or self.disk_bytes <= self.cap_bytes:
             return []
         keep = set(protect)
         evicted = []
         for entry in sorted([*self.entries.values(), *self._kept.values()], key=lambda e: e.last_used):
-            if total <= self.cap_bytes:
+            if self.disk_bytes <= self.cap_bytes:
                 break
             if entry.id in keep:
                 continue
             self._remove(entry)
-            total -= entry.nbytes
             evicted.append(entry)
             log.info(
                 "entry %s evicted (%s tokens, %s, unused for %.0f s): the store is over its cap %s",
@@ -817,6 +1024,7 @@ class ConversationStore(EntryIndex):
                 exc.strerror or exc,
             )
             return
+        self._let_go(entry)
         log.warning("entry %s quarantined (%s)", entry.short, reason)
 
 

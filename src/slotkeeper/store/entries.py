@@ -28,13 +28,16 @@ from typing import Any
 import xxhash
 
 from ..chat.prefix import BLOCK_TOKENS, KeyChain
+from .blocks import Parts
 from .fingerprint import first_difference, shareable
 from .statefile import SEQ_MAGIC
 
 BIN_SUFFIX = ".bin"
 MANIFEST_SUFFIX = ".json"
 PARTIAL_SUFFIX = ".partial"  # a file being written (manifest, download): finished or removed, never read
-MANIFEST_VERSION = 2
+MANIFEST_VERSION = 2  # an entry kept as one file, as every slotkeeper before blocks wrote it
+BLOCKS_MANIFEST_VERSION = 3  # an entry kept as blocks: a slotkeeper before them sees it as unreadable and keeps it
+MANIFEST_VERSIONS = (MANIFEST_VERSION, BLOCKS_MANIFEST_VERSION)
 TRANSIENT_PREFIX = "slotkeeper-"  # + 32 random hex digits: unguessable, so no client can name it either
 TRANSIENT_NAME = re.compile(rf"{TRANSIENT_PREFIX}[0-9a-f]{{32}}\{BIN_SUFFIX}")  # only these are slotkeeper's
 
@@ -138,9 +141,10 @@ def read_json(path: Path | str) -> dict[str, Any] | None:
 
 
 def read_manifest(path: Path | str) -> dict[str, Any] | None:
-    """A manifest of this slotkeeper's version, or None (missing, damaged, or another version's: never used)."""
+    """A manifest of a version this slotkeeper reads, or None (missing, damaged, or another version's: never
+    used)."""
     data = read_json(path)
-    return data if data is not None and data.get("version") == MANIFEST_VERSION else None
+    return data if data is not None and data.get("version") in MANIFEST_VERSIONS else None
 
 
 def write_json_atomic(path: Path, data: dict[str, Any], fsync: bool) -> None:
@@ -207,10 +211,12 @@ class Entry:
     # the vocabulary and shape of the model that saved it (model.model_vocabulary; "" in older manifests):
     # another file of that model (re-quantized) reads its tokens alike, so it can recompute the state
     vocabulary: str = ""
+    # how its file is made of blocks (blocks.py); None: kept as one file, entries/<id>.bin
+    parts: Parts | None = None
 
     def manifest(self) -> dict[str, Any]:
-        return {
-            "version": MANIFEST_VERSION,
+        data = {
+            "version": MANIFEST_VERSION if self.parts is None else BLOCKS_MANIFEST_VERSION,
             "id": self.id,
             "tokens": self.n_tokens,
             "bytes": self.nbytes,
@@ -232,6 +238,9 @@ class Entry:
             "image_wrap": None if self.image_wrap is None else [list(part) for part in self.image_wrap],
             "vocabulary": self.vocabulary,
         }
+        if self.parts is not None:
+            data["parts"] = self.parts.to_json()
+        return data
 
     @classmethod
     def from_manifest(cls, data: Mapping[str, Any]) -> Entry:
@@ -259,6 +268,7 @@ class Entry:
             images=_images(data.get("images")),
             image_wrap=_wrap(data.get("image_wrap")),
             vocabulary=str(data.get("vocabulary") or ""),
+            parts=Parts.from_json(data["parts"]) if data.get("parts") is not None else None,
         )
 
     @property
@@ -371,11 +381,13 @@ def judge(
     if manifest is None:
         return Verdict(Status.BAD_MANIFEST, "a manifest this slotkeeper cannot read")
     entry, problem = (manifest, "") if isinstance(manifest, Entry) else parse_entry(manifest)
-    if size is None:
+    if entry is not None and entry.parts is not None:
+        pass  # kept as blocks, no file of its own: a block missing or changed is found when it is restored
+    elif size is None:
         return Verdict(Status.NO_BIN, "a manifest without its file", entry)
     if entry is None:
         return Verdict(Status.BAD_MANIFEST, problem)
-    if size != entry.nbytes:
+    if entry.parts is None and size != entry.nbytes:
         return Verdict(Status.WRONG_SIZE, f"size {size} differs from its manifest's {entry.nbytes}", entry)
     if fingerprint is not None and entry.fingerprint is not fingerprint and entry.fingerprint != fingerprint:
         difference = first_difference(shareable(entry.fingerprint), shareable(fingerprint))

@@ -4,7 +4,9 @@ import (with re and urllib.parse, ~5 ms, ~15 ms from a cold disk) would delay th
 ```
 <save dir>/
   .lock        held (flock) by the one slotkeeper using this directory
-  entries/     the conversation store: <id>.bin (llama-server's slot file) and <id>.json (its manifest)
+  entries/     the conversation store: <id>.json (an entry's manifest) and, for an entry kept as one file,
+               <id>.bin (llama-server's slot file)
+  blocks/      the blocks entries are made of (blocks.py): <2 hex>/<32 hex>, each named by its bytes' hash
   snapshots/   llama-server's --slot-save-path: clients' own save/restore names, and slotkeeper's transient ones
   quarantine/  entries llama-server refused
   models/      router mode: a store per model (<name>/ with its own entries/), sharing snapshots/ above
@@ -19,6 +21,7 @@ from collections.abc import Mapping
 StrPath = str | os.PathLike[str]
 
 ENTRIES_DIR = "entries"
+BLOCKS_DIR = "blocks"
 SNAPSHOTS_DIR = "snapshots"
 QUARANTINE_DIR = "quarantine"
 LOCK_NAME = ".lock"

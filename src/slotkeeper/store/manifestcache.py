@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from ..chat.prefix import KeyChain
+from .blocks import Parts
 from .entries import MANIFEST_SUFFIX, PARTIAL_SUFFIX, Entry
 from .layout import ENTRIES_DIR
 
 CACHE_NAME = "manifests.cache"  # in the save directory, beside entries/
 MAGIC = b"slotkeeper manifest cache\n"
-CACHE_VERSION = 6
+CACHE_VERSION = 7
 CHUNK_ROWS = 1000  # rows per marshal frame
 FORMAT = (CACHE_VERSION, marshal.version, tuple(sys.version_info[:2]))
 
@@ -185,6 +186,7 @@ def _row(entry: Entry, stamp: Stamp, fingerprints: list[Any], servers: list[Any]
         tuple((ident, n) for ident, n in entry.images),
         entry.image_wrap,
         entry.vocabulary,
+        None if entry.parts is None else entry.parts.to_tuple(),
     )
 
 
@@ -211,6 +213,7 @@ def _entry(row: Row, fingerprints: list[Any], servers: list[Any]) -> Entry:
         images,
         wrap,
         vocabulary,
+        parts,
     ) = row
     return Entry(
         id=entry_id,
@@ -233,4 +236,5 @@ def _entry(row: Row, fingerprints: list[Any], servers: list[Any]) -> Entry:
         images=images,
         image_wrap=wrap,
         vocabulary=sys.intern(vocabulary),
+        parts=None if parts is None else Parts.from_tuple(parts),
     )

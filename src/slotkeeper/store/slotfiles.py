@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import secrets
 import shutil
@@ -20,16 +21,20 @@ from typing import Any
 
 from ..chat.prefix import block_keys, exact_key
 from ..log import fmt_bytes, log
+from . import blockfiles
+from .blockfiles import BlockWriter
+from .blocks import cut
 from .entries import (
     BIN_SUFFIX,
     TRANSIENT_PREFIX,
+    Entry,
     discard,
     file_checksum,
     fsync_path,
     pair_paths,
     write_json_atomic,
 )
-from .statefile import StateHeader, read_header
+from .statefile import StateFileError, StateHeader, read_header
 
 FREE_SPACE_HEADROOM = 1.1  # a save needs the expected size plus 10% free
 PROGRESS_INTERVAL_S = 2.0
@@ -76,6 +81,36 @@ def read_saved(transient: Path) -> SavedFile:
     header = read_header(transient)
     view = header.view
     return SavedFile(header, block_keys(view), exact_key(view), file_checksum(transient))
+
+
+def commit_blocks(
+    transient: Path, entry: Entry, entries_dir: Path, writer: BlockWriter, *, fsync: bool, mark: bool
+) -> tuple[Entry, int]:
+    """Make a saved file `entry`, kept as blocks: cut it (`writer` writes the blocks the store lacks, fsynced,
+    their folders too), then write the manifest (the commit). Returns the entry with its parts, and the bytes
+    written. The transient
+    file is removed whatever happens, never fsynced: a file removed before the kernel writes it back costs
+    the disk nothing. What the writer wrote before a failure is the caller's to remove (blockfiles.py: when).
+    `mark`: the run's first block write, which first marks the blocks unclean. Runs in a thread; the entry is
+    not the store's yet."""
+    try:
+        if mark:
+            blockfiles.mark_unclean(writer.blocks_dir)
+        parts = cut(transient, writer)
+        if parts.nbytes != entry.nbytes:
+            raise StateFileError(f"the file has {parts.nbytes} bytes, {entry.nbytes} expected")
+        writer.finish()
+        committed = dataclasses.replace(entry, parts=parts)
+        write_json_atomic(pair_paths(entries_dir, entry.id)[1], committed.manifest(), fsync)
+    finally:
+        discard(transient)
+    return committed, writer.written_bytes
+
+
+def commit_file(transient: Path, entry: Entry, entries_dir: Path, *, fsync: bool) -> tuple[Entry, int]:
+    """Make a saved file `entry`, kept as one file (`commit`); returns the entry and its size."""
+    commit(transient, entry.id, entry.manifest(), entries_dir, fsync=fsync)
+    return entry, entry.nbytes
 
 
 def commit(transient: Path, entry_id: str, manifest: dict[str, Any], entries_dir: Path, *, fsync: bool) -> None:

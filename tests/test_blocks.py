@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,10 @@ LAYOUTS = {
 
 def saves_seen(sk) -> int:
     return sk.logs().count(" saved from slot ")
+
+
+def saved_since(sk, count: int) -> bool:
+    return saves_seen(sk) > count
 
 
 def block_sizes_now(save_dir: Path) -> dict[str, int]:
@@ -85,7 +90,7 @@ def test_a_chat_saved_at_every_pause_writes_each_full_block_of_cells_once(family
         before = saves_seen(sk)
         chat.turn(sk.port)
         chat.messages[-1]["content"] = tool_output(turn)
-        assert wait_until(lambda b=before: saves_seen(sk) > b, 30), sk.logs()[-3000:]
+        assert wait_until(partial(saved_since, sk, before), 30), sk.logs()[-3000:]
         time.sleep(PAUSE_S)
         seen.update(block_sizes_now(save_dir))
         for entry_id in entry_ids(save_dir):

@@ -68,6 +68,7 @@ from .layout import BLOCKS_DIR, ENTRIES_DIR, QUARANTINE_DIR, SNAPSHOTS_DIR, prep
 from .prescan import Prescan
 from .scan import remove_transients, scan_entries, take_over_slot_files
 from .slotfiles import SavedFile, low_space, read_saved, report_progress, transient_path
+from .staging import Staged, Staging
 from .statefile import StateFileError, StateHeader, read_header
 
 if TYPE_CHECKING:  # `slotkeeper ls` reads a store without the client
@@ -163,6 +164,7 @@ class ConversationStore(EntryIndex):
         media: MediaBook | None = None,
         vocabulary: str = "",
         blocks: bool = True,
+        ram_staging: bool = True,
     ) -> None:
         super().__init__(fingerprint, server or {})
         self.media = media or MediaBook()  # what its slot files show of pictures (learnt at each commit)
@@ -204,6 +206,9 @@ class ConversationStore(EntryIndex):
         self._block_users = 0  # saves writing blocks and restores reading them: no block is removed meanwhile
         self._doomed: set[str] = set()  # blocks to remove once no save runs (if still unused then)
         self._marked_unclean = False  # blocks/.unclean made in this run (blockfiles.mark_unclean)
+        # where llama-server writes saves and reads restores: RAM when it has room (a file kept whole is renamed
+        # into entries/, which RAM cannot be)
+        self.staging = Staging(self.snapshots_dir, root, ram=ram_staging and blocks)
 
     # ---- opening ------------------------------------------------------------------------------------------
 
@@ -233,6 +238,7 @@ class ConversationStore(EntryIndex):
         prepare_layout(self.root)
         if self._own_snapshots:
             remove_transients(self.snapshots_dir)
+        self.staging.clean()
         taken = take_over_slot_files(
             self.root, self.fingerprint, restore_unverified=self.restore_unverified, fsync=self.fsync
         )
@@ -456,7 +462,7 @@ class ConversationStore(EntryIndex):
                 if isinstance(staged, RestoreResult):  # unreadable (one line), or quarantined with its blocks
                     continue
                 try:
-                    reply = await self.client.slot_action(slot_id, "restore", staged.name)
+                    reply = await self.client.slot_action(slot_id, "restore", staged.name.name)
                     if reply.ok:
                         await self.client.slot_action(slot_id, "erase")
                     return reply.ok
@@ -464,7 +470,7 @@ class ConversationStore(EntryIndex):
                     log.debug("entry %s not tried (%s)", entry.short, exc)
                     return False
                 finally:
-                    discard(staged)
+                    staged.remove()
             source = pair_paths(self.entries_dir, entry.id)[0]
             try:
                 if entry.checksum and await asyncio.to_thread(file_checksum, source) != entry.checksum:
@@ -540,11 +546,17 @@ class ConversationStore(EntryIndex):
         if no_room:
             self.metrics.save_failed(SaveFailure.DISK_SPACE.value)
             return SaveResult(failure=SaveFailure.DISK_SPACE, reason=no_room)
-        transient = transient_path(self.snapshots_dir)
-        progress = asyncio.ensure_future(report_progress(f"slot {slot_id}", transient, expected_bytes))
+        staged = self.staging.stage(expected_bytes)
+        progress = asyncio.ensure_future(report_progress(f"slot {slot_id}", staged.real, expected_bytes))
         committed = False
         try:
-            reply = await self.client.slot_action(slot_id, "save", transient.name)
+            reply = await self.client.slot_action(slot_id, "save", staged.name.name)
+            if not reply.ok and staged.in_ram:  # the RAM filesystem filled up since it was looked at
+                staged.remove()
+                self.staging.fell_back(f"llama-server could not save into it: {reply.error}")
+                staged = self.staging.stage(0)
+                reply = await self.client.slot_action(slot_id, "save", staged.name.name)
+            transient = staged.real
             if not reply.ok:
                 self.metrics.save_failed(SaveFailure.LLAMA_SERVER_ERROR.value)
                 return SaveResult(
@@ -593,7 +605,9 @@ class ConversationStore(EntryIndex):
         finally:
             progress.cancel()
             if not committed:
-                discard(transient)
+                staged.remove()
+            elif staged.in_ram:
+                discard(staged.name)  # (the commit removes the file itself)
         superseded = self._admit_saved(entry, supersedes)
         if self.on_commit is not None and entry.parts is None:
             self.on_commit(entry, self.entries_dir / f"{entry.id}{BIN_SUFFIX}")
@@ -812,11 +826,11 @@ class ConversationStore(EntryIndex):
             return staged
         assembled_s = time.monotonic() - started
         try:
-            reply = await self.client.slot_action(slot_id, "restore", staged.name)
+            reply = await self.client.slot_action(slot_id, "restore", staged.name.name)
         except (OSError, ConnectionError) as exc:
             return self._restore_failed(f"restore failed: {getattr(exc, 'strerror', None) or exc}")
         finally:
-            discard(staged)
+            staged.remove()
         elapsed = time.monotonic() - started
         if not reply.ok:
             return self._refused(entry, f"llama-server refused it: {reply.error}")
@@ -833,24 +847,33 @@ class ConversationStore(EntryIndex):
         self.touch(entry)
         return RestoreResult(outcome=RestoreOutcome.RESTORED, n_tokens=tokens, nbytes=nbytes, seconds=elapsed)
 
-    async def _assembled(self, entry: Entry) -> Path | RestoreResult:
-        """An entry's file put together from its blocks under a transient name in snapshots/, its checksum
-        checked; else why not. Blocks missing or changed on disk quarantine every entry that uses them."""
+    async def _assembled(self, entry: Entry) -> Staged | RestoreResult:
+        """An entry's file put together from its blocks, staged (staging.py), its checksum checked; else why
+        not. Blocks missing or changed on disk quarantine every entry that uses them."""
         assert entry.parts is not None
-        staged = transient_path(self.snapshots_dir)
+        staged = self.staging.stage(entry.nbytes)
         self._block_users += 1  # no block removed while it is read
         try:
-            actual = await asyncio.to_thread(blockfiles.assemble, self.blocks_dir, entry.parts, staged)
+            try:
+                actual = await asyncio.to_thread(blockfiles.assemble, self.blocks_dir, entry.parts, staged.real)
+            except OSError as exc:
+                if not staged.in_ram or exc.errno != errno.ENOSPC:
+                    raise
+                staged.remove()
+                self.staging.fell_back(exc.strerror or str(exc))
+                staged = self.staging.stage(0)
+                actual = await asyncio.to_thread(blockfiles.assemble, self.blocks_dir, entry.parts, staged.real)
         except (FileNotFoundError, ValueError) as exc:
             actual = f"unreadable ({getattr(exc, 'strerror', None) or exc})"
         except OSError as exc:
+            staged.remove()
             return self._restore_failed(f"its blocks could not be read: {exc.strerror or exc}")
         finally:
             self._block_users -= 1
         if actual == entry.checksum or (not entry.checksum and not actual.startswith("unreadable")):
             self._remove_doomed()
             return staged
-        discard(staged)
+        staged.remove()
         if entry.id not in self._held:  # removed meanwhile: its blocks went with it
             self._remove_doomed()
             return self._restore_failed("removed while it was restored")
@@ -935,7 +958,10 @@ class ConversationStore(EntryIndex):
         say (nothing for the next start to sweep)."""
         if self._pending:
             await asyncio.gather(*list(self._pending), return_exceptions=True)
-        if self._marked_unclean and not self._block_users and not self._doomed:
+        if self._block_users:
+            return
+        self.staging.close()
+        if self._marked_unclean and not self._doomed:
             try:
                 await asyncio.to_thread(blockfiles.mark_clean, self.blocks_dir)
                 self._marked_unclean = False

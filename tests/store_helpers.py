@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import xxhash
 from stub import decode_slot_file
 
 from slotkeeper.store.blockfiles import assemble, block_path
@@ -169,14 +171,39 @@ def block_files(save_dir: Path) -> list[str]:
 
 
 def entries_snapshot(save_dir: Path) -> dict[str, bytes]:
-    """Every file in entries/, byte for byte (to compare before and after)."""
+    """Every file in entries/ and blocks/, byte for byte (to compare before and after)."""
     root = entries_dir(save_dir)
-    return {p.name: p.read_bytes() for p in sorted(root.iterdir())} if root.is_dir() else {}
+    files = {p.name: p.read_bytes() for p in sorted(root.iterdir())} if root.is_dir() else {}
+    files.update({f"blocks/{p.name}": p.read_bytes() for p in sorted(blocks_dir(save_dir).glob("*/*"))})
+    return files
 
 
 def bins_snapshot(save_dir: Path) -> dict[str, bytes]:
-    """The entries' .bin files only (manifests record the last use, which a restore updates)."""
-    return {name: data for name, data in entries_snapshot(save_dir).items() if name.endswith(".bin")}
+    """Each committed entry's file, as `<id>.bin`: its own, or put together from its blocks (manifests record
+    the last use, which a restore updates)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        return {f"{i}.bin": entry_bytes(save_dir, i, Path(scratch)) for i in entry_ids(save_dir)}
+
+
+def rewrite_entry(save_dir: Path, entry_id: str, data: bytes) -> None:
+    """Make an entry's file `data` behind slotkeeper's back, consistently: kept as one block (its name the
+    hash of `data`), its manifest's size and checksum those of `data`; its old blocks no other entry uses go."""
+    old = entry_parts(save_dir, entry_id)
+    assert old is not None, f"entry {entry_id} is kept as one file"
+    name = xxhash.xxh3_128_hexdigest(data)
+    path = block_path(blocks_dir(save_dir), name)
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(data)
+    parts = Parts(nbytes=len(data), block_cells=old.block_cells, skeleton=name, sections=())
+    edit_manifest(
+        save_dir,
+        entry_id,
+        lambda m: m.update(parts=parts.to_json(), bytes=len(data), checksum=f"xxh3_128:{name}"),
+    )
+    in_use = {b for i in entry_ids(save_dir) for b in (entry_parts(save_dir, i) or parts).block_sizes()}
+    for block in old.block_sizes():
+        if block not in in_use:
+            block_path(blocks_dir(save_dir), block).unlink()
 
 
 def transients(save_dir: Path) -> list[str]:

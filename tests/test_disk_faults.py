@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 from family_helpers import FAMILIES, Chat, answer, same_answer, swap_out
+from store_helpers import block_files, blocks_dir, entry_parts, only_files_of, read_manifest
 
+from slotkeeper.store.blockfiles import block_path
 from slotkeeper.store.layout import ENTRIES_DIR, QUARANTINE_DIR, SNAPSHOTS_DIR
 from slotkeeper.testing.harness import http_call, stream_completion, wait_until
 
@@ -90,8 +92,9 @@ def fill_bytes(path: Path) -> Path:
 
 
 def test_disk_full_at_the_manifest_leaves_nothing_and_the_next_save_succeeds(family_start, tmpfs):
-    """1. The slot file fits, its manifest does not (ENOSPC: one inode left, which llama-server's file takes):
-    one line, no orphan .bin and no .partial left, and once the disk has room the next autosave commits."""
+    """1. The slot file fits (llama-server writes it to RAM), what the store writes of it does not (ENOSPC: one
+    inode left, which its first new block takes): one line, no orphan block and no .partial left, and once
+    the disk has room the next autosave commits."""
     save_dir = tmpfs / "cache"
     sk = family_start(LLAMA, "-np", "1", own=AUTOSAVE, save_dir=save_dir)
     chat = Chat(1, LLAMA.request)
@@ -106,7 +109,7 @@ def test_disk_full_at_the_manifest_leaves_nothing_and_the_next_save_succeeds(fam
     assert "Traceback" not in sk.logs()
     assert entry_ids(save_dir) == first, "the previous entry is kept, and nothing new half-committed"
     files = store_files(save_dir)
-    assert files[ENTRIES_DIR] == sorted(f"{first[0]}{s}" for s in (".bin", ".json")), files
+    assert only_files_of(save_dir, *first), (files, block_files(save_dir))
     assert files[SNAPSHOTS_DIR] == [], files
     for filler in fillers:
         filler.unlink()
@@ -144,21 +147,21 @@ def test_a_rotten_entry_is_quarantined_and_the_answer_is_a_cold_runs(family_star
     swap_out(sk)
     save_dir = sk.extra["save_dir"]
     entry = chat_entry(save_dir)
-    path = save_dir / ENTRIES_DIR / f"{entry}.bin"
+    parts = entry_parts(save_dir, entry)
+    assert parts is not None
+    path = block_path(blocks_dir(save_dir), parts.sections[0].blocks[len(parts.sections[0].blocks) // 2])
     data = bytearray(path.read_bytes())
     middle = len(data) // 2
     data[middle : middle + 4096] = bytes(b ^ 0xFF for b in data[middle : middle + 4096])
     path.write_bytes(bytes(data))
 
     sk2 = family_start(LLAMA, "-np", "1")
-    line = f"entry {entry[:4]} quarantined (its file changed on disk: the content checksum does not match)"
+    line = f"entry {entry[:4]} quarantined (its file changed on disk: 1 of its blocks no longer holds what it was"
     assert sk2.logs().count(line) == 1, sk2.logs()
     assert "restored into slot" not in sk2.logs()
     warm = answer(sk2.port, chat, chat.messages)
-    assert sorted(p.name.split("-", 2)[-1] for p in (save_dir / QUARANTINE_DIR).iterdir()) == [
-        f"{entry}.bin",
-        f"{entry}.json",
-    ]
+    assert sorted(p.name.split("-", 2)[-1] for p in (save_dir / QUARANTINE_DIR).iterdir()) == [f"{entry}.json"]
+    assert not path.exists(), "the changed block stayed in the store"
     swap_out(sk2)
     cold_sk = family_start(LLAMA, "-np", "1", save_dir=tmp_path / "cold")
     cold = answer(cold_sk.port, chat, chat.messages)
@@ -221,7 +224,7 @@ def test_a_slot_of_long_replies_is_measured_before_its_save(family_start, tmpfs)
     assert http_call(sk.port, "POST", "/completion", body).status == 200
     assert wait_until(lambda: entry_ids(save_dir), 20), sk.logs()
     first = entry_ids(save_dir)
-    size = (save_dir / ENTRIES_DIR / f"{first[0]}.bin").stat().st_size
+    size = read_manifest(save_dir, first[0])["bytes"]
     long_reply = {"prompt": prompt + " And more.", "n_predict": 1600, "ignore_eos": True, "temperature": 0}
     # streamed: a wait on its progress (beside busy neighbours llama-server's own decode of 1,600 tokens took
     # longer than any fixed bound on the whole reply)

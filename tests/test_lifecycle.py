@@ -13,6 +13,7 @@ import time
 from store_helpers import (
     assert_entry_sound,
     bins_snapshot,
+    entry_bin,
     entry_files,
     entry_ids,
     only_entry,
@@ -90,7 +91,7 @@ def test_2a_group_sigterm_saves_before_child_stops(stub_slotkeeper):
     entry = only_entry(sk.extra["save_dir"])
     assert saved(sk.logs()) == [(entry[:4], 0, "at stop")], sk.logs()
     manifest = read_manifest(sk.extra["save_dir"], entry)
-    assert manifest["bytes"] == (sk.extra["save_dir"] / "entries" / f"{entry}.bin").stat().st_size
+    assert manifest["bytes"] == entry_bin(sk.extra["save_dir"], entry).stat().st_size
     assert_entry_sound(sk.extra["save_dir"], entry)
 
 

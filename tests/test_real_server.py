@@ -9,7 +9,9 @@ import signal
 from pathlib import Path
 
 import pytest
+from store_helpers import blocks_dir, entry_bytes, entry_parts, manifest_path, only_entry
 
+from slotkeeper.store.blockfiles import block_path
 from slotkeeper.testing.harness import wait_until
 
 PROMPT = "".join(f"Line {i}: the slot cache keeps every token of this conversation. " for i in range(30))
@@ -106,20 +108,22 @@ def test_4_api_key(real):
     assert complete(sk2, headers=auth)["timings"]["cache_n"] > 0, sk2.logs()
 
 
-def the_entry(sk) -> Path:
-    """The one entry file a run left in its store."""
-    (entry,) = (sk.extra["save_dir"] / "entries").glob("*.bin")
-    return entry
+def the_entry(sk) -> str:
+    """The one entry a run left in its store."""
+    return only_entry(sk.extra["save_dir"])
 
 
 def test_5a_truncated_file_starts_cold(real):
     """5. A truncated cache file: the server still becomes ready, that chat starts cold, one clear log line."""
     sk = cache_from(real)
-    cache = the_entry(sk)
+    entry = the_entry(sk)
+    parts = entry_parts(sk.extra["save_dir"], entry)
+    assert parts is not None
+    cache = block_path(blocks_dir(sk.extra["save_dir"]), parts.sections[0].blocks[-1])
     cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 2])
     sk2 = real("-np", "1")
     assert complete(sk2)["timings"]["cache_n"] == 0
-    assert f"entry {cache.stem[:4]} quarantined (size" in sk2.logs()
+    assert f"entry {entry[:4]} quarantined (its file changed on disk: 1 of its blocks" in sk2.logs()
     assert "Traceback" not in sk2.logs()
 
 
@@ -134,9 +138,11 @@ def test_5b_file_from_other_dimensions_starts_cold(real):
 def test_5c_unverified_foreign_file_is_refused_by_llama_server(real):
     """5. Even when the fingerprint check is bypassed, llama-server's refusal leaves the slot cold and quarantined."""
     sk = cache_from(real, "W")
+    save_dir = sk.extra["save_dir"]
     entry = the_entry(sk)
-    entry.rename(sk.extra["save_dir"] / "0.bin")  # a slot file of the old layout, without its manifest
-    entry.with_suffix(".json").unlink()
+    # a slot file of the old layout, without its manifest
+    (save_dir / "0.bin").write_bytes(entry_bytes(save_dir, entry, save_dir))
+    manifest_path(save_dir, entry).unlink()
     sk2 = real("-np", "1", own=("--restore-unverified",))
     assert complete(sk2)["timings"]["cache_n"] == 0
     assert "quarantined (llama-server refused it" in sk2.logs()

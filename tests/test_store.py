@@ -122,7 +122,8 @@ def test_entry_of_another_state_format_is_kept_not_used(stub_slotkeeper):
     old = only_entry(save_dir)
     assert read_manifest(save_dir, old)["format"]["seq_version"] == 3
     edit_manifest(save_dir, old, lambda m: m["llama_server"].update(size=m["llama_server"]["size"] + 1))
-    before = entries_snapshot(save_dir)
+    before = {name: data for name, data in entries_snapshot(save_dir).items() if name.startswith(old)}
+    before_file = bins_snapshot(save_dir)[f"{old}.bin"]
 
     sk2 = stub_slotkeeper("-np", "1", own=("--recompute", "0"))  # writes v4
     lines = [line for line in sk2.logs().splitlines() if "saved by another" in line]
@@ -135,6 +136,7 @@ def test_entry_of_another_state_format_is_kept_not_used(stub_slotkeeper):
     stop(sk2)
     assert not quarantine_dir(save_dir).exists()
     assert {name: data for name, data in entries_snapshot(save_dir).items() if name.startswith(old)} == before
+    assert bins_snapshot(save_dir)[f"{old}.bin"] == before_file
     new = set(entry_ids(save_dir)) - {old}
     assert len(new) == 1, "the same conversation in v4 is an entry of its own; the v3 one is not superseded"
 
@@ -170,6 +172,7 @@ def test_no_client_slot_action_can_change_an_entry(stub_slotkeeper):
     entry = only_entry(save_dir)
     assert saved(sk.logs()) == [(entry[:4], 0, "before it is reused")], sk.logs()
     before = entries_snapshot(save_dir)
+    before_bins = bins_snapshot(save_dir)
     path = entry_bin(save_dir, entry)
     names = [
         f"{entry}.bin",
@@ -219,6 +222,6 @@ def test_no_client_slot_action_can_change_an_entry(stub_slotkeeper):
     assert entries_snapshot(save_dir) == before, f"a client's slot action changed the store: {statuses}"
     assert sk.call("GET", "/health").status == 200
     stop(sk)
-    assert bins_snapshot(save_dir)[f"{entry}.bin"] == before[f"{entry}.bin"]
+    assert bins_snapshot(save_dir)[f"{entry}.bin"] == before_bins[f"{entry}.bin"]
     assert_entry_sound(save_dir, entry)
     assert not quarantine_dir(save_dir).exists()

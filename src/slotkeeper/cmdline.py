@@ -34,6 +34,7 @@ OWN_OPTIONS: dict[str, bool] = {
     "llama_idle_slot_caching": True,
     "restore_unverified": True,
     "fsync": True,
+    "ram_staging": True,
     "autosave_idle": False,
     "max_cache_bytes": False,
     "log_level": False,

@@ -53,6 +53,10 @@ class Options:
         "(llama-server still checks shape)",
     )
     fsync: bool = option(True, "fsync each saved cache file and its directory before renaming it in place")
+    ram_staging: bool = option(
+        True,
+        "let llama-server write saves to and read restores from RAM (/dev/shm) when it has room, not the disk",
+    )
     autosave_idle: float = option(
         5.0, "save changed slots after this many idle seconds, so a crash or SIGKILL loses little (0: off)", ge=0
     )

@@ -255,6 +255,7 @@ async def open_model(
         media=MediaBook(facts.media_marker),
         vocabulary=vocabulary,
         blocks=remote is None,  # the shared tier uploads an entry's file: whole files until it uploads blocks
+        ram_staging=options.ram_staging,
     )
     await store.load(scanned)
     if store.cap_bytes is None:

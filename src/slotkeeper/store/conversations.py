@@ -878,10 +878,10 @@ class ConversationStore(EntryIndex):
             self._remove_doomed()
             return self._restore_failed("removed while it was restored")
         bad = await asyncio.to_thread(blockfiles.bad_blocks, self.blocks_dir, entry.parts.block_sizes())
-        reason = (
-            f"{len(bad)} of its blocks missing or changed on disk"
+        reason = "its file changed on disk: " + (
+            f"{len(bad)} of its blocks no longer {'holds' if len(bad) == 1 else 'hold'} what it was saved with"
             if bad
-            else "its file changed on disk: the content checksum does not match"
+            else "the content checksum does not match"
         )
         for user in self._users_of(bad) if bad else [entry]:
             self._unkeep(user)

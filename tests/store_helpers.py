@@ -12,6 +12,7 @@ skeleton), so `entry_bin` of a stub entry is that block, the entry's file byte f
 from __future__ import annotations
 
 import json
+import os
 import re
 import tempfile
 from collections.abc import Callable
@@ -204,6 +205,15 @@ def rewrite_entry(save_dir: Path, entry_id: str, data: bytes) -> None:
     for block in old.block_sizes():
         if block not in in_use:
             block_path(blocks_dir(save_dir), block).unlink()
+
+
+def staged_in_ram(pid: int) -> list[str]:
+    """What the slotkeeper of this pid staged in RAM and left there (its RAM folders: store/staging.py)."""
+    found = []
+    for base in ("/dev/shm", os.environ.get("XDG_RUNTIME_DIR") or ""):
+        if base and os.path.isdir(base):
+            found += [str(p) for p in Path(base).glob(f"slotkeeper-{os.getuid()}-{pid}-*")]
+    return found
 
 
 def transients(save_dir: Path) -> list[str]:

@@ -11,6 +11,11 @@ checksum, taken from that file), and a restored chat answers as a cold run does.
 from __future__ import annotations
 
 import itertools
+import random
+import shutil
+import signal
+import subprocess
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -24,14 +29,19 @@ from store_helpers import (
     entry_bytes,
     entry_ids,
     entry_parts,
+    only_files_of,
     quarantine_dir,
     read_manifest,
+    staged_in_ram,
+    transients,
 )
 
 from slotkeeper.store.blockfiles import block_path
 from slotkeeper.store.blocks import CellSection, Parts
+from slotkeeper.store.conversations import ConversationStore
 from slotkeeper.store.entries import CHECKSUM_ALGORITHM
-from slotkeeper.testing.harness import PlainServer, clean_env, free_port, wait_until
+from slotkeeper.store.statefile import read_header
+from slotkeeper.testing.harness import PlainServer, clean_env, free_port, http_call, pid_alive, wait_until
 
 IDLE = ("--autosave-idle", "0.5")
 PAUSE_S = 1.5  # longer than the idle delay: every pause saves the chat again
@@ -203,3 +213,163 @@ def test_a_flipped_byte_in_a_shared_block_quarantines_exactly_the_entries_that_u
     assert untouched <= set(entry_ids(save_dir))
     # the chats saved again hold the same prompt: its block may be back, as it was before the flip
     assert not path.exists() or xxhash.xxh3_128_hexdigest(path.read_bytes()) == victim, "a changed block stayed"
+
+
+def test_a_sigkill_at_random_moments_of_a_save_loses_nothing_and_leaves_nothing(family_start, tmp_path):
+    """SIGTERM (a save at stop), then SIGKILL of the group at a random moment of the save, 12 times, the chat
+    growing by a tool's output each time. After each kill every committed entry is whole (its blocks put
+    together have its checksum), an entry is gone only when a committed one extends it, and the next start
+    leaves nothing else: no block no entry uses, no transient file, nothing the killed run staged in RAM."""
+    rng = random.Random(12)
+    family = FAMILIES["llama"]
+    chat = Chat(0, family.request, facts=60)
+    committed: dict[str, int] = {}  # entry id -> its tokens, as the previous kill left them
+    outcomes = {"kept old": 0, "new committed": 0}
+    killed = 0
+    save_dir = tmp_path / "cache"
+    for trial in range(12):
+        sk = family_start(family, "-np", "1", own=("--autosave-idle", "0"), save_dir=save_dir)
+        assert set(entry_ids(save_dir)) == set(committed), f"trial {trial}: a committed entry went at start"
+        assert only_files_of(save_dir, *committed), f"trial {trial}: leftovers kept: {block_files(save_dir)}"
+        assert not transients(save_dir) and not staged_in_ram(killed), f"trial {trial}: staged files kept"
+        timings = chat.turn(sk.port)
+        if trial:
+            assert timings["cache_n"] > 0, f"trial {trial}: the chat came back cold\n{sk.logs()[-3000:]}"
+        chat.messages[-1]["content"] = tool_output(trial)
+        child = http_call(sk.port, "GET", "/slotkeeper/status").body["child_pid"]
+        killed = sk.pid
+        sk.killpg(signal.SIGTERM)
+        time.sleep(rng.uniform(0.0, 0.12))
+        sk.killpg(signal.SIGKILL)
+        sk.wait()
+        assert wait_until(partial(lambda pid: not pid_alive(pid), child), 5), "llama-server outlived slotkeeper"
+        assert_entries_whole(save_dir, tmp_path)
+        after = {i: read_manifest(save_dir, i)["tokens"] for i in entry_ids(save_dir)}
+        new = set(after) - set(committed)
+        for gone in set(committed) - set(after):  # only ever superseded by a committed entry that extends it
+            assert any(after[i] > committed[gone] for i in new), f"trial {trial}: entry {gone} lost"
+        outcomes["new committed" if new else "kept old"] += 1
+        committed = after
+    assert outcomes["kept old"] and outcomes["new committed"], f"kills did not cover both moments: {outcomes}"
+
+
+# A save's commit, in a process of its own that the test kills: the store (fsync on) takes a slot file that a
+# real llama-server wrote earlier, which a stand-in child copies under the transient name the store asks for.
+# It says "block" after each block it writes, so that kills can be aimed between two of them.
+COMMIT = """
+import asyncio, shutil, sys, time
+from pathlib import Path
+from slotkeeper.llama.client import ChildReply
+from slotkeeper.store import blockfiles
+from slotkeeper.store.conversations import ConversationStore
+
+write = blockfiles.BlockWriter.__call__
+def told(self, name, data):  # each block written, told to the test (which kills the process in between)
+    write(self, name, data)
+    print("block", flush=True)
+blockfiles.BlockWriter.__call__ = told
+
+class SavedEarlier:
+    def __init__(self, source, store):
+        self.source, self.store = Path(source), store
+    async def slot_action(self, slot_id, action, filename=None):
+        shutil.copyfile(self.source, self.store.snapshots_dir / filename)  # (a link into RAM is followed)
+        size = self.source.stat().st_size
+        return ChildReply(200, {"n_saved": int(sys.argv[3]), "n_written": size, "timings": {"save_ms": 1.0}})
+
+async def main():
+    Path(sys.argv[1]).mkdir(exist_ok=True)
+    store = ConversationStore(Path(sys.argv[1]), None, {"test": "commit"}, fsync=True)
+    await store.load()
+    store.client = SavedEarlier(sys.argv[2], store)
+    print("ready", flush=True)
+    started = time.monotonic()
+    result = await store.save_slot(0, expected_bytes=Path(sys.argv[2]).stat().st_size)
+    await store.flush()
+    print("saved" if result.entry else result.reason, time.monotonic() - started, flush=True)
+
+asyncio.run(main())
+"""
+
+
+@pytest.fixture(scope="module")
+def two_saves(llama_server, family_models, tmp_path_factory) -> tuple[Path, Path, int]:
+    """One chat saved by a real llama-server at ~1,200 tokens and at ~2,400 (which extends it)."""
+    folder = tmp_path_factory.mktemp("saves")
+    server = PlainServer(
+        llama_server,
+        ["-m", str(family_models["llama"]), *BASE, "--slot-save-path", str(folder)],
+        free_port(),
+        folder / "plain.log",
+        clean_env(),
+    )
+    words = " ".join(f"word{i}" for i in range(900))
+    try:
+        server.wait_ready()
+        for name, n in (("short.bin", 450), ("long.bin", 900)):
+            body = {"prompt": " ".join(words.split()[:n]), "n_predict": 1, "id_slot": 0}
+            assert http_call(server.port, "POST", "/completion", body).status == 200
+            assert http_call(server.port, "POST", "/slots/0?action=save", {"filename": name}).status == 200
+    finally:
+        server.stop()
+    tokens = read_header(folder / "long.bin").n_tokens
+    return folder / "short.bin", folder / "long.bin", tokens
+
+
+def commit_process(root: Path, source: Path, tokens: int) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", COMMIT, str(root), str(source), str(tokens)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=clean_env(),
+    )
+
+
+def test_a_commit_killed_at_random_moments_leaves_the_store_whole(two_saves, tmp_path):
+    """A store holding a chat's earlier save; its next save's commit (blocks, fsync, manifest, then the
+    superseded entry's removal) SIGKILLed at 12 random moments: half of them after a random number of its new
+    blocks, half anywhere in the save. After each kill and the next open: the entries are the earlier one,
+    the new one, or both, each whole (its blocks put together have its checksum), and no block, partial file
+    or staged file is left beside them."""
+    short, long, tokens = two_saves
+    pristine = tmp_path / "pristine"
+    first = commit_process(pristine, short, read_header(short).n_tokens)
+    assert first.communicate(timeout=60)[0].split()[-2] == "saved"
+    timed = tmp_path / "timed"
+    shutil.copytree(pristine, timed)
+    calibration = commit_process(timed, long, tokens)
+    out = calibration.communicate(timeout=60)[0].split()
+    assert out[-2] == "saved", out
+    commit_s, new_blocks = float(out[-1]), out.count("block")
+    assert new_blocks >= 4, out
+    rng = random.Random(46)
+    interrupted = 0
+    outcomes: set[tuple[int, ...]] = set()
+    for trial in range(12):
+        root = tmp_path / f"trial{trial}"
+        shutil.copytree(pristine, root)
+        proc = commit_process(root, long, tokens)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        if trial % 2:
+            time.sleep(rng.uniform(0.0, commit_s))
+        else:
+            for _ in range(rng.randint(1, new_blocks - 1)):
+                assert proc.stdout.readline().strip() == "block"
+            time.sleep(rng.uniform(0.0, 0.002))
+        proc.kill()
+        proc.wait()
+        orphans = set(block_files(root)) - {
+            b for i in entry_ids(root) for b in (entry_parts(root, i) or Parts(0, 1, "", ())).block_sizes()
+        }
+        interrupted += bool(orphans)
+        store = ConversationStore(root, None, {"test": "commit"})
+        store.open()
+        store.staging.clean()
+        ids = entry_ids(root)
+        assert ids and only_files_of(root, *ids), (trial, ids, block_files(root))
+        assert not transients(root) and not staged_in_ram(proc.pid), trial
+        assert_entries_whole(root, tmp_path)
+        outcomes.add(tuple(sorted(read_manifest(root, i)["tokens"] for i in ids)))
+    assert outcomes <= {(read_header(short).n_tokens,), (tokens,), (read_header(short).n_tokens, tokens)}, outcomes
+    assert interrupted >= 3, f"few kills fell between its blocks ({interrupted}): {outcomes}"

@@ -21,6 +21,7 @@ from store_helpers import (
     assert_entry_sound,
     assert_store_sound,
     bins_snapshot,
+    block_files,
     edit_manifest,
     entries_dir,
     entry_bin,
@@ -33,6 +34,7 @@ from store_helpers import (
     restored,
     rewrite_entry,
     saved,
+    staged_in_ram,
     transients,
     uncommitted,
 )
@@ -87,10 +89,13 @@ def test_1_sigkill_at_random_moments_of_a_stop_never_loses_the_cache(stub_slotke
     prompt = PROMPT
     committed: dict[str, list[int]] = {}  # what the previous kill left
     outcomes = {"kept old": 0, "new committed": 0}
+    killed = 0  # the previous slotkeeper's pid
     for trial in range(20):
         sk = stub_slotkeeper("-np", "1", own=("--autosave-idle", "0"), stub={"STUB_SAVE_SECONDS": "0.3"})
         save_dir = sk.extra["save_dir"]
         assert not uncommitted(save_dir) and not transients(save_dir), f"trial {trial}: leftovers kept\n{sk.logs()}"
+        assert only_files_of(save_dir, *committed), f"trial {trial}: leftovers kept: {block_files(save_dir)}"
+        assert not staged_in_ram(killed), f"trial {trial}: what the killed run staged in RAM was kept"
         assert set(entry_ids(save_dir)) == set(committed), f"trial {trial}: a committed entry went at start"
         if committed:
             latest = max(committed, key=lambda i: read_manifest(save_dir, i)["saved_at"])
@@ -100,7 +105,7 @@ def test_1_sigkill_at_random_moments_of_a_stop_never_loses_the_cache(stub_slotke
         if committed:
             assert body["timings"]["cache_n"] > 0, f"trial {trial}: the restored chat was not used"
         prompt += body["content"] + f" Turn {trial}. "  # the chat goes on: each entry extends the previous one
-        pid = child_pid(sk)
+        pid, killed = child_pid(sk), sk.pid
         sk.killpg(signal.SIGTERM)
         time.sleep(rng.uniform(0.0, 0.5))
         sk.killpg(signal.SIGKILL)

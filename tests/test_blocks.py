@@ -19,6 +19,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import xxhash
@@ -26,6 +27,7 @@ from family_helpers import BASE, FAMILIES, LOGPROB_TOLERANCE, Chat, Family, answ
 from store_helpers import (
     block_files,
     blocks_dir,
+    edit_manifest,
     entry_bytes,
     entry_ids,
     entry_parts,
@@ -259,6 +261,7 @@ def test_a_sigkill_at_random_moments_of_a_save_loses_nothing_and_leaves_nothing(
 COMMIT = """
 import asyncio, shutil, sys, time
 from pathlib import Path
+from typing import Any
 from slotkeeper.llama.client import ChildReply
 from slotkeeper.store import blockfiles
 from slotkeeper.store.conversations import ConversationStore
@@ -373,3 +376,58 @@ def test_a_commit_killed_at_random_moments_leaves_the_store_whole(two_saves, tmp
         outcomes.add(tuple(sorted(read_manifest(root, i)["tokens"] for i in ids)))
     assert outcomes <= {(read_header(short).n_tokens,), (tokens,), (read_header(short).n_tokens, tokens)}, outcomes
     assert interrupted >= 3, f"few kills fell between its blocks ({interrupted}): {outcomes}"
+
+
+def as_version_2(manifest: dict[str, Any]) -> None:
+    del manifest["parts"]
+    manifest["version"] = 2
+
+
+def as_whole_files(save_dir: Path, scratch: Path) -> None:
+    """The store as a slotkeeper before blocks wrote it: each entry its file (entries/<id>.bin) and a version 2
+    manifest, the same fields but the parts; no blocks/."""
+    for entry_id in entry_ids(save_dir):
+        data = entry_bytes(save_dir, entry_id, scratch)
+        (save_dir / "entries" / f"{entry_id}.bin").write_bytes(data)
+        edit_manifest(save_dir, entry_id, as_version_2)
+    shutil.rmtree(blocks_dir(save_dir))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen35"])
+def test_a_store_of_whole_files_comes_back_warm_and_becomes_blocks_as_its_chats_are_saved(family_start, name, tmp_path):
+    """A store written before blocks (whole files, version 2 manifests): after the upgrade both chats come back
+    warm; the one that goes on is saved as blocks (its old file superseded), the other stays as it was,
+    byte for byte, until it is saved in its turn (a downgrade still reads it; the new manifests, version 3,
+    it keeps without reading)."""
+    family = LAYOUTS[name]
+    sk = family_start(family)
+    save_dir = sk.extra["save_dir"]
+    going_on, waiting = Chat(0, family.request), Chat(1, family.request)
+    for chat in (going_on, waiting):
+        chat.turn(sk.port)
+    swap_out(sk)
+    as_whole_files(save_dir, tmp_path)
+    old = {
+        i: (read_manifest(save_dir, i), (save_dir / "entries" / f"{i}.bin").read_bytes()) for i in entry_ids(save_dir)
+    }
+
+    upgraded = time.time()
+    sk2 = family_start(family)
+    timings = going_on.turn(sk2.port)
+    assert going_on.reused_enough(timings), (timings, sk2.logs()[-3000:])
+    swap_out(sk2)
+    now = {i: read_manifest(save_dir, i) for i in entry_ids(save_dir)}
+    kept = {i for i in now if i in old}
+    assert kept and all(now[i]["version"] == 2 and now[i].get("parts") is None for i in kept), now
+    for i in kept:
+        assert (save_dir / "entries" / f"{i}.bin").read_bytes() == old[i][1], f"entry {i} was changed"
+    new = [i for i in now if i not in old]
+    assert new and all(now[i]["version"] == 3 and now[i]["parts"] for i in new), now
+
+    sk3 = family_start(family)
+    timings = waiting.turn(sk3.port)
+    assert waiting.reused_enough(timings), (timings, sk3.logs()[-3000:])
+    swap_out(sk3)
+    since = [read_manifest(save_dir, i) for i in entry_ids(save_dir)]
+    since = [m for m in since if m["saved_at"] >= upgraded]
+    assert len(since) >= 2 and all(m["version"] == 3 for m in since), since

@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -425,3 +426,54 @@ def test_max_cache_bytes_evicts_the_least_recently_used(stub_slotkeeper):
     assert f"entry {b[:4]} evicted" in sk2.logs() and f"entry {a[:4]} evicted" not in sk2.logs()
     assert_store_sound(save_dir)
     assert sum(entry_bin(save_dir, i).stat().st_size for i in remaining) <= 2 * size + size // 2
+
+
+# Loaded before slotkeeper runs (PYTHONPATH): its RAM filesystem for staging is the test's small tmpfs.
+SMALL_RAM = """
+import os
+from pathlib import Path
+from slotkeeper.store import staging
+
+staging._ram_dir = lambda root: Path(os.environ["RAM_BASE"]) / f"slotkeeper-{os.getuid()}-{os.getpid()}-test"
+"""
+
+
+@pytest.fixture
+def small_ram(tmp_path) -> Iterator[tuple[Path, dict[str, str]]]:
+    """(its folder, slotkeeper's environment): a 512 KiB tmpfs that slotkeeper takes for its RAM filesystem."""
+    mount_point = tmp_path / "ram"
+    mount_point.mkdir()
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SMALL_RAM)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount_point)], check=True)
+    try:
+        yield mount_point, {"PYTHONPATH": str(site), "RAM_BASE": str(mount_point)}
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_a_full_ram_filesystem_stages_the_save_on_disk_with_one_line(stub_slotkeeper, small_ram):
+    """llama-server runs out of room writing a save into RAM (its size was expected smaller: with --no-slots
+    slotkeeper expects the size it last knew): one line, the save staged on disk instead succeeds, and nothing
+    is left in RAM."""
+    ram, env = small_ram
+    stub = {"STUB_BYTES_PER_TOKEN": "1024"}
+    first = "short conversation " * 16  # 304 tokens: ~310 KB, which fits in RAM with room to spare
+    stub.update(env)
+    sk = stub_slotkeeper("-np", "1", stub=stub)
+    reply = complete(sk, first)
+    stop(sk)
+    entry = only_entry(sk.extra["save_dir"])
+    sk2 = stub_slotkeeper("-np", "1", "--no-slots", stub=stub)
+    assert restored(sk2.logs()) == [(entry[:4], 0)], sk2.logs()
+    turn = first + reply["content"] + " and a short follow-up."
+    turn = turn + complete(sk2, turn)["content"] + " and a much longer follow-up " * 18  # ~860 KB: too much
+    complete(sk2, turn)
+    stop(sk2)
+    lines = [line for line in sk2.logs().splitlines() if "could not stage in" in line]
+    assert len(lines) == 1 and str(ram) in lines[0] and "Unable to save slot" in lines[0], sk2.logs()
+    assert [why for _, _, why in saved(sk2.logs())] == ["at stop"], sk2.logs()
+    assert "not saved" not in sk2.logs(), sk2.logs()
+    assert_store_sound(sk2.extra["save_dir"])
+    assert not list(ram.iterdir()), "something was left in RAM"

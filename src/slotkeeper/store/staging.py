@@ -83,15 +83,15 @@ class Staging:
             try:
                 os.symlink(real, name)
                 return Staged(name, real)
-            except OSError as exc:
-                self.fell_back(f"its link in {self._snapshots_dir} could not be made ({exc.strerror or exc})")
+            except OSError as exc:  # snapshots/ read-only or full: the save that follows says so, on disk
+                log.debug("not staged in RAM: its link in %s could not be made (%s)", self._snapshots_dir, exc)
         return Staged(name, name)
 
     def fell_back(self, why: str) -> None:
         """A file staged in RAM could not be written there: said once, the caller stages it on disk."""
         if not self._warned:
             self._warned = True
-            log.warning("staging in %s failed (%s): saves and restores staged on disk instead", self._ram_dir, why)
+            log.warning("could not stage in %s (%s): staged on disk when that happens", self._ram_dir, why)
 
     def close(self) -> None:
         """At stop, nothing staged any more: the RAM folder goes."""

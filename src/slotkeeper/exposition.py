@@ -59,6 +59,12 @@ MODEL_FAMILIES: tuple[Family[Metrics], ...] = (
     Family("saves", "Slot saves, by outcome", COUNTER, lambda m: m.saves, "outcome"),
     Family("save_seconds", "Duration of successful slot saves (incl. fsync)", HISTOGRAM, lambda m: m.save_seconds),
     Family("saved_bytes", "Bytes of slot cache saved", COUNTER, lambda m: m.saved_bytes),
+    Family(
+        "written_bytes",
+        "Bytes the saves wrote to the store: the blocks it did not hold yet (a whole file, without blocks)",
+        COUNTER,
+        lambda m: m.written_bytes,
+    ),
     Family("saved_tokens", "Tokens of slot cache saved", COUNTER, lambda m: m.saved_tokens),
     Family("save_failures", "Failed or abandoned slot saves, by reason", COUNTER, lambda m: m.save_failures, "reason"),
     Family("quarantines", "Cache files moved to quarantine/", COUNTER, lambda m: m.quarantines),
@@ -202,6 +208,12 @@ MODEL_FAMILIES: tuple[Family[Metrics], ...] = (
     Family("model_memory", "The model's memory kind and the cache policy", INFO, lambda m: m.memory()),
     Family("store_entries", "Entries in the conversation store", GAUGE, lambda m: m.store_entries()),
     Family("store_bytes", "Bytes of entries in the conversation store", GAUGE, lambda m: m.store_bytes()),
+    Family(
+        "store_disk_bytes",
+        "Bytes the conversation store holds on disk (each shared block once)",
+        GAUGE,
+        lambda m: m.store_disk_bytes(),
+    ),
     Family(
         "store_images",
         "Pictures held by the entries of the conversation store",

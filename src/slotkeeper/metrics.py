@@ -47,6 +47,7 @@ class Metrics:
     saves: collections.Counter[str] = field(default_factory=collections.Counter)  # by outcome
     save_seconds: Histogram = field(default_factory=Histogram)
     saved_bytes: int = 0
+    written_bytes: int = 0  # what the saves wrote to the store: their new blocks (or whole files)
     saved_tokens: int = 0
     save_failures: collections.Counter[str] = field(default_factory=collections.Counter)  # by reason
     quarantines: int = 0
@@ -81,6 +82,7 @@ class Metrics:
     # chats of another configuration: pending, recomputed, prefilled tokens, seconds, pauses, skipped by reason
     recompute: Callable[[], dict[str, Any]] = dict
     store_bytes: Callable[[], int] = lambda: 0
+    store_disk_bytes: Callable[[], int] = lambda: 0
     requests_by_status: Callable[[], dict[int, int]] = dict
     models: Callable[[], dict[str, Metrics]] = dict  # router mode: each loaded model's own counters
     requests_in_flight: Callable[[], int] = lambda: 0
@@ -93,10 +95,11 @@ class Metrics:
         self.restored_bytes += nbytes
         self.restored_tokens += tokens
 
-    def saved(self, seconds: float, nbytes: int, tokens: int) -> None:
+    def saved(self, seconds: float, nbytes: int, tokens: int, written: int) -> None:
         self.saves["saved"] += 1
         self.save_seconds.observe(seconds)
         self.saved_bytes += nbytes
+        self.written_bytes += written
         self.saved_tokens += tokens
 
     def boundary_reached(self, prefilled: int, seconds: float) -> None:

@@ -97,6 +97,7 @@ class Model:
             "store": {
                 "entries": len(store.entries),
                 "bytes": store.total_bytes,
+                "disk_bytes": store.disk_bytes,  # each shared block once, entries kept unused too: what the cap counts
                 "cap_bytes": store.cap_bytes,
                 "kept_unused": len(store.skipped),
                 **store.image_counts(),
@@ -259,13 +260,14 @@ async def open_model(
     )
     await store.load(scanned)
     if store.cap_bytes is None:
-        store.cap_bytes = default_cap(store_root, store.total_bytes)
+        store.cap_bytes = default_cap(store_root, store.disk_bytes)
     await store.check_format()
     await store.check_fit()
     if remote is not None:
         _start_remote(remote)
     metrics.store_entries = lambda: len(store.entries)
     metrics.store_bytes = lambda: store.total_bytes
+    metrics.store_disk_bytes = lambda: store.disk_bytes
     metrics.store_images = lambda: store.image_counts()["images"]
     memory = facts.memory
     settle = memory is None or memory.kind is MemoryKind.RECURRENT
@@ -296,7 +298,7 @@ async def open_model(
         facts.n_slots,
         len(store.entries),
         store_root,
-        fmt_bytes(store.total_bytes),
+        fmt_bytes(store.disk_bytes),
         fmt_bytes(store.cap_bytes or 0),
         other,
     )

@@ -613,7 +613,7 @@ class ConversationStore(EntryIndex):
             self.on_commit(entry, self.entries_dir / f"{entry.id}{BIN_SUFFIX}")
         elapsed = time.monotonic() - started
         self.bytes_per_s = entry.nbytes / elapsed if elapsed > 0 else self.bytes_per_s
-        self.metrics.saved(elapsed, entry.nbytes, entry.n_tokens)
+        self.metrics.saved(elapsed, entry.nbytes, entry.n_tokens, written)
         return SaveResult(entry=entry, seconds=elapsed, superseded=superseded, written=written)
 
     def _commit(self, transient: Path, entry: Entry) -> asyncio.Future[tuple[Entry, int]]:

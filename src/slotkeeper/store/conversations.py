@@ -46,7 +46,6 @@ from ..chat.prefix import exact_key
 from ..log import fmt_bytes, log
 from ..metrics import Metrics
 from . import blockfiles, manifestcache, slotfiles
-from .blockpool import BlockPool
 from .entries import (
     BIN_SUFFIX,
     MANIFEST_SUFFIX,
@@ -63,6 +62,7 @@ from .entries import (
     write_json_atomic,
 )
 from .fit import UNFIT_WORDS, Fit, Running, Unfit, fit, group_of, same_tensors
+from .holdings import Holdings
 from .index import EntryIndex, extends
 from .layout import BLOCKS_DIR, ENTRIES_DIR, QUARANTINE_DIR, SNAPSHOTS_DIR, prepare_layout
 from .prescan import Prescan
@@ -200,12 +200,7 @@ class ConversationStore(EntryIndex):
         # (the shared tier, which uploads an entry's file, asks for that).
         self.keeps_blocks = blocks
         self.blocks_dir = root / BLOCKS_DIR
-        self._pool = BlockPool()  # the blocks of the entries on disk
-        self._held: set[str] = set()  # the entries on disk (usable or kept), counted in _pool or _file_bytes
-        self._file_bytes = 0  # the bytes of those kept as one file
-        self._block_users = 0  # saves writing blocks and restores reading them: no block is removed meanwhile
-        self._doomed: set[str] = set()  # blocks to remove once no save runs (if still unused then)
-        self._marked_unclean = False  # blocks/.unclean made in this run (blockfiles.mark_unclean)
+        self.holdings = Holdings(self.blocks_dir)  # what the entries hold on disk (the one writer of blocks' lives)
         # where llama-server writes saves and reads restores: RAM when it has room (a file kept whole is renamed
         # into entries/, which RAM cannot be)
         self.staging = Staging(self.snapshots_dir, root, ram=ram_staging and blocks)
@@ -253,23 +248,11 @@ class ConversationStore(EntryIndex):
             self._admit(entry_id, data, size)
         if scanned.index is not None:
             for entry in self.entries.values():
-                self._hold(entry)
+                self.holdings.hold(entry)
         # consumed: the manifests read are not held by the prescan, which the daemon's start keeps to its end
         found.pairs, scanned.rest, scanned.index = [], [], None
         found.warn(self.entries_dir)
-        if blockfiles.is_unclean(self.blocks_dir):
-            self._sweep(unreadable=found.unreadable)
-
-    def _sweep(self, *, unreadable: int) -> None:
-        """After a run that did not stop cleanly: remove the blocks no manifest names (a save it crashed in).
-        Not when some manifest could not be read (a newer slotkeeper's may name blocks): kept, one line."""
-        if unreadable:
-            log.warning("blocks not checked for what an interrupted save left: %d manifest(s) unreadable", unreadable)
-            return
-        removed, freed = blockfiles.sweep(self.blocks_dir, self._pool.__contains__)
-        if removed:
-            log.info("removed %d block(s) left by an interrupted save (%s)", removed, fmt_bytes(freed))
-        blockfiles.mark_clean(self.blocks_dir)
+        self.holdings.sweep(unreadable=found.unreadable)
 
     def say_kept(self) -> None:
         """One line per reason for the entries kept but not used."""
@@ -287,57 +270,20 @@ class ConversationStore(EntryIndex):
             case Status.NO_BIN, _:  # a manifest whose file is gone (removed by hand): nothing to keep
                 discard(pair_paths(self.entries_dir, entry_id)[1])
             case Status.USABLE, Entry() as entry:
-                self._hold(entry)
+                self.holdings.hold(entry)
                 self.index(entry)
             case Status.WRONG_SIZE, Entry() as entry:
                 self._quarantine(entry, verdict.reason)
             case _, Entry() as entry:  # another configuration's
-                self._hold(entry)
+                self.holdings.hold(entry)
                 self._keep_unused(entry, verdict.reason)
             case _:
                 log.warning("entry %s: %s; kept, not used", entry_id[:4], verdict.reason)
 
-    # ---- what the entries hold on disk ------------------------------------------------------------------
-
-    def _hold(self, entry: Entry) -> None:
-        """An entry is on disk (once per entry): its blocks count their users, or its file its bytes."""
-        if entry.id in self._held:
-            return
-        self._held.add(entry.id)
-        if entry.parts is None:
-            self._file_bytes += entry.nbytes
-        else:
-            self._pool.acquire(entry.parts)
-
-    def _let_go(self, entry: Entry) -> None:
-        """An entry left the disk (removed, quarantined): the blocks no other entry uses go too, once no save
-        runs or restores (a save in its thread may count on a block it found in use when it started)."""
-        if entry.id not in self._held:
-            return
-        self._held.discard(entry.id)
-        if entry.parts is None:
-            self._file_bytes -= entry.nbytes
-        else:
-            self._doomed.update(self._pool.release(entry.parts))
-            self._remove_doomed()
-
-    def _remove_doomed(self) -> None:
-        """Remove the blocks no entry uses any more, unless a save or restore runs (then its end does)."""
-        if self._block_users or not self._doomed:
-            return
-        doomed = self._pool.unused(self._doomed)
-        self._doomed.clear()
-        if blockfiles.remove_blocks(self.blocks_dir, doomed):
-            log.warning("some unused blocks could not be removed; the next start removes them")
-
     @property
     def disk_bytes(self) -> int:
         """What the entries hold on disk: each block once, each file once (the cap counts this)."""
-        return self._pool.disk_bytes + self._file_bytes
-
-    def own_bytes(self, entry: Entry) -> int:
-        """The bytes only this entry holds (what removing it frees)."""
-        return entry.nbytes if entry.parts is None else self._pool.own_bytes(entry.parts)
+        return self.holdings.disk_bytes
 
     def header_path(self, entry: Entry) -> Path:
         """A file that starts as the entry's file does, up to its tokens (statefile.read_header reads it): its
@@ -625,9 +571,9 @@ class ConversationStore(EntryIndex):
             return asyncio.ensure_future(
                 asyncio.to_thread(slotfiles.commit_file, transient, entry, self.entries_dir, fsync=self.fsync)
             )
-        writer = blockfiles.BlockWriter(self.blocks_dir, self._pool.names(), fsync=self.fsync)
-        mark = not self._marked_unclean
-        self._block_users += 1
+        writer = blockfiles.BlockWriter(self.blocks_dir, self.holdings.in_use(), fsync=self.fsync)
+        mark = not self.holdings.marked
+        self.holdings.begin()
         commit = asyncio.ensure_future(
             asyncio.to_thread(
                 slotfiles.commit_blocks, transient, entry, self.entries_dir, writer, fsync=self.fsync, mark=mark
@@ -635,13 +581,10 @@ class ConversationStore(EntryIndex):
         )
 
         def done(future: asyncio.Future[tuple[Entry, int]]) -> None:
-            self._block_users -= 1
             if future.cancelled() or future.exception() is not None:
-                self._doomed.update(writer.written)
+                self.holdings.end(unused=writer.written)
             else:
-                self._marked_unclean = True
-                self._hold(future.result()[0])  # its blocks in use before any removal below can see them unused
-            self._remove_doomed()
+                self.holdings.end(committed=future.result()[0])
 
         commit.add_done_callback(done)
         return commit
@@ -711,7 +654,7 @@ class ConversationStore(EntryIndex):
 
     def _admit_saved(self, entry: Entry, supersedes: Callable[[Entry, Entry], bool] | None = None) -> int:
         """A committed save joins the index; the entries it supersedes go. Returns how many went."""
-        self._hold(entry)
+        self.holdings.hold(entry)
         self.cache_changes += 1
         self.current_format = (entry.seq_version, entry.layout)
         rule = supersedes or extends
@@ -852,7 +795,7 @@ class ConversationStore(EntryIndex):
         not. Blocks missing or changed on disk quarantine every entry that uses them."""
         assert entry.parts is not None
         staged = self.staging.stage(entry.nbytes)
-        self._block_users += 1  # no block removed while it is read
+        self.holdings.begin()  # no block removed while it is read
         try:
             try:
                 actual = await asyncio.to_thread(blockfiles.assemble, self.blocks_dir, entry.parts, staged.real)
@@ -869,13 +812,11 @@ class ConversationStore(EntryIndex):
             staged.remove()
             return self._restore_failed(f"its blocks could not be read: {exc.strerror or exc}")
         finally:
-            self._block_users -= 1
+            self.holdings.end()
         if actual == entry.checksum or (not entry.checksum and not actual.startswith("unreadable")):
-            self._remove_doomed()
             return staged
         staged.remove()
-        if entry.id not in self._held:  # removed meanwhile: its blocks went with it
-            self._remove_doomed()
+        if not self.holdings.holds(entry):  # removed meanwhile: its blocks went with it
             return self._restore_failed("removed while it was restored")
         bad = await asyncio.to_thread(blockfiles.bad_blocks, self.blocks_dir, entry.parts.block_sizes())
         reason = "its file changed on disk: " + (
@@ -886,7 +827,6 @@ class ConversationStore(EntryIndex):
         for user in self._users_of(bad) if bad else [entry]:
             self._unkeep(user)
             self._quarantine(user, reason)
-        self._remove_doomed()
         return RestoreResult(outcome=RestoreOutcome.QUARANTINED, reason=reason)
 
     def _users_of(self, blocks: list[str]) -> list[Entry]:
@@ -958,15 +898,11 @@ class ConversationStore(EntryIndex):
         say (nothing for the next start to sweep)."""
         if self._pending:
             await asyncio.gather(*list(self._pending), return_exceptions=True)
-        if self._block_users:
+        if self.holdings.busy:
             return
         self.staging.close()
-        if self._marked_unclean and not self._doomed:
-            try:
-                await asyncio.to_thread(blockfiles.mark_clean, self.blocks_dir)
-                self._marked_unclean = False
-            except OSError:
-                pass
+        if self.holdings.settled():
+            self.holdings.mark_clean()
 
     async def write_cache(self) -> None:
         """Bring the manifest cache up to date (in a thread), when a manifest changed since it was written: so
@@ -999,7 +935,7 @@ class ConversationStore(EntryIndex):
                 "entry %s not removed (%s): left on disk, not used in this run", entry.short, exc.strerror or exc
             )
             return
-        self._let_go(entry)
+        self.holdings.let_go(entry)
 
     def evict_over_cap(self, protect: Iterable[str] = ()) -> list[Entry]:
         """Remove least recently used entries until the store fits its cap. Entries kept for other configurations
@@ -1050,7 +986,7 @@ class ConversationStore(EntryIndex):
                 exc.strerror or exc,
             )
             return
-        self._let_go(entry)
+        self.holdings.let_go(entry)
         log.warning("entry %s quarantined (%s)", entry.short, reason)
 
 

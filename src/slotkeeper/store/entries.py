@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import json
 import os
 import re
 import stat
@@ -29,12 +28,16 @@ import xxhash
 
 from ..chat.prefix import BLOCK_TOKENS, KeyChain
 from .blocks import Parts
+from .durable import PARTIAL_SUFFIX as PARTIAL_SUFFIX
+from .durable import discard as discard
+from .durable import fsync_path as fsync_path
+from .durable import read_json as read_json
+from .durable import write_json_atomic as write_json_atomic
 from .fingerprint import first_difference, shareable
 from .statefile import SEQ_MAGIC
 
 BIN_SUFFIX = ".bin"
 MANIFEST_SUFFIX = ".json"
-PARTIAL_SUFFIX = ".partial"  # a file being written (manifest, download): finished or removed, never read
 MANIFEST_VERSION = 2  # an entry kept as one file, as every slotkeeper before blocks wrote it
 BLOCKS_MANIFEST_VERSION = 3  # an entry kept as blocks: a slotkeeper before them sees it as unreadable and keeps it
 MANIFEST_VERSIONS = (MANIFEST_VERSION, BLOCKS_MANIFEST_VERSION)
@@ -79,20 +82,6 @@ def is_link(path: Path) -> bool:
         return False  # gone
 
 
-def discard(path: Path) -> bool:
-    """Remove a file slotkeeper made, if it is there; False when it is there and cannot be removed.
-
-    For cleanup after a failure: on a read-only filesystem even `unlink(missing_ok=True)` of a missing name
-    raises EROFS, and a cleanup that raises would hide the failure it cleans up after. What is left is a
-    transient or partial name, removed at the next start.
-    """
-    try:
-        path.unlink(missing_ok=True)
-        return True
-    except OSError:
-        return not os.path.lexists(path)
-
-
 # ---- the content checksum -----------------------------------------------------------------------------------------
 
 CHECKSUM_ALGORITHM = "xxh3_128"
@@ -118,54 +107,11 @@ def file_checksum(path: Path) -> str:
     return f"{CHECKSUM_ALGORITHM}:{digest.hexdigest()}"
 
 
-# ---- durable writes ---------------------------------------------------------------------------------------------
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory by name (a directory after a rename in it, so the rename survives a crash)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def read_json(path: Path | str) -> dict[str, Any] | None:
-    """A JSON object from a file, or None when it is missing or unreadable (a start reads thousands: plain
-    bytes, no pathlib on the way)."""
-    with contextlib.suppress(OSError, ValueError), open(path, "rb") as f:
-        data = json.loads(f.read())
-        if isinstance(data, dict):
-            return data
-    return None
-
-
 def read_manifest(path: Path | str) -> dict[str, Any] | None:
     """A manifest of a version this slotkeeper reads, or None (missing, damaged, or another version's: never
     used)."""
     data = read_json(path)
     return data if data is not None and data.get("version") in MANIFEST_VERSIONS else None
-
-
-def write_json_atomic(path: Path, data: dict[str, Any], fsync: bool) -> None:
-    """Write to `<name>.partial`, fsync, rename over `path`, fsync the directory: a reader sees all or nothing.
-
-    A write that fails (a full disk) removes its partial file: left behind, it would hold the space that the
-    next save needs.
-    """
-    partial = path.with_name(path.name + PARTIAL_SUFFIX)
-    try:
-        with open(partial, "w", encoding="utf-8") as f:
-            json.dump(data, f, separators=(",", ":"))
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(partial, path)
-    except BaseException:
-        discard(partial)
-        raise
-    if fsync:
-        fsync_path(path.parent)
 
 
 def remove_pair(directory: Path, name: str) -> None:

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .durable import write_json_atomic
+
 # The model's identity: its GGUF header and metadata (and the first tensors) plus its tail, not the whole
 # multi-GB file. Two fine-tunes of one base differ in both regions; reading them costs milliseconds.
 HEAD_BYTES = 8 * 1024 * 1024
@@ -87,7 +89,6 @@ def _remembered(save_dir: Path, model: str, stamp: list[int]) -> str | None:
 def _remember(save_dir: Path, model: str, stamp: list[int], digest: str) -> None:
     """Add `model`'s hash to the cache (the IDENTITY_CACHE_FILES most recent files), written whole or not at
     all; a cache that cannot be written only costs the next start a hash."""
-    from .entries import write_json_atomic  # (entries reads fingerprints: imported here, not at the top)
 
     path = save_dir / IDENTITY_CACHE_NAME
     try:

@@ -142,7 +142,7 @@ def test_an_entry_whose_file_cannot_be_checked_leaves_nothing_in_its_slot(tmp_pa
     def unreadable(path):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr("slotkeeper.store.conversations.file_checksum", unreadable)
+    monkeypatch.setattr("slotkeeper.store.restores.file_checksum", unreadable)
     result = asyncio.run(store.restore(entry, 0))
     assert not result.ok and result.reason == "its file could not be checked: Input/output error", result
     assert child.actions == ["restore", "erase"]
@@ -169,7 +169,7 @@ def test_a_restore_is_timed_by_its_reading_not_by_the_hand_offs_around_it(tmp_pa
     store = ConversationStore(tmp_path, BusyMachineChild(), FINGERPRINT, SERVER)  # type: ignore[arg-type]
     store.open()
     first, second = store.entries.values()
-    monkeypatch.setattr("slotkeeper.store.conversations.file_checksum", lambda path: first.checksum)
+    monkeypatch.setattr("slotkeeper.store.restores.file_checksum", lambda path: first.checksum)
     result = asyncio.run(store.restore(first, 0))
     assert result.ok and result.seconds >= 0.2, result
     expected = second.nbytes / 100 * 0.0005  # at the pace llama-server read the first one's 100 bytes

@@ -2,7 +2,9 @@
 
 The directories are built with the store's own mechanism (store.slotfiles.commit renames a slot file from
 snapshots/ into entries/ and writes its manifest with Entry.manifest() and write_json_atomic), and one test
-runs a real slotkeeper around the stub llama-server and lists and prunes what it left.
+runs a real slotkeeper around the stub llama-server and lists and prunes what it left. Entries kept as blocks
+that share some (which the stub's saves never do: each is one block) are written as the store writes them: each
+block under its hash in blocks/, then a version-3 manifest (Entry.manifest() with its Parts).
 """
 
 from __future__ import annotations
@@ -40,11 +42,15 @@ from slotkeeper.catalog.remote_rows import RemoteRow
 from slotkeeper.catalog.scan import scan_dir
 from slotkeeper.catalog.short_ids import assign_short_ids
 from slotkeeper.log import fmt_bytes
+from slotkeeper.store import blockfiles
+from slotkeeper.store.blockfiles import UNCLEAN_NAME, block_path
+from slotkeeper.store.blocks import CellSection, Parts, block_hash
 from slotkeeper.store.conversations import ConversationStore
 from slotkeeper.store.entries import TRANSIENT_PREFIX, Entry, Status, read_json, remove_pair, write_json_atomic
 from slotkeeper.store.fingerprint import build_fingerprint, model_identity, namespace_key
 from slotkeeper.store.layout import StoreLockedError, lock_store, prepare_layout
 from slotkeeper.store.slotfiles import commit, read_saved
+from slotkeeper.store.statelayout import RowRun
 from slotkeeper.testing.harness import free_port, wait_until
 from slotkeeper.testing.s3server import S3Server
 
@@ -785,6 +791,328 @@ def test_prune_keeps_an_entry_used_after_it_was_listed(tmp_path):
     assert all(p.exists() for p in entry_files(d, entry))
 
 
+# ---- entries kept as blocks ----------------------------------------------------------------------------------------
+
+CELL = 1000  # bytes per cell of the hand-made entries' one KV stream
+BLOCK_CELLS = 4  # cells per cell block: each cell block is 4,000 bytes
+
+
+def write_block(directory: Path, data: bytes) -> str:
+    """A block as the store keeps it: blocks/<2 hex>/<the hash of its bytes>."""
+    name = block_hash(data)
+    path = block_path(directory / "blocks", name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return name
+
+
+def write_block_entry(
+    directory: Path,
+    entry_id: str,
+    skeleton: bytes,
+    cells: Sequence[bytes],
+    *,
+    used_age: float,
+    manifest: Path | None = None,
+    blocks: bool = True,
+) -> Entry:
+    """An entry kept as blocks, as the store commits one: its blocks (its skeleton, then a cell block per
+    BLOCK_CELLS cells of CELL bytes) under their hashes, then its version-3 manifest (by default in entries/).
+    `blocks=False`: the manifest alone (a quarantined entry: the store dropped its blocks)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    prepare_layout(directory)
+    name = write_block if blocks else (lambda _, data: block_hash(data))
+    parts = Parts(
+        nbytes=len(skeleton) + len(cells) * BLOCK_CELLS * CELL,
+        block_cells=BLOCK_CELLS,
+        skeleton=name(directory, skeleton),
+        sections=(
+            CellSection(len(cells) * BLOCK_CELLS, (RowRun(16, CELL),), tuple(name(directory, c) for c in cells)),
+        ),
+    )
+    entry = Entry(
+        id=entry_id,
+        n_tokens=300,
+        nbytes=parts.nbytes,
+        keys=[],
+        saved_at=NOW - used_age,
+        last_used=NOW - used_age,
+        fingerprint=dict(FP),
+        seq_version=4,
+        layout="packed-1",
+        parts=parts,
+    )
+    assert entry.manifest()["version"] == 3
+    path = manifest or directory / "entries" / f"{entry_id}.json"
+    path.parent.mkdir(exist_ok=True)
+    write_json_atomic(path, entry.manifest(), fsync=False)
+    return entry
+
+
+def block_names(directory: Path) -> set[str]:
+    """The files in blocks/ (blocks, partial ones), not its marker."""
+    return {p.name for p in (directory / "blocks").rglob("*") if p.is_file() and p.name != UNCLEAN_NAME}
+
+
+def disk_total(directory: Path) -> int:
+    """What the entries hold on disk, as du counts it: every file in entries/ and every block, each once."""
+    files = [p for p in (directory / "entries").iterdir() if not p.name.endswith(".partial")]
+    files += [p for p in (directory / "blocks").rglob("*") if p.is_file() and p.name != UNCLEAN_NAME]
+    return sum(p.stat().st_size for p in files)
+
+
+@pytest.fixture
+def shared_dir(tmp_path: Path) -> dict[str, Any]:
+    """Three entries kept as blocks that share two cell blocks, each with a block of its own (its skeleton; c also
+    a cell block), beside an entry kept as one file: a = A + [x, y], b = B + [x, y], c = C + [x, z]. x is all
+    three's, y a's and b's; least recently used first: a, b, the file, c."""
+    d = tmp_path / "cache"
+    data = {name: name.encode() * (BLOCK_CELLS * CELL) for name in ("x", "y", "z")}
+    data |= {"A": b"A" * 1000, "B": b"B" * 1200, "C": b"C" * 1500}
+    e = {
+        "a": write_block_entry(d, "aaaa" + "01" * 6, data["A"], [data["x"], data["y"]], used_age=10 * DAY),
+        "b": write_block_entry(d, "bbbb" + "02" * 6, data["B"], [data["x"], data["y"]], used_age=5 * DAY),
+        "c": write_block_entry(d, "cccc" + "03" * 6, data["C"], [data["x"], data["z"]], used_age=HOUR),
+        "file": write_entry(d, tokens=200, age=2 * DAY, entry_id="dddd" + "04" * 6),
+    }
+    assert len(block_names(d)) == 6
+    return {"dir": d, **e, "data": data, "block": {name: block_hash(value) for name, value in data.items()}}
+
+
+def manifest_size(directory: Path, entry: Entry) -> int:
+    return entry_files(directory, entry)[1].stat().st_size
+
+
+def test_ls_counts_each_block_once_and_what_each_entry_holds_alone(capsys, shared_dir):
+    d, block = shared_dir["dir"], shared_dir["block"]
+
+    def size(*names: str) -> int:
+        return sum(block_path(d / "blocks", block[name]).stat().st_size for name in names)
+
+    code, out, err = run(ls_main, capsys, str(d), "--json")
+    assert code == 0 and err == ""
+    directory, *records = json.loads(out)
+    rows = {r["id"]: r for r in records}
+    assert {rows[shared_dir[k].id]["status"] for k in ("a", "b", "c", "file")} == {"usable"}
+    for key, own in (("a", ["A"]), ("b", ["B"]), ("c", ["C", "z"])):
+        row, entry = rows[shared_dir[key].id], shared_dir[key]
+        assert row["bytes"] == entry.nbytes and row["bin_size"] is None and row["bin"] is None and row["blocks"] == 3
+        assert row["own_bytes"] == size(*own)  # the blocks it shares are no one's own
+        assert row["disk_bytes"] == row["own_bytes"] + manifest_size(d, entry)
+    kept_as_file = rows[shared_dir["file"].id]
+    bin_size = entry_files(d, shared_dir["file"])[0].stat().st_size
+    assert kept_as_file["blocks"] is None and kept_as_file["own_bytes"] == kept_as_file["bin_size"] == bin_size
+    assert kept_as_file["disk_bytes"] == bin_size + manifest_size(d, shared_dir["file"])
+    # the directory: its bytes on disk, each block once (not the sum of the entries' sizes)
+    assert directory["bytes"] == disk_total(d) < sum(r["bytes"] for r in records)
+    assert directory["blocks"] == 6 and directory["block_bytes"] == size(*block)
+    assert directory["unused_blocks"] == directory["unused_block_bytes"] == 0
+
+    _, out, _ = run(ls_main, capsys, str(d))
+    header = next(line for line in out.splitlines() if line.strip().startswith("entry"))
+    assert header.split()[:4] == ["entry", "tokens", "size", "own"]
+    table = table_rows(out)
+    assert table["aaaa"][1:4] == ["300", fmt_bytes(shared_dir["a"].nbytes), fmt_bytes(size("A"))]
+    assert table["cccc"][3] == fmt_bytes(size("C", "z")) and table["cccc"][-1] == "usable"
+    assert table["dddd"][2] == table["dddd"][3] == fmt_bytes(bin_size)
+    state = sum(shared_dir[k].nbytes for k in "abc")
+    summary = " ".join(out.split())
+    assert f"4 entries, {fmt_bytes(disk_total(d))}; blocks/: 6 blocks, {fmt_bytes(size(*block))} for " in summary
+    assert f" for {fmt_bytes(state)} of state; quarantine: 0 entries;" in summary
+    assert all(len(line) <= 100 for line in out.splitlines())
+
+
+def test_prune_of_an_entry_kept_as_blocks_removes_only_its_own_blocks(capsys, shared_dir):
+    d, a, block = shared_dir["dir"], shared_dir["a"], shared_dir["block"]
+    before = block_names(d)
+    freed = manifest_size(d, a) + 1000  # its manifest and its skeleton
+    code, out, err = run(prune_main, capsys, str(d), "--older-than", "7d")
+    assert code == 0 and err == ""
+    assert out.splitlines() == [
+        f"removed entry aaaa in {d} (300 tokens, {fmt_bytes(a.nbytes)}, frees {fmt_bytes(freed)}, "
+        "last used 10 d ago): unused for over 7 d",
+        f"removed 1 entry: {fmt_bytes(freed)}",
+    ]
+    assert not entry_files(d, a)[1].exists()
+    assert block_names(d) == before - {block["A"]}  # x and y stay: b and c use them
+    assert not (d / "blocks" / UNCLEAN_NAME).exists()  # the blocks are as the manifests say
+    # the others are whole: listed usable (y is now b's alone), and the store takes them as they are
+    _, out, _ = run(ls_main, capsys, str(d), "--json")
+    rows = {r["id"]: r for r in json.loads(out)[1:]}
+    assert {i: r["status"] for i, r in rows.items()} == {shared_dir[k].id: "usable" for k in ("b", "c", "file")}
+    assert rows[shared_dir["b"].id]["own_bytes"] == 1200 + BLOCK_CELLS * CELL
+    store = ConversationStore(d, None, dict(FP), fsync=False)
+    store.open()
+    assert set(store.entries) == {shared_dir[k].id for k in ("b", "c", "file")} and not store.skipped
+
+
+def test_prune_max_total_counts_each_block_once(capsys, shared_dir):
+    """The budget is the bytes on disk; an entry frees its own blocks, and a shared block goes with its last
+    user: b, once a went, frees y as well."""
+    d, a, b, block = shared_dir["dir"], shared_dir["a"], shared_dir["b"], shared_dir["block"]
+    total = disk_total(d)
+    code, out, _ = run(prune_main, capsys, str(d), "--max-total", str(total))
+    assert code == 0 and out == "nothing to remove\n" and len(block_names(d)) == 6
+    freed_a = manifest_size(d, a) + 1000
+    freed_b = manifest_size(d, b) + 1200 + BLOCK_CELLS * CELL
+    code, out, _ = run(prune_main, capsys, str(d), "--max-total", str(total - freed_a - 1))
+    assert code == 0
+    assert [line.split()[2] for line in out.splitlines()[:-1]] == ["aaaa", "bbbb"]
+    assert f", frees {fmt_bytes(freed_b)}, last used 5 d ago): over --max-total" in out.splitlines()[1]
+    assert out.splitlines()[-1] == f"removed 2 entries: {fmt_bytes(freed_a + freed_b)}"
+    assert block_names(d) == {block[name] for name in ("x", "z", "C")}
+    assert disk_total(d) == total - freed_a - freed_b
+
+
+def test_prune_of_every_entry_removes_every_block(capsys, shared_dir):
+    d = shared_dir["dir"]
+    total = disk_total(d)
+    code, out, err = run(prune_main, capsys, str(d), "--older-than", "0s")
+    assert code == 0 and err == ""
+    assert names(d / "entries") == set() and block_names(d) == set()
+    assert not (d / "blocks" / UNCLEAN_NAME).exists()
+    assert out.splitlines()[-1] == f"removed 4 entries: {fmt_bytes(total)}"  # each block counted once
+
+
+def test_a_block_prune_cannot_remove_is_said_and_left_to_the_next_start(capsys, shared_dir, monkeypatch):
+    """blocks/ is marked unclean before the manifests go: a block left behind (here one that could not be
+    removed; or a crash) is swept by the store's next start, as after a save that crashed."""
+    d, block = shared_dir["dir"], shared_dir["block"]
+    monkeypatch.setattr(blockfiles, "remove_blocks", lambda folder, names: len(names))  # as on a read-only remount
+    code, out, err = run(prune_main, capsys, str(d), "--older-than", "7d")
+    assert code == 1 and out.splitlines()[-1].startswith("removed 1 entry: ")
+    assert err == f"slotkeeper prune: not removed: 1 unused block in {d} (a later prune removes them)\n"
+    assert block["A"] in block_names(d) and (d / "blocks" / UNCLEAN_NAME).exists()
+    monkeypatch.undo()
+    store = ConversationStore(d, None, dict(FP), fsync=False)
+    store.open()
+    assert block_names(d) == {block[name] for name in ("B", "C", "x", "y", "z")}
+    assert not (d / "blocks" / UNCLEAN_NAME).exists()
+
+
+def test_prune_removes_no_block_while_a_manifest_cannot_be_read(capsys, shared_dir):
+    """A manifest another slotkeeper version wrote (or a damaged one) may name any block: prune removes the
+    manifests it is asked to and no block, in one line; once no such manifest is left, the blocks go."""
+    d, a, block = shared_dir["dir"], shared_dir["a"], shared_dir["block"]
+    bad = d / "entries" / ("eeee" + "05" * 6 + ".json")
+    bad.write_text(json.dumps({"version": 4, "parts": "a newer slotkeeper's"}))
+    os.utime(bad, (NOW - HOUR, NOW - HOUR))
+    crashed = write_block(d, b"saved, never committed" * 10)
+    before = block_names(d)
+    freed = manifest_size(d, a)  # its manifest only
+    code, out, err = run(prune_main, capsys, str(d), "--older-than", "7d")
+    assert code == 0 and err == ""
+    assert out.splitlines() == [
+        f"removed entry aaaa in {d} (300 tokens, {fmt_bytes(a.nbytes)}, frees {fmt_bytes(freed)}, "
+        "last used 10 d ago): unused for over 7 d",
+        f"blocks kept in {d} ({fmt_bytes(1000 + 220)} that no remaining entry uses): "
+        "1 manifest in entries/ cannot be read and may use them",
+        f"removed 1 entry: {fmt_bytes(freed)}",
+    ]
+    assert not entry_files(d, a)[1].exists() and block_names(d) == before
+    assert not (d / "blocks" / UNCLEAN_NAME).exists()  # no start is asked to sweep them: a later prune does
+    # once the unreadable manifest goes too (here by age), so do the blocks no manifest names
+    os.utime(bad, (NOW - 30 * DAY, NOW - 30 * DAY))
+    code, out, err = run(prune_main, capsys, str(d), "--older-than", "7d")
+    assert code == 0 and err == "" and not bad.exists()
+    assert block_names(d) == before - {block["A"], crashed}
+    assert out.splitlines()[1] == f"removed 2 unused blocks in {d}, {fmt_bytes(1000 + 220)} (no manifest uses them)"
+    assert not (d / "blocks" / UNCLEAN_NAME).exists()
+
+
+def test_prune_removes_the_blocks_no_manifest_uses(capsys, shared_dir):
+    """Blocks no manifest names (a save that crashed before its manifest, a manifest removed by hand) and
+    partial ones: ls counts them, prune removes them (not with --dry-run), with the marker a crash left."""
+    d, block = shared_dir["dir"], shared_dir["block"]
+    crashed = write_block(d, b"saved, never committed" * 100)
+    partial = block_path(d / "blocks", block["x"]).with_name(f"{block['x']}.0badcafe.partial")
+    partial.write_bytes(b"p" * 10)
+    (d / "blocks" / UNCLEAN_NAME).touch()  # what a run that did not stop cleanly leaves
+    unused = 2200 + 10
+    _, out, _ = run(ls_main, capsys, str(d), "--json")
+    directory = json.loads(out)[0]
+    assert directory["unused_blocks"] == 2 and directory["unused_block_bytes"] == unused
+    assert directory["blocks"] == 6 and directory["bytes"] == disk_total(d) - unused  # no entry holds them
+    _, out, _ = run(ls_main, capsys, str(d))
+    assert f", 2 unused ({fmt_bytes(unused)}: prune removes them);" in " ".join(out.split())
+    before = names(d)
+    code, out, err = run(prune_main, capsys, str(d), "--older-than", "30d", "--dry-run")
+    assert code == 0 and err == "" and names(d) == before
+    assert out == f"would remove 2 unused blocks in {d}, {fmt_bytes(unused)} (no manifest uses them)\n"
+    code, out, err = run(prune_main, capsys, str(d), "--older-than", "30d")
+    assert code == 0 and err == ""
+    assert out == f"removed 2 unused blocks in {d}, {fmt_bytes(unused)} (no manifest uses them)\n"
+    gone = {f"blocks/{crashed[:2]}/{crashed}", f"blocks/{partial.parent.name}/{partial.name}", "blocks/.unclean"}
+    assert names(d) == before - gone
+    code, out, _ = run(prune_main, capsys, str(d), "--older-than", "30d")
+    assert out == "nothing to remove\n"
+
+
+def test_a_quarantined_entry_kept_as_blocks_is_listed_and_pruned(capsys, shared_dir):
+    """quarantine/<stamp>-<id>.json without a .bin: the store dropped its blocks as it moved it aside, so it
+    holds none (a block it names that another entry uses stays)."""
+    d, data = shared_dir["dir"], shared_dir["data"]
+    stem = "20250101-120000-" + "4444" + "09" * 6
+    path = d / "quarantine" / f"{stem}.json"
+    entry = write_block_entry(
+        d, "4444" + "09" * 6, b"Q" * 900, [data["x"]], used_age=3 * DAY, manifest=path, blocks=False
+    )
+    _, out, err = run(ls_main, capsys, str(d), "--json")
+    assert err == ""
+    directory, *records = json.loads(out)
+    (row,) = [r for r in records if r["kind"] == "quarantined"]
+    assert row["id"] == entry.id and row["status"] == "quarantined" and row["tokens"] == 300
+    assert row["bytes"] == entry.nbytes and row["bin"] is None and row["bin_size"] is None
+    assert row["own_bytes"] == 0 and row["disk_bytes"] == path.stat().st_size and row["manifest"] == str(path)
+    assert directory["quarantined"] == 1 and directory["quarantine_bytes"] == path.stat().st_size
+    assert directory["bytes"] == disk_total(d)  # not counted among the entries
+    _, out, _ = run(ls_main, capsys, str(d))
+    assert table_rows(out)["4444"][1:4] == ["300", fmt_bytes(entry.nbytes), "0 B"]
+    assert table_rows(out)["4444"][-1] == "quarantined"
+    before, manifest_bytes = block_names(d), path.stat().st_size
+    code, out, _ = run(prune_main, capsys, str(d), "--quarantine")
+    assert code == 0 and not path.exists() and block_names(d) == before  # x stays: a, b and c use it
+    assert out.splitlines()[-1] == f"removed 0 entries and 1 quarantined entry: {fmt_bytes(manifest_bytes)}"
+
+
+def test_prune_force_keeps_the_blocks_a_running_slotkeeper_may_count_on(capsys, shared_dir):
+    """Under --force, the running slotkeeper's saves count on the blocks it knows: only manifests go, one line
+    says so, and its blocks/ (and marker) are left to it."""
+    d, a = shared_dir["dir"], shared_dir["a"]
+    before = block_names(d)
+    freed = manifest_size(d, a)
+    fd = lock_store(d)
+    try:
+        code, out, err = run(prune_main, capsys, str(d), "--older-than", "7d", "--force")
+    finally:
+        os.close(fd)
+    assert code == 0 and err == ""
+    assert out.splitlines()[1:] == [
+        f"removed entry aaaa in {d} (300 tokens, {fmt_bytes(a.nbytes)}, frees {fmt_bytes(freed)}, "
+        "last used 10 d ago): unused for over 7 d",
+        f"blocks kept in {d} ({fmt_bytes(1000)} that no remaining entry uses): "
+        f"it is in use by slotkeeper pid {os.getpid()}",
+        f"removed 1 entry: {fmt_bytes(freed)}",
+    ]
+    assert not entry_files(d, a)[1].exists() and block_names(d) == before
+    assert not (d / "blocks" / UNCLEAN_NAME).exists()
+    code, out, _ = run(prune_main, capsys, str(d), "--older-than", "7d")  # once it is not held: they go
+    assert out == f"removed 1 unused block in {d}, {fmt_bytes(1000)} (no manifest uses them)\n"
+
+
+def test_prune_keeps_the_blocks_a_manifest_beside_a_link_names(capsys, shared_dir):
+    """A pair with a link is never used nor removed; the blocks its manifest names stay with it."""
+    d, c, block = shared_dir["dir"], shared_dir["c"], shared_dir["block"]
+    linked = "ffff" + "06" * 6
+    write_json_atomic(d / "entries" / f"{linked}.json", {**c.manifest(), "id": linked}, fsync=False)
+    (d / "entries" / f"{linked}.bin").symlink_to("/etc/passwd")
+    code, out, err = run(prune_main, capsys, str(d), "--older-than", "0s")
+    assert code == 0 and err == "" and out.splitlines()[-1].startswith("removed 4 entries: ")
+    assert names(d / "entries") == {f"{linked}.json", f"{linked}.bin"}
+    assert (d / "entries" / f"{linked}.bin").is_symlink()
+    assert block_names(d) == {block[name] for name in ("C", "x", "z")}
+
+
 # ---- against a real slotkeeper ----------------------------------------------------------------------------------
 
 
@@ -811,10 +1139,20 @@ def test_ls_and_prune_what_a_real_slotkeeper_saved(capsys, stub_slotkeeper):
     assert directory["entries"] == directory["usable"] == 2 and directory["in_use"] is False
     manifests = {p.stem: read_json(p) or {} for p in (save_dir / "entries").glob("*.json")}
     assert {r["id"] for r in rows} == set(manifests) and len(manifests) == 2
+    skeletons = {}
     for row in rows:
         assert row["status"] == "usable" and row["model_name"] == "stub-model.gguf" and row["match"] is True
         assert row["tokens"] == manifests[row["id"]]["tokens"] > 256
-        assert row["bin_size"] == (save_dir / "entries" / f"{row['id']}.bin").stat().st_size
+        # kept as blocks (no .bin): the stub's file is one block, its skeleton, which no other entry shares
+        parts = Parts.from_json(manifests[row["id"]]["parts"])
+        skeletons[row["id"]] = block_path(save_dir / "blocks", parts.skeleton)
+        assert row["bin_size"] is None and row["bin"] is None
+        assert not (save_dir / "entries" / f"{row['id']}.bin").exists()
+        assert row["bytes"] == manifests[row["id"]]["bytes"] == parts.nbytes and row["blocks"] == 1
+        assert row["own_bytes"] == skeletons[row["id"]].stat().st_size == row["bytes"]
+        manifest_size = (save_dir / "entries" / f"{row['id']}.json").stat().st_size
+        assert row["disk_bytes"] == row["own_bytes"] + manifest_size
+    assert directory["bytes"] == sum(r["disk_bytes"] for r in rows)  # nothing shared between the two
     _, out, _ = run(ls_main, capsys, str(save_dir), "--", "-np", "3", env=env)
     assert [r[-1] for r in table_rows(out).values()] == ["no: total_slots 2 -> 3 (-np)"] * 2
 
@@ -823,6 +1161,7 @@ def test_ls_and_prune_what_a_real_slotkeeper_saved(capsys, stub_slotkeeper):
     code, out, _ = run(prune_main, capsys, str(save_dir), "--max-total", str(last["disk_bytes"]), env=env)
     assert code == 0 and out.splitlines()[0].startswith(f"removed entry {first['short']} ")
     assert {p.stem for p in (save_dir / "entries").glob("*.json")} == {last["id"]}
+    assert not skeletons[first["id"]].exists() and skeletons[last["id"]].exists()  # its block went with it
     sk2 = stub_slotkeeper("-np", "2")
     assert f"chat {last['id'][:4]} restored into slot" in sk2.logs(), sk2.logs()
 

@@ -173,10 +173,12 @@ def _prune_parser(env: Mapping[str, str]) -> _Parser:
     parser = _parser(
         "slotkeeper prune",
         (
-            "Delete entries of the conversation store (each manifest, then its .bin), quarantined "
-            "entries, and slot files of the slot-file layout. snapshots/ (clients' own files) and partial files are "
-            "never touched, nor a directory a running slotkeeper holds (unless --force). With --remote: entries of "
-            "the shared tier (--older-than, --max-total, --other-configs with llama-server arguments)."
+            "Delete entries of the conversation store (each manifest, then its .bin, or the blocks no remaining "
+            "manifest uses), quarantined entries, and slot files of the slot-file layout; and blocks no manifest "
+            "uses. No block is removed while a manifest in entries/ cannot be read, nor under --force. snapshots/ "
+            "(clients' own files) and partial files are never touched, nor a directory a running slotkeeper holds "
+            "(unless --force). With --remote: entries of the shared tier (--older-than, --max-total, "
+            "--other-configs with llama-server arguments)."
         ),
         env,
     )
@@ -186,7 +188,8 @@ def _prune_parser(env: Mapping[str, str]) -> _Parser:
     parser.add_argument(
         "--max-total",
         metavar="SIZE",
-        help="then remove the least recently used entries until those of all DIRs take at most SIZE (500MB, 20GB)",
+        help="then remove the least recently used entries until those of all DIRs take at most SIZE on disk "
+        "(each block once; 500MB, 20GB)",
     )
     for flag, text in (
         ("--quarantine", "remove everything in quarantine/"),

@@ -12,6 +12,7 @@ import abc
 import enum
 from typing import Any, ClassVar
 
+from ..store.blocks import Parts
 from ..store.entries import Entry, Status
 from .formats import count
 from .statuses import WORDS
@@ -131,7 +132,28 @@ class Listed(abc.ABC):
 
     @property
     def disk_bytes(self) -> int:
+        """What removing it frees on disk."""
         return self.size or 0
+
+    @property
+    def file_bytes(self) -> int:
+        """The bytes of its own files (not its blocks)."""
+        return self.disk_bytes
+
+    @property
+    def own_bytes(self) -> int | None:
+        """The state's bytes that only it holds on disk (an entry kept as blocks shares some of them)."""
+        return self.size
+
+    @property
+    def block_parts(self) -> Parts | None:
+        """The blocks it holds a claim on (an entry of a save directory kept as blocks); None: it holds none."""
+        return None
+
+    @property
+    def in_blocks(self) -> bool:
+        """Its state is kept as blocks (the table then shows what each row holds on its own)."""
+        return self.entry is not None and self.entry.parts is not None
 
     @property
     def label_id(self) -> str:

@@ -1,5 +1,5 @@
 """The rows of a save directory: an entry, a quarantined entry, or a slot file of the old layout, each a pair
-of files that prune may delete.
+of files that prune may delete (an entry kept as blocks has no .bin: its manifest, and its claim on blocks).
 
 A row keeps each file as the scan saw it (FileStat), so that prune removes a file only if it is still that one.
 """
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ..store.blocks import Parts
 from ..store.entries import BIN_SUFFIX, Entry, Status
 from .formats import display_path
 from .listed import Kind, Listed, record_fields
@@ -76,7 +77,7 @@ class Row(Listed):
 
     FIELDS: ClassVar[tuple[str, ...]] = record_fields(
         where=("dir",),
-        sizes=("bin_size", "disk_bytes"),
+        sizes=("bin_size", "blocks", "own_bytes", "disk_bytes"),
         saving=("save_ms", "boundary", "opening", "uses", "images"),
         files=("llama_server", "bin", "manifest"),
     )
@@ -92,6 +93,7 @@ class Row(Listed):
     note: str = ""
     short: str = ""
     next_start: str = ""  # another configuration's entry: what the next start does with it (scan._next_start)
+    block_bytes: int = 0  # an entry kept as blocks: the bytes of those no other entry of its directory uses
 
     @property
     def id(self) -> str:
@@ -115,7 +117,7 @@ class Row(Listed):
 
     @property
     def size(self) -> int | None:
-        """The size column: the .bin's (the state's) size."""
+        """The size column: the .bin's (the state's) size; kept as blocks, the state's as its manifest says."""
         return self.bin.size if self.bin else (self.entry.nbytes if self.entry else None)
 
     @property
@@ -123,8 +125,24 @@ class Row(Listed):
         return [f for f in (self.manifest_file, self.bin) if f is not None]
 
     @property
-    def disk_bytes(self) -> int:
+    def file_bytes(self) -> int:
         return sum(f.size for f in self.files)
+
+    @property
+    def own_bytes(self) -> int:
+        """The state's bytes only it holds: its .bin, or the blocks no other entry of its directory uses (none
+        for a quarantined entry: the store dropped its claim on them when it quarantined it)."""
+        return (self.bin.size if self.bin else 0) + self.block_bytes
+
+    @property
+    def disk_bytes(self) -> int:
+        """What removing it frees: its files and its own blocks."""
+        return self.file_bytes + self.block_bytes
+
+    @property
+    def block_parts(self) -> Parts | None:
+        """An entry in entries/ kept as blocks (whatever its status: the store keeps every such entry on disk)."""
+        return self.entry.parts if self.kind is Kind.ENTRY and self.entry is not None else None
 
     @property
     def last_used(self) -> float:
@@ -139,7 +157,9 @@ class Row(Listed):
             "dir": str(self.directory),
             "bytes": entry.nbytes if entry else None,
             "bin_size": self.bin.size if self.bin else None,
-            "disk_bytes": self.disk_bytes,
+            "blocks": len(entry.parts.block_sizes()) if entry and entry.parts else None,  # kept as blocks: how many
+            "own_bytes": self.own_bytes,  # what only it holds (its .bin, or the blocks no other entry uses)
+            "disk_bytes": self.disk_bytes,  # what removing it frees: that and its manifest
             "save_ms": entry.save_ms if entry else None,
             "boundary": entry.boundary if entry else None,  # saved at a turn boundary (hybrid, sliding-window)
             "opening": entry.opening if entry else None,  # a shared opening (system prompt, tools), not a chat

@@ -4,20 +4,28 @@ A pair goes manifest first (entries.remove_pair; remotely Bucket.delete), so an 
 manifest naming a file that is gone. A directory is pruned under the store's own lock, so no slotkeeper starts
 on it meanwhile; one that a running slotkeeper holds is skipped unless --force, and a pair that changed since
 it was listed (that slotkeeper used it) is kept.
+
+An entry kept as blocks is its manifest: once the manifests went, the blocks no remaining manifest of the
+directory names go too, with those no manifest named at all (a crash's). No block is removed while a manifest in
+entries/ cannot be read (it may name any block), nor in a directory a running slotkeeper holds (--force: its
+saves count on the blocks it knows): then only manifests go, and one line says so. Sizes and --max-total count
+bytes on disk, each block once (blockuse.DiskUse).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..log import fmt_bytes
-from ..store.entries import Status, pair_paths, remove_pair
-from ..store.layout import StoreLockedError, lock_store
+from ..store import blockfiles
+from ..store.entries import Status, discard, pair_paths, remove_pair
+from ..store.layout import BLOCKS_DIR, ENTRIES_DIR, StoreLockedError, lock_store
+from .blockuse import DiskUse
 from .dirs import LockState, lock_pid, lock_state
 from .formats import CatalogError, count, display_path, format_age, say
 from .listed import Kind, Listed
@@ -39,10 +47,11 @@ class Removal:
     row: Listed
     reason: str
     age: float
+    freed: int | None = None  # what it frees on disk, after the removals before it (None: its disk_bytes)
 
     @property
     def nbytes(self) -> int:
-        return self.row.disk_bytes
+        return self.row.disk_bytes if self.freed is None else self.freed
 
     @property
     def label(self) -> str:
@@ -69,8 +78,8 @@ def plan_prune(  # noqa: PLR0913 - one keyword per `slotkeeper prune` option
     other_configs: bool = False,
     expectation: Expectation | None = None,
 ) -> list[Removal]:
-    """What prune removes, in order. --max-total counts the entries (and slot files) of all `dirs` together and
-    removes the least recently used first."""
+    """What prune removes, in order. --max-total counts the entries (and slot files) of all `dirs` together, on
+    disk (each block once in its directory), and removes the least recently used first."""
     rows = [row for save_dir in dirs for row in save_dir.rows if row.kind is not Kind.QUARANTINED]
     removals = plan_rows(
         rows,
@@ -98,12 +107,13 @@ def plan_rows(  # noqa: PLR0913 - one keyword per `slotkeeper prune` option
     other_configs: bool = False,
     expectation: Expectation | None = None,
 ) -> list[Removal]:
-    """The criteria, over local rows or the shared tier's."""
+    """The criteria, over local rows or the shared tier's. Each removal frees what it holds alone once those
+    before it went (a block shared by two entries goes with the second)."""
     removals: list[Removal] = []
     kept: list[Listed] = []
+    rows = [row for row in rows if row.status is not Status.LINK]  # not slotkeeper's: never followed or removed
+    use = DiskUse(rows)
     for row in rows:
-        if row.status is Status.LINK:
-            continue  # not slotkeeper's: never followed, never removed
         age = now - row.last_used
         reason = None
         if missing_models and model_missing(row):
@@ -120,29 +130,36 @@ def plan_rows(  # noqa: PLR0913 - one keyword per `slotkeeper prune` option
         elif older_than is not None and age > older_than:
             reason = f"unused for over {format_age(older_than)}"
         if reason:
-            removals.append(Removal(row=row, reason=reason, age=age))
+            removals.append(Removal(row=row, reason=reason, age=age, freed=use.remove(row)))
         else:
             kept.append(row)
     if max_total is not None:
-        total = sum(r.disk_bytes for r in kept)
         for row in sorted(kept, key=lambda r: (r.last_used, r.sort_key)):
-            if total <= max_total:
+            if use.total <= max_total:
                 break
-            total -= row.disk_bytes
+            freed = use.remove(row)
             reason = f"over --max-total {fmt_bytes(max_total)} (least recently used)"
-            removals.append(Removal(row=row, reason=reason, age=now - row.last_used))
+            removals.append(Removal(row=row, reason=reason, age=now - row.last_used, freed=freed))
     return removals
 
 
 def describe_removal(removal: Removal) -> str:
-    tokens = removal.row.tokens
+    row = removal.row
+    tokens = row.tokens
     details = [f"{tokens:,} tokens"] if tokens is not None else []
-    details += [fmt_bytes(removal.nbytes), f"last used {format_age(removal.age)} ago"]
+    if row.in_blocks and row.size is not None:  # its state's size, and what goes with it (blocks it shares stay)
+        details += [fmt_bytes(row.size), f"frees {fmt_bytes(removal.nbytes)}"]
+    else:
+        details.append(fmt_bytes(removal.nbytes))
+    details.append(f"last used {format_age(removal.age)} ago")
     return f"{removal.label} ({', '.join(details)}): {removal.reason}"
 
 
-def report_removals(outcomes: Iterable[Outcome], dry_run: bool) -> bool:
-    """One line per removal as it happens (or why it did not), then the totals; True when one failed."""
+def report_removals(
+    outcomes: Iterable[Outcome], dry_run: bool, then: Callable[[], tuple[int, bool]] | None = None
+) -> bool:
+    """One line per removal as it happens (or why it did not), then what `then` does and says (the blocks:
+    lines said, and whether something failed), then the totals; True when one failed."""
     verb = "would remove" if dry_run else "removed"
     counts = dict.fromkeys(Kind, 0)
     freed = seen = 0
@@ -156,8 +173,11 @@ def report_removals(outcomes: Iterable[Outcome], dry_run: bool) -> bool:
         say(f"{verb} {describe_removal(removal)}")
         freed += removal.nbytes
         counts[removal.row.kind] += 1
+    said, then_failed = then() if then is not None else (0, False)
+    failed = failed or then_failed
     if not seen:
-        say("nothing to remove")
+        if not said:
+            say("nothing to remove")
         return failed
     if counts[Kind.REMOTE]:
         parts = [count(counts[Kind.REMOTE], "remote entry", "remote entries")]
@@ -216,11 +236,13 @@ def remove_files(removal: Removal) -> str | None:
 
 
 def prune_dirs(paths: Sequence[Path], now: float, *, dry_run: bool, force: bool, **criteria: Any) -> bool:
-    """Claim, scan, plan over all `paths` together, remove and report; True when something failed."""
+    """Claim, scan, plan over all `paths` together, remove (then the blocks no manifest names) and report; True
+    when something failed."""
     failed = False
     held: list[int] = []
     try:
         dirs: list[SaveDir] = []
+        in_use: dict[Path, str] = {}  # pruned under --force: who holds it
         for path in paths:
             fd, state = claim_dir(path, dry_run)
             if fd is not None:
@@ -235,18 +257,128 @@ def prune_dirs(paths: Sequence[Path], now: float, *, dry_run: bool, force: bool,
                     )
                     continue
                 say(f"pruning {display_path(path)} although it is {state.describe()} (--force)")
+                in_use[path] = state.describe()
             try:
                 dirs.append(scan_dir(path))
             except CatalogError as exc:
                 failed = True
                 print(f"slotkeeper prune: skipped {display_path(path)}: {exc}", file=sys.stderr)
-        removals = plan_prune(dirs, now, **criteria)
-        outcomes = ((r, None if dry_run else remove_files(r)) for r in removals)
-        failed = report_removals(outcomes, dry_run) or failed
+        sweep = BlockSweep(dirs, in_use, dry_run)
+        removals = sweep.planned(plan_prune(dirs, now, **criteria))
+        outcomes = ((r, sweep.remove(r)) for r in removals)
+        failed = report_removals(outcomes, dry_run, sweep.settle) or failed
     finally:
         for fd in held:
             os.close(fd)
     return failed
+
+
+class BlockSweep:
+    """The blocks of the directories prune removes entries from.
+
+    Once every removal is done (`settle`), the blocks no remaining manifest names go, and those no manifest
+    named at all. Unless a manifest in entries/ cannot be read, or a running slotkeeper holds the directory
+    (--force): then no block goes, one line says so, and a later prune removes them. Where blocks go, blocks/ is
+    marked unclean before the first manifest of an entry kept as blocks goes (blockfiles.mark_unclean, as a save
+    does: a crash before the end leaves the store's next start a sweep to do), and the marker goes once they
+    went, the blocks being as the manifests say.
+    """
+
+    def __init__(self, dirs: Sequence[SaveDir], in_use: dict[Path, str], dry_run: bool) -> None:
+        self.dirs = dirs
+        self.in_use = in_use  # directories pruned under --force: who holds them (blocks/ is theirs)
+        self.dry_run = dry_run
+        self.gone: dict[Path, list[Row]] = {}  # the entries removed (in a dry run: that would be)
+        self.stay: set[Path] = set()  # the directories whose blocks stay, as planned
+        self.marked: set[Path] = set()
+
+    def kept_because(self, save_dir: SaveDir, gone: Iterable[Row]) -> str:
+        """Why no block of this directory may be removed once `gone` went ("" when they may): a running
+        slotkeeper holds it (its saves count on the blocks it knows), or a manifest left in entries/ cannot be
+        read (it may name any block)."""
+        if save_dir.path in self.in_use:
+            return f"it is {self.in_use[save_dir.path]}"
+        left = save_dir.blocks.unreadable - {row.name for row in gone}
+        return f"{count(len(left), 'manifest')} in {ENTRIES_DIR}/ cannot be read and may use them" if left else ""
+
+    def planned(self, removals: list[Removal]) -> list[Removal]:
+        """`removals` as they will free: an entry kept as blocks frees only its manifest where the blocks stay."""
+        gone: dict[Path, list[Row]] = {}
+        for removal in removals:
+            if isinstance(removal.row, Row) and removal.row.kind is Kind.ENTRY:
+                gone.setdefault(removal.row.directory, []).append(removal.row)
+        self.stay = {d.path for d in self.dirs if self.kept_because(d, gone.get(d.path, []))}
+        return [
+            replace(r, freed=r.row.file_bytes)
+            if isinstance(r.row, Row) and r.row.directory in self.stay and r.row.block_parts is not None
+            else r
+            for r in removals
+        ]
+
+    def remove(self, removal: Removal) -> str | None:
+        """remove_files (blocks/ marked first, for an entry kept as blocks); None when done, or in a dry run."""
+        row = removal.row
+        assert isinstance(row, Row)
+        problem = None if self.dry_run else self._mark(row) or remove_files(removal)
+        if problem is None and row.kind is Kind.ENTRY:
+            self.gone.setdefault(row.directory, []).append(row)
+        return problem
+
+    def _mark(self, row: Row) -> str | None:
+        if row.block_parts is None or row.directory in self.marked or row.directory in self.stay:
+            return None
+        try:
+            blockfiles.mark_unclean(row.directory / BLOCKS_DIR)
+        except OSError as exc:
+            return f"{BLOCKS_DIR}/{blockfiles.UNCLEAN_NAME}: {exc.strerror or exc}"
+        self.marked.add(row.directory)
+        return None
+
+    def settle(self) -> tuple[int, bool]:
+        """Each directory's blocks, once its manifests went: the lines said, and whether a removal failed."""
+        said, failed = 0, False
+        for save_dir in self.dirs:
+            lines, problem = self._settle(save_dir)
+            said += lines
+            failed = failed or problem
+        return said, failed
+
+    def _settle(self, save_dir: SaveDir) -> tuple[int, bool]:
+        blocks, where, folder = save_dir.blocks, display_path(save_dir.path), save_dir.path / BLOCKS_DIR
+        gone = self.gone.get(save_dir.path, [])
+        doomed: dict[str, int] = {}  # the blocks only the removed entries used
+        for row in gone:
+            if (parts := row.block_parts) is not None:
+                sizes = parts.block_sizes()
+                doomed.update((name, sizes[name]) for name in blocks.pool.release(parts) if name not in blocks.claimed)
+        why = self.kept_because(save_dir, gone)
+        if why:
+            if not doomed and not blocks.unused:
+                return 0, False
+            stay = sum(doomed.values()) + blocks.unused_bytes
+            say(f"blocks kept in {where} ({fmt_bytes(stay)} that no remaining entry uses): {why}")
+            return 1, False
+        unused, failures = blocks.unused, 0
+        if not self.dry_run:
+            failures = blockfiles.remove_blocks(folder, doomed)
+            unused = [f for f in blocks.unused if discard(f.path)]
+            failures += len(blocks.unused) - len(unused)
+            if not failures and blocks.listed and blockfiles.is_unclean(folder):
+                blockfiles.mark_clean(folder)
+        if failures:
+            print(
+                f"slotkeeper prune: not removed: {count(failures, 'unused block')} in {where} "
+                "(a later prune removes them)",
+                file=sys.stderr,
+            )
+        if not unused:
+            return 0, bool(failures)
+        verb = "would remove" if self.dry_run else "removed"
+        say(
+            f"{verb} {count(len(unused), 'unused block')} in {where}, {fmt_bytes(sum(f.size for f in unused))} "
+            "(no manifest uses them)"
+        )
+        return 1, bool(failures)
 
 
 # ---- the shared tier --------------------------------------------------------------------------------------------

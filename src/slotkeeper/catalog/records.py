@@ -51,8 +51,12 @@ def dir_record(save_dir: SaveDir) -> dict[str, Any]:
         "kind": "directory",
         "dir": str(save_dir.path),
         "entries": len(save_dir.entries),
-        "bytes": save_dir.entry_bytes,
+        "bytes": save_dir.entry_bytes,  # on disk: the entries' files, and each block they use once
         "usable": sum(r.status is Status.USABLE for r in save_dir.entries),
+        "blocks": len(save_dir.blocks.pool),  # the blocks the entries use
+        "block_bytes": save_dir.blocks.disk_bytes,
+        "unused_blocks": len(save_dir.blocks.unused),  # files in blocks/ no manifest names: prune removes them
+        "unused_block_bytes": save_dir.blocks.unused_bytes,
         "reference": save_dir.reference.id if save_dir.reference else None,
         "slot_files": len(slot_files),
         "slot_file_bytes": sum(r.disk_bytes for r in slot_files),

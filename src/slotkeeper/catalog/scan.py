@@ -2,7 +2,9 @@
 
 An entry's status is entries.judge()'s, the very rule ConversationStore.open applies at the next start, asked
 against the configuration and state format of the directory's most recently used entry (the last run's).
-Slot files of the old layout are judged as the store's take-over treats them. Nothing is changed here.
+Slot files of the old layout are judged as the store's take-over treats them. Entries kept as blocks are counted
+as the store counts them (blockuse): each entry's own blocks, the directory's bytes on disk with each block once,
+and the blocks no manifest names. Nothing is changed here.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from ..store.entries import (
     read_manifest,
 )
 from ..store.fit import same_tensors
-from ..store.layout import ENTRIES_DIR, LOCK_NAME, QUARANTINE_DIR, SNAPSHOTS_DIR
+from ..store.layout import BLOCKS_DIR, ENTRIES_DIR, LOCK_NAME, QUARANTINE_DIR, SNAPSHOTS_DIR
 from ..store.statefile import StateFileError, read_header
+from .blockuse import BlockUse
 from .dirs import LockState, list_names, lock_state
 from .formats import CatalogError
 from .listed import Kind
@@ -52,6 +55,7 @@ class SaveDir:
     clients_in_root: int = 0  # of those, still in the directory itself: moved to snapshots/ at the next start
     reference: Row | None = None  # the most recently used entry: the last run's configuration
     lock: LockState = field(default_factory=LockState)
+    blocks: BlockUse = field(default_factory=BlockUse)  # the blocks its entries are made of, and those unused
 
     def of_kind(self, kind: Kind) -> list[Row]:
         return [r for r in self.rows if r.kind is kind]
@@ -62,7 +66,8 @@ class SaveDir:
 
     @property
     def entry_bytes(self) -> int:
-        return sum(r.disk_bytes for r in self.entries)
+        """What the entries hold on disk: their files, and each block they use once."""
+        return sum(r.file_bytes for r in self.entries) + self.blocks.disk_bytes
 
 
 def scan_dir(path: Path) -> SaveDir:
@@ -73,6 +78,7 @@ def scan_dir(path: Path) -> SaveDir:
     except OSError as exc:
         raise CatalogError(f"cannot read {path}: {exc.strerror or exc}") from None
     _scan_entries(result)
+    _count_blocks(result)
     result.rows.sort(key=lambda r: (-r.last_used, r.name))
     _scan_quarantine(result)
     _scan_slot_files(result, names)
@@ -155,7 +161,9 @@ def _scan_entries(save_dir: SaveDir) -> None:
             last, reference, newest = stem, entry, (entry.last_used, entry.saved_at)
     for stem in list(pairs):  # judge() is pure: without a reference, each verdict is the one judged alone
         verdict = judged(stem, reference)
-        pair = pairs.pop(stem)[0]  # its manifest's data goes as soon as its row is made: a store's worth less held
+        pair, manifest = pairs.pop(stem)  # its manifest's data goes as soon as its row is made: less held
+        if pair[1] is not None:
+            _claim_blocks(save_dir.blocks, stem, verdict, manifest)
         row = Row(Kind.ENTRY, save_dir.path, folder, stem, *pair, verdict.entry, verdict.status)
         row.reason, row.note = _described(verdict, reference)
         other = verdict.status in (Status.OTHER_CONFIGURATION, Status.OTHER_FORMAT)
@@ -165,6 +173,36 @@ def _scan_entries(save_dir: SaveDir) -> None:
         save_dir.rows.append(row)
         if stem == last:
             save_dir.reference = row
+
+
+def _claim_blocks(blocks: BlockUse, stem: str, verdict: Verdict, manifest: dict[str, Any] | Entry | None) -> None:
+    """What a regular manifest file in entries/ says of the blocks (blockuse says which manifests count): an
+    entry the store keeps joins the pool (in _count_blocks, with its row); a manifest that does not read counts
+    as unreadable; one beside a link, never used, still keeps the blocks it names."""
+    if verdict.entry is not None:
+        return
+    if verdict.status is not Status.LINK or manifest is None:
+        blocks.unreadable.add(stem)
+        return
+    entry, _ = (manifest, "") if isinstance(manifest, Entry) else parse_entry(manifest)
+    if entry is None:
+        blocks.unreadable.add(stem)
+    elif entry.parts is not None:
+        blocks.claimed.update(entry.parts.block_sizes())
+
+
+def _count_blocks(save_dir: SaveDir) -> None:
+    """The pool of the entries kept as blocks (every status: all are on disk), each entry's own bytes, and the
+    files in blocks/ no manifest names."""
+    blocks = save_dir.blocks
+    rows = [(row, parts) for row in save_dir.rows if (parts := row.block_parts) is not None]
+    for _, parts in rows:
+        blocks.pool.acquire(parts)
+    for row, parts in rows:
+        row.block_bytes = blocks.pool.own_bytes(parts)
+    folder = save_dir.path / BLOCKS_DIR
+    if folder.is_dir() and not folder.is_symlink():
+        blocks.find_unused(folder)
 
 
 def _described(verdict: Verdict, reference: Entry | None) -> tuple[str, str]:

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 from ..log import fmt_bytes
 from ..store.entries import Status
-from ..store.layout import SNAPSHOTS_DIR
+from ..store.layout import BLOCKS_DIR, SNAPSHOTS_DIR
 from .formats import count
 from .listed import Kind
 from .local_rows import Row
@@ -20,7 +20,8 @@ from .scan import SaveDir
 
 
 def dir_summary(save_dir: SaveDir) -> str:
-    """A directory's entries, slot files, quarantine, client files, partials and lock, in one line."""
+    """A directory's entries (their bytes on disk: each block once), blocks, slot files, quarantine, client files,
+    partials and lock, in one line."""
 
     def counted(rows: list[Row], word: str, plural: str) -> str:
         return count(len(rows), word, plural) + (f", {fmt_bytes(sum(r.disk_bytes for r in rows))}" if rows else "")
@@ -38,6 +39,9 @@ def dir_summary(save_dir: SaveDir) -> str:
             "at the next start, of other configurations: "
             + ", ".join(f"{marks.count(mark):,} {words}" for mark, words in said.items() if mark in marks)
         )
+    blocks = _blocks_summary(save_dir)
+    if blocks:
+        parts.append(blocks)
     slot_files = save_dir.of_kind(Kind.SLOT_FILE)
     if slot_files:
         parts.append(
@@ -56,6 +60,21 @@ def dir_summary(save_dir: SaveDir) -> str:
     if save_dir.lock.held:
         parts.append(save_dir.lock.describe())
     return "; ".join(parts)
+
+
+def _blocks_summary(save_dir: SaveDir) -> str:
+    """The blocks the entries share (counted once in the entries' bytes), and those no manifest names; "" for a
+    directory without blocks."""
+    blocks = save_dir.blocks
+    if not len(blocks.pool) and not blocks.unused:
+        return ""
+    text = f"{BLOCKS_DIR}/: {count(len(blocks.pool), 'block')}, {fmt_bytes(blocks.disk_bytes)}"
+    state = sum(r.size or 0 for r in save_dir.entries if r.block_parts is not None)
+    if state > blocks.disk_bytes:  # blocks shared between entries (or repeated within one) are kept once
+        text += f" for {fmt_bytes(state)} of state"
+    if blocks.unused:
+        text += f", {len(blocks.unused):,} unused ({fmt_bytes(blocks.unused_bytes)}: prune removes them)"
+    return text
 
 
 def dirs_total(dirs: Sequence[SaveDir]) -> str | None:

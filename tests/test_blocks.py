@@ -11,6 +11,7 @@ checksum, taken from that file), and a restored chat answers as a cold run does.
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import shutil
 import signal
@@ -431,3 +432,25 @@ def test_a_store_of_whole_files_comes_back_warm_and_becomes_blocks_as_its_chats_
     since = [read_manifest(save_dir, i) for i in entry_ids(save_dir)]
     since = [m for m in since if m["saved_at"] >= upgraded]
     assert len(since) >= 2 and all(m["version"] == 3 for m in since), since
+
+
+def test_after_a_crash_no_block_is_swept_while_a_manifest_cannot_be_made_sense_of(two_saves, tmp_path):
+    """A start after a crash removes the blocks no manifest names, except while some manifest in entries/ is
+    one it cannot read or parse (a newer slotkeeper's, or damaged): any block may be that one's. Then it keeps
+    them, with one line, and removes them once that manifest is gone."""
+    short, _, _ = two_saves
+    root = tmp_path / "store"
+    done = commit_process(root, short, read_header(short).n_tokens)
+    assert done.communicate(timeout=60)[0].split()[-2] == "saved"
+    (entry,) = entry_ids(root)
+    orphan = "0" * 32
+    block_path(blocks_dir(root), orphan).parent.mkdir(exist_ok=True)
+    block_path(blocks_dir(root), orphan).write_bytes(b"left by a save a crash cut short")
+    strange = read_manifest(root, entry) | {"id": "f" * 16, "parts": {"bytes": "many"}}
+    (root / "entries" / f"{'f' * 16}.json").write_text(json.dumps(strange))
+    (blocks_dir(root) / ".unclean").touch()
+    ConversationStore(root, None, {"test": "commit"}).open()
+    assert orphan in block_files(root), "a block was swept while a manifest could not be made sense of"
+    (root / "entries" / f"{'f' * 16}.json").unlink()
+    ConversationStore(root, None, {"test": "commit"}).open()
+    assert only_files_of(root, entry), block_files(root)

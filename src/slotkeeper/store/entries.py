@@ -327,7 +327,8 @@ def judge(
     if manifest is None:
         return Verdict(Status.BAD_MANIFEST, "a manifest this slotkeeper cannot read")
     entry, problem = (manifest, "") if isinstance(manifest, Entry) else parse_entry(manifest)
-    if entry is not None and entry.parts is not None:
+    as_blocks = entry.parts is not None if entry is not None else isinstance(manifest, Mapping) and "parts" in manifest
+    if as_blocks:
         pass  # kept as blocks, no file of its own: a block missing or changed is found when it is restored
     elif size is None:
         return Verdict(Status.NO_BIN, "a manifest without its file", entry)

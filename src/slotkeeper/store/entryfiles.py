@@ -149,15 +149,16 @@ class EntryFiles(EntryIndex):
         pairs = found.pairs
         if scanned.index is not None and self.take_index(scanned.index):  # the guess was this configuration
             pairs = scanned.rest
+        unknown = found.unreadable + found.links  # manifests whose blocks are not known: the sweep must not run
         for entry_id, data, size in pairs:
-            self._admit(entry_id, data, size)
+            unknown += not self._admit(entry_id, data, size)
         if scanned.index is not None:
             for entry in self.entries.values():
                 self.holdings.hold(entry)
         # consumed: the manifests read are not held by the prescan, which the daemon's start keeps to its end
         found.pairs, scanned.rest, scanned.index = [], [], None
         found.warn(self.entries_dir)
-        self.holdings.sweep(unreadable=found.unreadable)
+        self.holdings.sweep(unreadable=unknown)
 
     def say_kept(self) -> None:
         """One line per reason for the entries kept but not used."""
@@ -167,9 +168,10 @@ class EntryFiles(EntryIndex):
         for reason, count in reasons.items():
             log.warning("%d entr%s kept but not used: %s", count, "y" if count == 1 else "ies", reason)
 
-    def _admit(self, entry_id: str, data: dict[str, Any] | Entry, size: int | None) -> None:
+    def _admit(self, entry_id: str, data: dict[str, Any] | Entry, size: int | None) -> bool:
         """Index a committed entry, or set it aside, as entries.judge() says (`slotkeeper ls` asks it too).
-        `size` is its regular .bin file's (None: missing)."""
+        `size` is its regular .bin file's (None: missing). False for a manifest it could not make sense of
+        (kept as it is: the blocks it may use are not known)."""
         verdict = judge(data, size, self.fingerprint)
         match verdict.status, verdict.entry:
             case Status.NO_BIN, _:  # a manifest whose file is gone (removed by hand): nothing to keep
@@ -184,6 +186,8 @@ class EntryFiles(EntryIndex):
                 self._keep_unused(entry, verdict.reason)
             case _:
                 log.warning("entry %s: %s; kept, not used", entry_id[:4], verdict.reason)
+                return False
+        return True
 
     @property
     def disk_bytes(self) -> int:

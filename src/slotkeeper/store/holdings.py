@@ -98,11 +98,12 @@ class Holdings:
 
     def sweep(self, *, unreadable: int) -> None:
         """At open, after a run that did not stop cleanly: remove the blocks no entry uses (what a save it was
-        killed in wrote). Not when some manifest could not be read (a newer slotkeeper's may use them)."""
+        killed in wrote). Not when `unreadable` manifests could not be read or made sense of, or lie beside a
+        link (a newer slotkeeper's, or a damaged one, may use any block)."""
         if not blockfiles.is_unclean(self._blocks_dir):
             return
         if unreadable:
-            log.warning("blocks not checked for what an interrupted save left: %d manifest(s) unreadable", unreadable)
+            log.warning("blocks not checked for what an interrupted save left: %d manifest(s) not read", unreadable)
             return
         removed, freed = blockfiles.sweep(self._blocks_dir, self._pool.__contains__)
         if removed:

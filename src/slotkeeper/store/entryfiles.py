@@ -97,7 +97,9 @@ class EntryFiles(EntryIndex):
         # measured restore speed (the last restore's, over its reading work: `_reading_seconds`)
         self.restore_bytes_per_s: float | None = None
         self._warned_copy = False
-        self.on_commit = on_commit  # told of each new local save (the remote tier's uploads)
+        # told of each new local save (the remote tier's uploads), with where its bytes are: its .bin, or for an
+        # entry kept as blocks, blocks/ (its parts name them)
+        self.on_commit = on_commit
         self.vocabulary = vocabulary  # the model's vocabulary key, recorded in every entry saved here
         # entries of other configurations that the running llama-server can recompute from their tokens (fit.py),
         # and why each of the others cannot be (told once at start, counted in the status)
@@ -256,9 +258,11 @@ class EntryFiles(EntryIndex):
             self.media.remember(entry.images, Wrap(*entry.image_wrap) if entry.image_wrap else None)
 
     def adopt(self, manifest: dict[str, Any]) -> Entry | None:
-        """Take in an entry whose file was just downloaded to entries/<id>.bin (the shared tier): it joins the
-        index only if its manifest is whole, its size right, and it was saved for this configuration and format;
-        else the file is removed (one line) and None returned. Judged as open() judges what it finds."""
+        """Take in an entry just downloaded (the shared tier): its file to entries/<id>.bin, or, kept as blocks,
+        its blocks to blocks/ (each checked against its name on the way). It joins the index only if its manifest
+        is whole, its size right, and it was saved for this configuration and format; else its file is removed
+        (one line: blocks no entry uses go with the next sweep or prune) and None returned. Judged as open()
+        judges what it finds."""
         name = str(manifest.get("id"))
         bin_path, manifest_path = pair_paths(self.entries_dir, name)
         verdict = judge(
@@ -273,6 +277,7 @@ class EntryFiles(EntryIndex):
             entry.last_used = time.time()
             write_json_atomic(manifest_path, entry.manifest(), self.fsync)
             self.cache_changes += 1
+            self.holdings.hold(entry)
             self.index(entry)
             self._remember_pictures(entry)
             return entry

@@ -121,8 +121,10 @@ class Saves(EntryFiles):
             elif staged.in_ram:
                 discard(staged.name)  # (the commit removes the file itself)
         superseded = self._admit_saved(entry, supersedes)
-        if self.on_commit is not None and entry.parts is None:
-            self.on_commit(entry, self.entries_dir / f"{entry.id}{BIN_SUFFIX}")
+        if self.on_commit is not None:
+            self.on_commit(
+                entry, self.entries_dir / f"{entry.id}{BIN_SUFFIX}" if entry.parts is None else self.blocks_dir
+            )
         elapsed = time.monotonic() - started
         self.bytes_per_s = entry.nbytes / elapsed if elapsed > 0 else self.bytes_per_s
         self.metrics.saved(elapsed, entry.nbytes, entry.n_tokens, written)

@@ -25,8 +25,9 @@ from ..llama.sleep import SleepWatch
 from ..log import fmt_ms, log
 from ..store.entries import Entry
 from ..store.statefile import StateFileError, read_header
+from .boundarysaves import supersedes_nothing
 from .decide import worth_keeping
-from .keeper import Keeper, supersedes_nothing
+from .keeper import Keeper
 from .slots import Slot, SlotTable
 
 CHUNK_TOKENS = 512  # one prefill step: llama-server's default micro-batch (what a request may wait for)

@@ -5,7 +5,10 @@ Numbered as in issue 3; foreign-cache scenarios from issue 4 are marked so.
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import socket
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -172,3 +175,37 @@ def test_llama_server_runs_with_the_signal_dispositions_it_has_alone(real, llama
     with plain_server(llama_server, args, tmp_path) as plain:
         assert ignored(child) == ignored(plain.proc.pid)
     assert ignored(sk.pid) & (1 << (signal.SIGPIPE - 1))  # slotkeeper's own: ignored, as Python does
+
+
+def llama_servers_of(slotkeeper_pid: int) -> list[int]:
+    """The llama-server processes a slotkeeper started (their command line names its runtime directory)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                if f"/slotkeeper-{slotkeeper_pid}-".encode() in (proc / "cmdline").read_bytes():
+                    found.append(int(proc.name))
+    return found
+
+
+@pytest.mark.parametrize("mistake", ["port taken", "host unknown"])
+def test_a_taken_port_or_an_unknown_host_is_one_line_exit_1_and_llama_server_goes(real, mistake):
+    """Two start-up mistakes users make every day: the port already taken, a host that does not resolve. One
+    line naming the address and the reason (no Python exception's text), exit 1 as plain llama-server's, and
+    the llama-server it started gone at once, its runtime directory with it."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        if mistake == "port taken":
+            sk = real("-np", "1", port=port, wait=False)
+            line, where = "Address already in use", f"127.0.0.1:{port}"
+        else:
+            sk = real("-np", "1", "--host", "999.1.1.1", wait=False)
+            line, where = "not known", "999.1.1.1:"
+        assert sk.wait(30) == 1, sk.logs()
+    errors = [x for x in sk.logs().splitlines() if x.startswith("slotkeeper: error:")]
+    assert len(errors) == 1 and f"cannot listen on {where}" in errors[0] and line in errors[0], sk.logs()
+    assert "internal error" not in sk.logs() and "Traceback" not in sk.logs(), sk.logs()
+    assert wait_until(lambda: not llama_servers_of(sk.pid), 2), "llama-server outlived slotkeeper's start"
+    assert not list(Path(tempfile.gettempdir()).glob(f"slotkeeper-{sk.pid}-*")), "its runtime directory stayed"

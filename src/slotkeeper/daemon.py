@@ -11,7 +11,9 @@ import asyncio
 import contextlib
 import enum
 import gc
+import os
 import signal
+import socket
 import time
 from functools import partial
 from typing import Any
@@ -205,7 +207,10 @@ class Daemon:
         self.metrics.requests_in_flight = lambda: len(proxy.in_flight)
         self.metrics.requests_by_status = lambda: dict(proxy.status_counts)
         try:
-            await self.listen(proxy)
+            if not await self.listen(proxy):
+                gate.close()
+                self.child.kill_now()  # it has served nothing: stopped at once, as llama-server exits on its own
+                return EXIT_STARTUP_FAILED
             code = await self.startup(client, child_exited, startup_deadline)
             if code is not None:
                 gate.close()
@@ -244,11 +249,20 @@ class Daemon:
             await proxy.stop_listening()
             proxy.close()
 
-    async def listen(self, proxy: Proxy) -> None:
-        """Public sockets open early so health checks see 503 (not connection refused) while loading."""
+    async def listen(self, proxy: Proxy) -> bool:
+        """Public sockets open early so health checks see 503 (not connection refused) while loading. False,
+        after one line naming the address and why, when one cannot be opened (a port taken, a host that does not
+        resolve): a user's mistake, which plain llama-server also reports in one line and exit code 1."""
         for host in self.config.hosts:
-            name = await proxy.listen(host, self.config.port)
+            try:
+                name = await proxy.listen(host, self.config.port)
+            except OSError as exc:  # (socket.gaierror too)
+                where = host if host.endswith(".sock") else f"{host}:{self.config.port}"
+                why = exc.strerror if isinstance(exc, socket.gaierror) or not exc.errno else os.strerror(exc.errno)
+                log.error("cannot listen on %s: %s", where, why or exc)
+                return False
             log.info("listening on %s; llama-server on %s", name, self.child.endpoint.describe())
+        return True
 
     async def _race(
         self,

@@ -248,6 +248,8 @@ def start_servers(args: argparse.Namespace, work: Path, before: tuple[Path, str]
     slotkeepers: list[tuple[str, dict[str, str]]] = []
     if not args.skip_current:
         slotkeepers.append(("slotkeeper", env))
+        if args.disk_staging:  # the same, staging its saves on disk (as where there is no RAM filesystem)
+            slotkeepers.append(("slotkeeper, disk staging", {**env, "SLOTKEEPER_RAM_STAGING": "false"}))
     if before is not None:
         path, commit = before
         slotkeepers.append((f"slotkeeper@{commit}", {**env, "PYTHONPATH": str(path / "src")}))
@@ -462,6 +464,9 @@ def main() -> None:
     parser.add_argument("--pause", type=float, help="seconds after each turn (default: --idle + 1.5)")
     parser.add_argument("--before", metavar="REV", help="also run slotkeeper from this git revision")
     parser.add_argument("--skip-current", action="store_true", help="no slotkeeper from the working tree")
+    parser.add_argument(
+        "--disk-staging", action="store_true", help="also the working tree's slotkeeper with --no-ram-staging"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the working directory (logs, stores)")
     args = parser.parse_args()
     if args.skip_current and args.before is None:

@@ -18,6 +18,7 @@ then:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
@@ -49,6 +50,14 @@ def run_round(port: int, chats: list[Chat], order: list[int]) -> list[Result]:
         chats[i].title(port)
         results.append(Result(i, turn, warm))
     return results
+
+
+def store_size(cache: Path) -> tuple[int, int]:
+    """The store's bytes on disk (entries, blocks: each once; not llama-server's snapshots/) and the bytes of
+    state its entries hold."""
+    files = [p for p in cache.rglob("*") if p.is_file() and "snapshots" not in p.parts]
+    state = sum(json.loads(p.read_text())["bytes"] for p in (cache / "entries").glob("*.json"))
+    return sum(p.stat().st_size for p in files), state
 
 
 def main() -> None:
@@ -89,6 +98,7 @@ def main() -> None:
     }
     results: dict[str, list[list[Result]]] = {"plain": [], "slotkeeper": []}
     restores: list[int] = []
+    store_sizes: list[tuple[int, int]] = []  # (bytes on disk, bytes of state in its entries) after each round
     n_slots = 0
     started = time.monotonic()
     try:
@@ -115,6 +125,7 @@ def main() -> None:
                         restores.append(status["on_demand_restores"])
                         sk.killpg(signal.SIGTERM)
                         assert sk.wait(60) == 0, sk.logs()[-3000:]
+                        store_sizes.append(store_size(work / "cache"))
                     finally:
                         sk.stop()
     finally:
@@ -162,6 +173,11 @@ def main() -> None:
             f"(b) returning chats' first token, median: plain {fmt_s(cold_s)} vs slotkeeper {fmt_s(warm_s)} "
             f"({cold_s / warm_s:.0f}x); slotkeeper worst {fmt_s(worst)}"
         )
+    on_disk, state = store_sizes[-1]
+    print(
+        f"    the store after each round: {', '.join(f'{d / 1e6:.1f}' for d, _ in store_sizes)} MB on disk; at the "
+        f"end {on_disk / 1e6:.1f} MB for {state / 1e6:.1f} MB of state in its entries ({state / on_disk:.1f}x)"
+    )
     new = {side: results[side][0] for side in results}
     first = {side: statistics.median(x.turn.first_token_s for x in new[side]) for side in new}
     reused_new = {side: sum(x.turn.cache_n for x in new[side]) for side in new}

@@ -6,8 +6,11 @@ Prints, from one run:
   (c) slotkeeper's time-to-ready - plain llama-server's time-to-ready - llama-server's restore_ms; target <= 50 ms
   (d) slotkeeper's SIGTERM-to-exit - llama-server's save_ms; target <= 100 ms
   (e) with --drop-caches (root): the page cache is dropped before each start, plain's and slotkeeper's;
-      slotkeeper's time-to-ready - plain llama-server's - reading the saved chat's file cold; target <= 100 ms
-(c), (d) and (e) are medians over --repeat restarts.
+      slotkeeper's time-to-ready - plain llama-server's - reading the saved chat's file cold (its blocks, or
+      its one file from a store before blocks); target <= 100 ms
+  (f) the store on disk after the restarts (each block once) against the state its entries hold
+(c), (d) and (e) are medians over --repeat restarts. Run against the store of an older checkout with its src on
+PYTHONPATH (benchsetup.py), side by side.
 
     uv run python benchmarks/swap.py [--tokens 7500] [--repeat 5] [--ctx 16384] [--drop-caches]
 """
@@ -34,6 +37,16 @@ from slotkeeper.testing.tinymodel import BENCH_MODEL_E, write_tiny_model
 
 SERVER_ARGS = ["-c", "16384", "-np", "2", "-t", "2"]
 RESTORED = re.compile(r"restored into slot \d+: [^\n]* in ([\d,]+) ms")  # the log's line of each restore
+
+
+def store_files(cache: Path) -> list[Path]:
+    """Every file of the store (entries, their blocks), not llama-server's snapshots/."""
+    return [p for p in cache.rglob("*") if p.is_file() and "snapshots" not in p.parts]
+
+
+def chat_files(cache: Path) -> list[Path]:
+    """The files holding the saved chats' bytes: the blocks (the chat is the only one), or .bin files."""
+    return [p for p in store_files(cache) if p.suffix == ".bin" or p.parent.parent.name == "blocks"]
 
 
 def health(port: int) -> int:
@@ -136,7 +149,7 @@ def main() -> None:
         first_polls, cold_overheads, cold_reads = [], [], []
         for i in range(args.repeat):
             if args.drop_caches:
-                cold_reads.append(cold_read_s(max((work / "cache").rglob("*.bin"), key=lambda p: p.stat().st_size)))
+                cold_reads.append(sum(cold_read_s(path) for path in chat_files(work / "cache")))
             p_ready, proc = plain_ready_time(binary, model, port)
             stop_plain(proc)
             plain_readies.append(p_ready)
@@ -162,6 +175,8 @@ def main() -> None:
             save_ms = max(json.loads(p.read_text()).get("save_ms") or 0 for p in manifests)
             saves.append(save_ms)
             stop_overheads.append(stop_s * 1000 - save_ms)
+        on_disk = sum(p.stat().st_size for p in store_files(work / "cache"))
+        state = sum(json.loads(p.read_text())["bytes"] for p in (work / "cache" / "entries").glob("*.json"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -199,6 +214,7 @@ def main() -> None:
             f"max {max(cold_overheads):.1f}; target <= 100 ms); "
             f"the cold read {statistics.median(cold_reads) * 1000:.0f} ms"
         )
+    print(f"(f) the store on disk: {on_disk / 1e6:.1f} MB for {state / 1e6:.1f} MB of state in its entries")
 
 
 if __name__ == "__main__":

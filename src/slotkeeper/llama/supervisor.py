@@ -2,7 +2,11 @@
 
 llama-swap sends SIGTERM to slotkeeper's whole process group, so the child gets a group of its own and
 survives long enough to have its slots saved. Because llama-swap may then SIGKILL that group, the child also
-asks the kernel for SIGKILL when slotkeeper dies (PR_SET_PDEATHSIG): never an orphan holding the model's RAM.
+asks the kernel for SIGKILL when slotkeeper dies (Linux's PR_SET_PDEATHSIG): never an orphan holding the
+model's RAM. Where there is no such call (macOS, the BSDs) a watch does it (`start_watch`): a tiny shell in
+the child's group that reads a pipe only slotkeeper holds open, and kills its group when the read ends, which
+the kernel makes happen the moment slotkeeper dies, SIGKILL included. `SLOTKEEPER_PORTABLE=1` takes that path
+on Linux too (the tests run both).
 The child inherits slotkeeper's stdout and stderr, so its output passes through byte for byte and can never
 be blocked by slotkeeper. What this module imports loads in a few ms, as cmdline.py's does: the child is
 spawned before everything else is imported (no tempfile, which imports shutil and random; no dataclasses).
@@ -25,6 +29,15 @@ CHILD_SOCKET_NAME = "llama-server.sock"
 PR_SET_PDEATHSIG = 1
 MAX_FD = os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 1 << 16
 TEMP_DIR_VARIABLES = ("TMPDIR", "TEMP", "TMP")  # tempfile.gettempdir()'s, in its order
+PORTABLE_VARIABLE = "SLOTKEEPER_PORTABLE"  # "1": the paths of a platform without Linux's calls, on Linux too
+# The watch: SIGTERM, SIGINT and SIGHUP ignored (llama-swap's group signals, slotkeeper's stop), so that only
+# the end of its pipe (slotkeeper gone) or a SIGKILL of the group ends it; then it kills its group.
+WATCH_SCRIPT = "trap '' TERM INT HUP; read -r _; kill -s KILL 0"
+
+
+def portable() -> bool:
+    """Whether to take the paths of a platform without Linux's own calls (prctl, /proc, fadvise, pidfd)."""
+    return not sys.platform.startswith("linux") or os.environ.get(PORTABLE_VARIABLE) == "1"
 
 
 class ChildEndpoint:
@@ -106,9 +119,10 @@ def remove_stale_runtime_dirs() -> None:
             pass
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Runs in the child between fork and exec: SIGKILL when slotkeeper dies, even by SIGKILL."""
-    if sys.platform.startswith("linux"):
+def _die_with_parent(parent_pid: int, *, prctl: bool) -> None:
+    """Runs in the child between fork and exec: SIGKILL when slotkeeper dies, even by SIGKILL (with `prctl`;
+    else the watch does it)."""
+    if prctl:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
@@ -132,6 +146,7 @@ def _spawn(command: list[str], env: dict[str, str] | None) -> tuple[int, int]:
     daemon is imported. What Popen does besides is done too: the signals Python ignores (SIGPIPE, SIGXFSZ)
     are reset to their defaults, every descriptor but 0-2 closed."""
     parent_pid = os.getpid()
+    prctl = not portable()
     exec_errors, exec_error = os.pipe()  # both close on exec: a successful exec says nothing
     stdin = os.open(os.devnull, os.O_RDONLY)
     pid = os.fork()
@@ -143,7 +158,7 @@ def _spawn(command: list[str], env: dict[str, str] | None) -> tuple[int, int]:
             for ignored in (signal.SIGPIPE, signal.SIGXFSZ):
                 signal.signal(ignored, signal.SIG_DFL)
             os.setpgid(0, 0)
-            _die_with_parent(parent_pid)
+            _die_with_parent(parent_pid, prctl=prctl)
             os.execve(command[0], command, os.environ if env is None else env)
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, which says why in one line
             os.write(exec_error, str(getattr(exc, "errno", None) or 0).encode())
@@ -151,7 +166,32 @@ def _spawn(command: list[str], env: dict[str, str] | None) -> tuple[int, int]:
             os._exit(127)
     os.close(exec_error)
     os.close(stdin)
+    with contextlib.suppress(OSError):  # (the child makes its group too; whichever comes first, it exists now)
+        os.setpgid(pid, pid)
     return pid, exec_errors
+
+
+def start_watch(group: int) -> int | None:
+    """Where the kernel has no parent-death signal: a watch in the child's process group (WATCH_SCRIPT) that
+    kills the group when slotkeeper dies. Returns the write end of its pipe, which slotkeeper holds open for
+    its life (never written; not inherited by anything it starts), or None when the watch could not start (one
+    line then says the child may outlive a SIGKILL of slotkeeper)."""
+    read_end, write_end = os.pipe()
+    try:
+        os.posix_spawn(
+            "/bin/sh",
+            ["sh", "-c", WATCH_SCRIPT],
+            os.environ,
+            file_actions=[(os.POSIX_SPAWN_DUP2, read_end, 0)],
+            setpgroup=group,
+        )
+    except OSError as exc:
+        os.close(write_end)
+        print(f"slotkeeper: warning: llama-server is not watched ({exc}): it may outlive a SIGKILL", file=sys.stderr)
+        return None
+    finally:
+        os.close(read_end)
+    return write_end
 
 
 class ChildProcess:
@@ -164,6 +204,7 @@ class ChildProcess:
         self.endpoint = endpoint
         self.started_at = time.monotonic()
         self.pid, self._exec_errors = _spawn(command, env)
+        self._watch = start_watch(self.pid) if portable() else None  # held open until we exit
         self._returncode: int | None = None  # once reaped: the raw status as Popen gives it (-N: signal N)
         self._exited: asyncio.Future[int] | None = None
 

@@ -45,6 +45,7 @@ from slotkeeper.store.conversations import ConversationStore
 from slotkeeper.store.entries import CHECKSUM_ALGORITHM
 from slotkeeper.store.statefile import read_header
 from slotkeeper.testing.harness import PlainServer, clean_env, free_port, http_call, pid_alive, wait_until
+from slotkeeper.testing.tinymodel import image_part, solid_png
 
 IDLE = ("--autosave-idle", "0.5")
 PAUSE_S = 1.5  # longer than the idle delay: every pause saves the chat again
@@ -54,6 +55,7 @@ LAYOUTS = {
     "llama-fa-off": Family("llama", ("-fa", "off")),  # V stored transposed, by element
     "qwen35": FAMILIES["qwen35-thinking-off"],  # hybrid: a recurrent state in every skeleton
     "gemma3-swa-full": FAMILIES["gemma3-swa-full"],  # a sliding-window cache beside the full one
+    "llama-image": FAMILIES["llama"],  # a picture in the first message (--mmproj): its chunk in the skeleton
     # (without --swa-full slotkeeper saves no gemma3 chat: llama-server reuses none restored)
 }
 
@@ -89,14 +91,20 @@ def assert_entries_whole(save_dir: Path, scratch: Path) -> None:
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_a_chat_saved_at_every_pause_writes_each_full_block_of_cells_once(family_start, name, tmp_path):
+def test_a_chat_saved_at_every_pause_writes_each_full_block_of_cells_once(family_start, tiny_mmproj, name, tmp_path):
     """Six turns, each followed by a pause that saves the chat. Every full block of a full-attention cache's
     cells that one save holds is the same block in the next (never written again), and all the blocks that
     ever stood in the store are the final entry's plus, per save, its skeleton and unfilled last block."""
     family = LAYOUTS[name]
-    sk = family_start(family, own=IDLE)
+    picture = name.endswith("image")
+    sk = family_start(family, *(("--mmproj", str(tiny_mmproj(64))) if picture else ()), own=IDLE)
     save_dir = sk.extra["save_dir"]
     chat = Chat(0, family.request, facts=60)
+    if picture:
+        chat.messages[1]["content"] = [
+            {"type": "text", "text": chat.messages[1]["content"]},
+            image_part(solid_png((230, 20, 20))),
+        ]
     seen: dict[str, int] = {}  # every block that stood in the store, and its size
     entries: dict[str, Parts] = {}  # every entry that did
     for turn in range(6):
@@ -108,6 +116,8 @@ def test_a_chat_saved_at_every_pause_writes_each_full_block_of_cells_once(family
         seen.update(block_sizes_now(save_dir))
         for entry_id in entry_ids(save_dir):
             entries.setdefault(entry_id, entry_parts(save_dir, entry_id))  # type: ignore[arg-type]
+    if picture:
+        assert any(read_manifest(save_dir, i)["images"] for i in entry_ids(save_dir)), "no picture was saved"
     chats = sorted((p for p in entries.values() if p.sections), key=lambda p: p.nbytes)
     assert len(chats) >= 5, sk.logs()[-3000:]
     final = chats[-1]

@@ -9,6 +9,7 @@ second every time, the next start leaves no runtime directory of the killed run 
 
 from __future__ import annotations
 
+import ast
 import os
 import random
 import signal
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from family_helpers import FAMILIES, Chat
 
-from slotkeeper.llama.supervisor import PORTABLE_VARIABLE
+from slotkeeper.portable import VARIABLE as PORTABLE_VARIABLE
 from slotkeeper.testing.harness import wait_until
 
 PORTABLE = {PORTABLE_VARIABLE: "1"}
@@ -119,3 +120,36 @@ def test_in_the_portable_mode_a_stop_leaves_no_watch_and_exits_0(family_start):
     assert sk.wait(30) == 0, sk.logs()
     assert " saved from slot 0 (at stop)" in sk.logs(), sk.logs()
     assert wait_until(partial(gone, group), 1.0, interval=0.01), group_members(group)
+
+
+# Linux's own calls: names of functions and constants, and paths a string starts with.
+LINUX_NAMES = {"prctl", "posix_fadvise", "POSIX_FADV_WILLNEED", "pidfd_open", "sched_setaffinity", "O_DIRECT"}
+LINUX_PATHS = ("/proc/", "/dev/shm", "/sys/")
+SRC = Path(__file__).resolve().parent.parent / "src" / "slotkeeper"
+
+
+def linux_calls(tree: ast.AST) -> list[str]:
+    """What a module uses of Linux's own calls: the names, and string constants that are such paths."""
+    found = []
+    for node in ast.walk(tree):
+        name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+        if name in LINUX_NAMES:
+            found.append(f"line {node.lineno}: {name}")  # type: ignore[attr-defined]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(LINUX_PATHS):
+            found.append(f"line {node.lineno}: {node.value!r}")
+    return found
+
+
+def test_no_linux_only_call_outside_the_portable_module():
+    """Every call that exists on Linux alone goes through slotkeeper/portable.py, which says what to do
+    elsewhere; none appears in another module of the product (the testing helpers, which the tests alone run
+    on Linux, aside)."""
+    offenders = {}
+    for path in sorted(SRC.rglob("*.py")):
+        relative = path.relative_to(SRC)
+        if relative.parts[0] == "testing" or relative.name == "portable.py":
+            continue
+        if found := linux_calls(ast.parse(path.read_text(), str(path))):
+            offenders[str(relative)] = found
+    assert not offenders, offenders
+    assert linux_calls(ast.parse((SRC / "portable.py").read_text())), "the check finds nothing: it sees nothing"

@@ -20,24 +20,19 @@ import signal
 import sys
 import time
 
+from ..portable import exit_descriptor, portable, set_parent_death_signal
+
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (mypy reads the name alike)
 if TYPE_CHECKING:  # asyncio is imported after the child is spawned: its import would delay the model load
     import asyncio
 
 RUNTIME_DIR_PREFIX = "slotkeeper-"
 CHILD_SOCKET_NAME = "llama-server.sock"
-PR_SET_PDEATHSIG = 1
 MAX_FD = os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 1 << 16
 TEMP_DIR_VARIABLES = ("TMPDIR", "TEMP", "TMP")  # tempfile.gettempdir()'s, in its order
-PORTABLE_VARIABLE = "SLOTKEEPER_PORTABLE"  # "1": the paths of a platform without Linux's calls, on Linux too
 # The watch: SIGTERM, SIGINT and SIGHUP ignored (llama-swap's group signals, slotkeeper's stop), so that only
 # the end of its pipe (slotkeeper gone) or a SIGKILL of the group ends it; then it kills its group.
 WATCH_SCRIPT = "trap '' TERM INT HUP; read -r _; kill -s KILL 0"
-
-
-def portable() -> bool:
-    """Whether to take the paths of a platform without Linux's own calls (prctl, /proc, fadvise, pidfd)."""
-    return not sys.platform.startswith("linux") or os.environ.get(PORTABLE_VARIABLE) == "1"
 
 
 class ChildEndpoint:
@@ -119,15 +114,11 @@ def remove_stale_runtime_dirs() -> None:
             pass
 
 
-def _die_with_parent(parent_pid: int, *, prctl: bool) -> None:
-    """Runs in the child between fork and exec: SIGKILL when slotkeeper dies, even by SIGKILL (with `prctl`;
-    else the watch does it)."""
-    if prctl:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+def _die_with_parent(parent_pid: int) -> None:
+    """Runs in the child between fork and exec: SIGKILL when slotkeeper dies, even by SIGKILL (Linux's
+    parent-death signal; elsewhere the watch does it)."""
+    set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before the parent-death signal took effect
         os._exit(1)
 
 
@@ -146,7 +137,6 @@ def _spawn(command: list[str], env: dict[str, str] | None) -> tuple[int, int]:
     daemon is imported. What Popen does besides is done too: the signals Python ignores (SIGPIPE, SIGXFSZ)
     are reset to their defaults, every descriptor but 0-2 closed."""
     parent_pid = os.getpid()
-    prctl = not portable()
     exec_errors, exec_error = os.pipe()  # both close on exec: a successful exec says nothing
     stdin = os.open(os.devnull, os.O_RDONLY)
     pid = os.fork()
@@ -158,7 +148,7 @@ def _spawn(command: list[str], env: dict[str, str] | None) -> tuple[int, int]:
             for ignored in (signal.SIGPIPE, signal.SIGXFSZ):
                 signal.signal(ignored, signal.SIG_DFL)
             os.setpgid(0, 0)
-            _die_with_parent(parent_pid, prctl=prctl)
+            _die_with_parent(parent_pid)
             os.execve(command[0], command, os.environ if env is None else env)
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, which says why in one line
             os.write(exec_error, str(getattr(exc, "errno", None) or 0).encode())
@@ -223,9 +213,8 @@ class ChildProcess:
         if self._exited is not None:
             return self._exited
         self._exited = loop.create_future()
-        try:
-            pidfd = os.pidfd_open(self.pid)
-        except (AttributeError, OSError):
+        pidfd = exit_descriptor(self.pid)
+        if pidfd is None:
             loop.create_task(self._poll_exit())
             return self._exited
 

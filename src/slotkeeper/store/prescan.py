@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..portable import available_memory, read_ahead
 from .entries import BIN_SUFFIX, Entry, Status, judge
 from .index import EntryIndex
 from .layout import ENTRIES_DIR
@@ -103,7 +104,8 @@ def prefetch(root: Path, entry_ids: list[str], budget: int) -> int:
                 continue
             budget -= size
             for offset in range(0, size, READ_AHEAD_STEP):
-                os.posix_fadvise(fd, offset, READ_AHEAD_STEP, os.POSIX_FADV_WILLNEED)
+                if not read_ahead(fd, offset, READ_AHEAD_STEP):
+                    return asked  # no posix_fadvise here: nothing is read ahead
             asked += 1
         except OSError:  # a file system that cannot read ahead: the restore reads the file as before
             pass
@@ -113,16 +115,9 @@ def prefetch(root: Path, entry_ids: list[str], budget: int) -> int:
 
 
 def prefetch_budget() -> int:
-    """A quarter of the memory the kernel could give to new data without swapping (MemAvailable); 0, so that
-    nothing is read ahead, when it does not say."""
-    try:
-        with open("/proc/meminfo", "rb") as meminfo:
-            for line in meminfo:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024 // 4
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+    """A quarter of the memory the kernel could give to new data without swapping (portable.available_memory);
+    0, so that nothing is read ahead, when it does not say."""
+    return (available_memory() or 0) // 4
 
 
 def last_fingerprint(pairs: list[Pair]) -> dict[str, Any] | None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import xxhash
 
 from ..log import fmt_bytes, log
+from ..portable import ram_filesystems
 from .entries import discard
 from .prescan import prefetch_budget
 from .slotfiles import transient_path
@@ -159,8 +160,8 @@ def _remove_folder(folder: Path) -> None:
 
 def _ram_dir(store_root: Path) -> Path | None:
     """The store's folder on the machine's RAM filesystem; None when it has none (macOS, most BSDs)."""
-    for base in ("/dev/shm", os.environ.get("XDG_RUNTIME_DIR") or ""):
-        if base and os.path.isdir(base) and os.access(base, os.W_OK | os.X_OK):
+    for base in ram_filesystems():
+        if os.path.isdir(base) and os.access(base, os.W_OK | os.X_OK):
             key = xxhash.xxh3_64_hexdigest(os.path.realpath(store_root).encode())
             return Path(base) / f"slotkeeper-{os.getuid()}-{os.getpid()}-{key}"
     return None

@@ -22,6 +22,7 @@ from .fit import UNFIT_WORDS, Fit, fit, group_of, same_tensors
 from .outcomes import RestoreResult
 from .restores import Restores
 from .slotfiles import transient_path
+from .staging import Staged
 from .statefile import StateFileError, read_header
 
 
@@ -99,32 +100,15 @@ class FitChecks(Restores):
         configuration's, and that configuration loads it."""
         assert self.client is not None
         for entry in sorted(members, key=lambda e: e.nbytes):
-            if entry.parts is not None:
-                staged = await self._assembled(entry)
-                if isinstance(staged, RestoreResult):  # unreadable (one line), or quarantined with its blocks
-                    continue
-                try:
-                    reply = await self.client.slot_action(slot_id, "restore", staged.name.name)
-                    if reply.ok:
-                        await self.client.slot_action(slot_id, "erase")
-                    return reply.ok
-                except (OSError, ConnectionError) as exc:
-                    log.debug("entry %s not tried (%s)", entry.short, exc)
-                    return False
-                finally:
-                    staged.remove()
-            source = pair_paths(self.entries_dir, entry.id)[0]
             try:
-                if entry.checksum and await asyncio.to_thread(file_checksum, source) != entry.checksum:
-                    self._unkeep(entry)
-                    self._quarantine(entry, "its file changed on disk: the content checksum does not match")
+                staged = await self._checked_file(entry)
+                if staged is None:
                     continue
-            except OSError:
-                continue
-            link = transient_path(self.snapshots_dir)
+            except OSError as exc:
+                log.debug("entry %s not tried (%s)", entry.short, exc)
+                return False
             try:
-                await self._expose(source, link)
-                reply = await self.client.slot_action(slot_id, "restore", link.name)
+                reply = await self.client.slot_action(slot_id, "restore", staged.name.name)
                 if reply.ok:
                     await self.client.slot_action(slot_id, "erase")
                 return reply.ok
@@ -132,8 +116,31 @@ class FitChecks(Restores):
                 log.debug("entry %s not tried (%s)", entry.short, exc)
                 return False
             finally:
-                discard(link)
+                staged.remove()
         return False
+
+    async def _checked_file(self, entry: Entry) -> Staged | None:
+        """An entry's file under a transient name, its checksum checked first: put together from its blocks, or
+        its own file through a link. None when it is not to be tried (its bytes changed on disk: quarantined;
+        unreadable); OSError when the link cannot be made."""
+        if entry.parts is not None:
+            staged = await self._assembled(entry)
+            return None if isinstance(staged, RestoreResult) else staged  # (said in one line, or quarantined)
+        source = pair_paths(self.entries_dir, entry.id)[0]
+        try:
+            if entry.checksum and await asyncio.to_thread(file_checksum, source) != entry.checksum:
+                self._unkeep(entry)
+                self._quarantine(entry, "its file changed on disk: the content checksum does not match")
+                return None
+        except OSError:
+            return None
+        link = transient_path(self.snapshots_dir)
+        try:
+            await self._expose(source, link)
+        except BaseException:
+            discard(link)
+            raise
+        return Staged(link, link)
 
     def recomputed(self, old: Entry, new: Entry) -> None:
         """`old` (another configuration's) was recomputed as `new`: it stays kept (a downgrade uses it) until the

@@ -54,6 +54,8 @@ LAYOUTS = {
     "llama": FAMILIES["llama"],
     "llama-fa-off": Family("llama", ("-fa", "off")),  # V stored transposed, by element
     "qwen35": FAMILIES["qwen35-thinking-off"],  # hybrid: a recurrent state in every skeleton
+    "qwen35-thinking-on": FAMILIES["qwen35-thinking-on"],
+    "gemma3-270m-swa-full": FAMILIES["gemma3-270m-swa-full"],  # the real model
     "gemma3-swa-full": FAMILIES["gemma3-swa-full"],  # a sliding-window cache beside the full one
     "llama-image": FAMILIES["llama"],  # a picture in the first message (--mmproj): its chunk in the skeleton
     # (without --swa-full slotkeeper saves no gemma3 chat: llama-server reuses none restored)

@@ -26,9 +26,6 @@ class BlockPool:
         """The bytes of every block some entry uses (each block counted once)."""
         return self._bytes
 
-    def __len__(self) -> int:
-        return len(self._users)
-
     def __contains__(self, name: object) -> bool:
         return name in self._users
 
@@ -61,9 +58,6 @@ class BlockPool:
     def own_bytes(self, parts: Parts) -> int:
         """The bytes only this entry's blocks hold (what removing it frees)."""
         return sum(size for name, size in parts.block_sizes().items() if self._users.get(name) == 1)
-
-    def users_of(self, name: str) -> int:
-        return self._users.get(name, 0)
 
     def unused(self, names: Iterable[str]) -> list[str]:
         """Those of `names` that no entry uses."""

@@ -42,10 +42,6 @@ class Holdings:
         """Whether this run has marked the blocks unclean (its first block write)."""
         return self._marked
 
-    def own_bytes(self, entry: Entry) -> int:
-        """The bytes only this entry holds (what removing it frees)."""
-        return entry.nbytes if entry.parts is None else self._pool.own_bytes(entry.parts)
-
     def holds(self, entry: Entry) -> bool:
         return entry.id in self._held
 

@@ -59,10 +59,6 @@ class Staging:
         self._ready = False  # the RAM folder made (and checked) in this run
         self._warned = False
 
-    @property
-    def ram_dir(self) -> Path | None:
-        return self._ram_dir
-
     def clean(self) -> None:
         """At open: the RAM folders of this user's runs that were killed go, with what they staged (snapshots/
         is swept by scan.remove_transients)."""

@@ -26,6 +26,10 @@ class BlockPool:
         """The bytes of every block some entry uses (each block counted once)."""
         return self._bytes
 
+    def __len__(self) -> int:
+        """How many blocks some entry uses."""
+        return len(self._users)
+
     def __contains__(self, name: object) -> bool:
         return name in self._users
 

@@ -1304,12 +1304,136 @@ def test_ls_and_prune_remote_what_a_real_slotkeeper_uploaded(capsys, s3, stub_sl
     assert {r["id"]: r["tokens"] for r in rows} == {i: m["tokens"] for i, m in local.items()}  # type: ignore[index]
     assert all(r["status"] == "shared" and r["match"] is True for r in rows)
     last = max(rows, key=lambda r: r["last_used"])
+    # each entry is its manifest and its blocks (content-addressed, under the namespace's blocks/)
+    ns = namespace["namespace"]
+    blocks = {i: set(Parts.from_json(m["parts"]).block_sizes()) for i, m in local.items()}  # type: ignore[index]
+    assert all(blocks.values()) and not set.intersection(*blocks.values())  # two chats: no block shared
+    assert remote_objects(s3) == {f"{ns}/{i}.json" for i in local} | {
+        f"{ns}/blocks/{b}" for b in set.union(*blocks.values())
+    }
     code, out, _ = run(
         prune_main, capsys, "--remote", "--remote-store", URL, "--max-total", str(last["bytes"]), env=env
     )
     assert code == 0 and out.splitlines()[-1].startswith("removed 1 remote entry: ")
-    assert {p.split("/")[1] for p in remote_objects(s3)} == {f"{last['id']}.bin", f"{last['id']}.json"}
+    assert remote_objects(s3) == {f"{ns}/{last['id']}.json"} | {f"{ns}/blocks/{b}" for b in blocks[last["id"]]}
     assert {p.stem for p in (save_dir / "entries").glob("*.json")} == set(local)
+
+
+def put_remote_blocks(s3: S3Server, namespace: str, directory: Path, entry: Entry) -> None:
+    """An entry kept as blocks as the remote tier uploads it: its blocks, then its manifest (the local one, with
+    the checksum of its file, which the store takes at every save and a remote entry must have)."""
+    import obstore
+
+    from slotkeeper.remote.tier import RemoteConfig
+
+    bucket = RemoteConfig.from_url(URL, s3.env()).store(timedelta(seconds=10), timedelta(seconds=10))
+    assert entry.parts is not None
+    for name in entry.parts.block_sizes():
+        obstore.put(bucket, f"{namespace}/blocks/{name}", block_path(directory / "blocks", name).read_bytes())
+    checksum = blockfiles.assemble(directory / "blocks", entry.parts, directory / "assembled")
+    (directory / "assembled").unlink()
+    manifest = {**entry.manifest(), "checksum": checksum}
+    obstore.put(bucket, f"{namespace}/{entry.id}.json", json.dumps(manifest).encode())
+
+
+@pytest.fixture
+def shared_bucket(s3, shared_dir) -> dict[str, Any]:
+    """shared_dir's three entries kept as blocks, uploaded to the bucket under FP's namespace: a = A + [x, y],
+    b = B + [x, y], c = C + [x, z], least recently used first."""
+    namespace = namespace_key(FP)
+    for key in "abc":
+        put_remote_blocks(s3, namespace, shared_dir["dir"], shared_dir[key])
+    return {**shared_dir, "ns": namespace, "env": {**s3.env(), "XDG_CACHE_HOME": "/nonexistent-xdg"}}
+
+
+def remote_blocks(s3: S3Server, namespace: str) -> set[str]:
+    return {p.split("/")[-1] for p in remote_objects(s3) if p.startswith(f"{namespace}/blocks/")}
+
+
+def test_ls_remote_lists_entries_kept_as_blocks_and_what_each_holds_alone(capsys, s3, shared_bucket):
+    ns, block, env = shared_bucket["ns"], shared_bucket["block"], shared_bucket["env"]
+    code, out, err = run(ls_main, capsys, "--remote", "--remote-store", URL, "--json", env=env)
+    assert code == 0 and err == ""
+    namespace, *records = json.loads(out)
+    assert namespace["namespace"] == ns and namespace["entries"] == 3
+    rows = {r["id"]: r for r in records}
+    for key, own in (("a", "A"), ("b", "B"), ("c", "Cz")):
+        row, entry = rows[shared_bucket[key].id], shared_bucket[key]
+        assert row["status"] == "shared" and row["bytes"] == entry.nbytes and row["blocks"] == 3
+        assert row["sha256"] is None
+        assert row["own_bytes"] == sum(len(shared_bucket["data"][name]) for name in own)
+    _, out, _ = run(ls_main, capsys, "--remote", "--remote-store", URL, env=env)
+    table = table_rows(out)
+    assert table["cccc"][1:4] == ["300", fmt_bytes(shared_bucket["c"].nbytes), fmt_bytes(1500 + 4000)]
+    assert remote_blocks(s3, ns) == set(block.values())
+
+
+def test_prune_remote_removes_an_entry_and_only_the_blocks_no_remaining_entry_uses(capsys, s3, shared_bucket):
+    ns, block, env = shared_bucket["ns"], shared_bucket["block"], shared_bucket["env"]
+    a, b = shared_bucket["a"], shared_bucket["b"]
+    where = f"{URL}/{ns}"
+    before = remote_objects(s3)
+    code, out, err = run(
+        prune_main, capsys, "--remote", "--remote-store", URL, "--older-than", "7d", "--dry-run", env=env
+    )
+    assert code == 0 and err == "" and remote_objects(s3) == before
+    assert out.splitlines()[1:] == [
+        f"would remove 1 remote block in {where}, {fmt_bytes(1000)} (no remaining entry uses them)",
+        f"would remove 1 remote entry: {fmt_bytes(1000)} (dry run)",
+    ]
+    code, out, err = run(prune_main, capsys, "--remote", "--remote-store", URL, "--older-than", "7d", env=env)
+    assert code == 0 and err == ""
+    assert out.splitlines() == [
+        f"removed remote entry aaaa in {where} (300 tokens, {fmt_bytes(a.nbytes)}, frees {fmt_bytes(1000)}, "
+        "last used 10 d ago): unused for over 7 d",
+        f"removed 1 remote block in {where}, {fmt_bytes(1000)} (no remaining entry uses them)",
+        f"removed 1 remote entry: {fmt_bytes(1000)}",
+    ]
+    assert remote_objects(s3) == before - {f"{ns}/{a.id}.json", f"{ns}/blocks/{block['A']}"}  # x, y: b's too
+    code, out, _ = run(prune_main, capsys, "--remote", "--remote-store", URL, "--older-than", "2d", env=env)
+    assert code == 0 and out.splitlines()[1] == (
+        f"removed 2 remote blocks in {where}, {fmt_bytes(1200 + 4000)} (no remaining entry uses them)"
+    )
+    assert remote_blocks(s3, ns) == {block[name] for name in ("C", "x", "z")}  # y went with b, its last user
+    assert f"{ns}/{b.id}.json" not in remote_objects(s3)
+
+
+def test_prune_remote_removes_no_block_while_a_manifest_cannot_be_read(capsys, s3, shared_bucket):
+    import obstore
+
+    from slotkeeper.remote.tier import RemoteConfig
+
+    ns, env = shared_bucket["ns"], shared_bucket["env"]
+    bucket = RemoteConfig.from_url(URL, s3.env()).store(timedelta(seconds=10), timedelta(seconds=10))
+    obstore.put(bucket, f"{ns}/damaged0damaged0.json", b'{"parts": "not parts", "bytes": 1')
+    blocks = remote_blocks(s3, ns)
+    code, out, err = run(prune_main, capsys, "--remote", "--remote-store", URL, "--older-than", "7d", env=env)
+    assert code == 0 and err == ""
+    assert out.splitlines()[1:] == [
+        f"remote blocks kept in {URL}/{ns}: a manifest there cannot be read and may use them",
+        "removed 1 remote entry: 0 B",
+    ]
+    assert remote_blocks(s3, ns) == blocks and f"{ns}/{shared_bucket['a'].id}.json" not in remote_objects(s3)
+
+
+def test_prune_remote_removes_the_old_blocks_no_manifest_uses(capsys, s3, shared_bucket):
+    """A block no manifest uses (an upload cut off before its manifest) goes once it is over two days old:
+    younger, an upload may still count on it."""
+    import obstore
+
+    from slotkeeper.remote.tier import RemoteConfig
+
+    ns, env = shared_bucket["ns"], shared_bucket["env"]
+    bucket = RemoteConfig.from_url(URL, s3.env()).store(timedelta(seconds=10), timedelta(seconds=10))
+    old, young = block_hash(b"old" * 100), block_hash(b"young" * 100)
+    stamp = time.time() - 3 * DAY  # (rclone takes an object's time from its "mtime" metadata)
+    obstore.put(bucket, f"{ns}/blocks/{old}", b"old" * 100, attributes={"mtime": f"{stamp:.3f}"})
+    obstore.put(bucket, f"{ns}/blocks/{young}", b"young" * 100)
+    before = remote_blocks(s3, ns)
+    code, out, err = run(prune_main, capsys, "--remote", "--remote-store", URL, "--older-than", "30d", env=env)
+    assert code == 0 and err == ""
+    assert out.splitlines() == [f"removed 1 remote block in {URL}/{ns}, 300 B (no remaining entry uses them)"]
+    assert remote_blocks(s3, ns) == before - {old}
 
 
 def test_an_unreachable_shared_tier_is_one_line_and_exit_1(capsys):

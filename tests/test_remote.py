@@ -7,6 +7,8 @@ import hashlib
 import json
 import logging
 import os
+import random
+import re
 import socket
 import subprocess
 import sys
@@ -19,10 +21,17 @@ from typing import Any
 
 import obstore
 import pytest
+import xxhash
 
 from slotkeeper.log import log
 from slotkeeper.remote import tier as remote_tier
-from slotkeeper.remote.tier import RemoteConfig, RemoteMatch, RemoteTier
+from slotkeeper.remote import uploads as remote_uploads
+from slotkeeper.remote.tier import Fetched, RemoteConfig, RemoteMatch, RemoteTier
+from slotkeeper.store.blockfiles import UNCLEAN_NAME, assemble, block_path
+from slotkeeper.store.blocks import CellSection, Parts, block_hash, pieces
+from slotkeeper.store.conversations import ConversationStore
+from slotkeeper.store.entries import CHECKSUM_ALGORITHM, Entry
+from slotkeeper.store.statelayout import RowRun
 from slotkeeper.testing.harness import free_port
 from slotkeeper.testing.s3server import ACCESS_KEY_ID, SECRET_ACCESS_KEY, S3Server
 
@@ -435,6 +444,383 @@ async def test_close_returns_by_its_deadline_with_uploads_pending(
     assert [r.getMessage() for r in logs.records if "pending" in r.getMessage()] == [
         "remote: 2 upload(s) pending (25.2 MB); they resume at the next start"
     ]
+
+
+# ---- entries kept as blocks --------------------------------------------------------------------------------------
+
+FP = {"model": "m.gguf", "n_ctx_slot": 4096, "test": "blocks"}  # the configuration of every store below
+CELL = 1000  # bytes per cell of the hand-made entries' one KV stream
+BLOCK_CELLS = 4  # cells per cell block: each cell block is 4,000 bytes
+
+
+def data(tag: str, n: int = BLOCK_CELLS * CELL) -> bytes:
+    """Bytes of their own for each tag, the same at every call."""
+    return random.Random(tag).randbytes(n)
+
+
+def block_entry(save_dir: Path, entry_id: str, skeleton: bytes, cells: list[bytes]) -> dict[str, Any]:
+    """An entry kept as blocks, as the store commits one: its blocks (its skeleton, then a cell block per
+    BLOCK_CELLS cells) under their hashes in blocks/, then its version-3 manifest in entries/; its prefix keys
+    name its cells (k0, k1, ...), so that a longer chat extends a shorter one. Returns the manifest."""
+    blocks: dict[str, bytes] = {}
+    for chunk in (skeleton, *cells):
+        name = block_hash(chunk)
+        blocks[name] = chunk
+        path = block_path(save_dir / "blocks", name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(chunk)
+    parts = Parts(
+        nbytes=len(skeleton) + len(cells) * BLOCK_CELLS * CELL,
+        block_cells=BLOCK_CELLS,
+        skeleton=block_hash(skeleton),
+        sections=(CellSection(len(cells) * BLOCK_CELLS, (RowRun(16, CELL),), tuple(block_hash(c) for c in cells)),),
+    )
+    digest = xxhash.xxh3_128()
+    for piece in pieces(parts, blocks):
+        digest.update(piece)
+    now = time.time()
+    entry = Entry(
+        id=entry_id,
+        n_tokens=len(cells) * 64,
+        nbytes=parts.nbytes,
+        keys=[f"k{i}" for i in range(len(cells))],
+        saved_at=now,
+        last_used=now,
+        fingerprint=dict(FP),
+        seq_version=4,
+        layout="packed-1",
+        checksum=f"{CHECKSUM_ALGORITHM}:{digest.hexdigest()}",
+        parts=parts,
+    )
+    manifest = entry.manifest()
+    (save_dir / "entries").mkdir(parents=True, exist_ok=True)
+    (save_dir / "entries" / f"{entry_id}.json").write_text(json.dumps(manifest))
+    return manifest
+
+
+async def upload_entry(tier: RemoteTier, save_dir: Path, manifest: dict[str, Any], timeout: float = 20.0) -> None:
+    """As the store's on_commit hands a committed entry kept as blocks to the tier, and its upload's end."""
+    done = tier.stats.uploads_done
+    tier.schedule_upload(manifest["id"], save_dir / "blocks", manifest)
+    await until(lambda: tier.stats.uploads_done > done, timeout, f"upload of {manifest['id']}")
+
+
+def bucket(s3: S3Server, namespace: str = "ns1") -> dict[str, Path]:
+    """The objects of a namespace, by key under it (`<id>.json`, `blocks/<name>`)."""
+    root = s3.object_path(f"team/cache/{namespace}")
+    return {str(p.relative_to(root)): p for p in root.rglob("*") if p.is_file()} if root.exists() else {}
+
+
+def blocks_of(manifest: dict[str, Any]) -> dict[str, int]:
+    return Parts.from_json(manifest["parts"]).block_sizes()
+
+
+def store_at(root: Path) -> ConversationStore:
+    """A host's local store (no llama-server: only what a download and `adopt` need)."""
+    root.mkdir(parents=True, exist_ok=True)
+    store = ConversationStore(root, None, dict(FP), fsync=False, ram_staging=False)
+    store.open()
+    return store
+
+
+def local_blocks(root: Path) -> set[str]:
+    """The files in a store's blocks/ (blocks and partial ones), not its marker."""
+    folder = root / "blocks"
+    return {p.name for p in folder.rglob("*") if p.is_file() and p.name != UNCLEAN_NAME} if folder.exists() else set()
+
+
+async def test_a_block_entry_uploads_its_blocks_then_its_manifest_and_a_grown_chat_only_what_is_new(
+    s3: S3Server,
+    make_tier: TierFactory,
+    tmp_path: Path,
+    logs: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each block is an object named by its hash, the manifest (the local one, as it is) comes last; the next
+    save of the grown chat sends only its new blocks (its skeleton and its new cells), looking up only those (the
+    others it sent itself), and another host that saves a chat sharing blocks sends only those the bucket
+    lacks."""
+    a = tmp_path / "host-a"
+    tier = make_tier(s3)
+    first = block_entry(a, "e1", data("skeleton 1", 100), [data("x"), data("y")])
+    await upload_entry(tier, a, first)
+    assert list(tier.journal_dir.iterdir()) == []
+    objects = bucket(s3)
+    assert set(objects) == {"e1.json"} | {f"blocks/{name}" for name in blocks_of(first)}
+    assert json.loads(objects["e1.json"].read_text()) == first  # the local manifest: parts, checksum, bytes
+    for name, size in blocks_of(first).items():
+        assert objects[f"blocks/{name}"].read_bytes() == block_path(a / "blocks", name).read_bytes()
+        assert len(objects[f"blocks/{name}"].read_bytes()) == size
+    assert tier.stats.upload_bytes == sum(blocks_of(first).values()) == first["bytes"]
+    store = RemoteConfig.from_url(URL, s3.env()).store(timedelta(seconds=5), timedelta(seconds=5))
+    metas = {m["path"]: m for m in await obstore.list(store, "ns1/").collect_async()}
+    assert all(metas["ns1/e1.json"]["last_modified"] >= m["last_modified"] for m in metas.values())
+
+    grown = block_entry(a, "e2", data("skeleton 2", 120), [data("x"), data("y"), data("z")])
+    looked_up: list[str] = []
+    head_block = tier.bucket.head_block
+
+    async def counted(namespace: str, name: str) -> Any:
+        looked_up.append(name)
+        return await head_block(namespace, name)
+
+    monkeypatch.setattr(tier.bucket, "head_block", counted)
+    await upload_entry(tier, a, grown)
+    new = {block_hash(data("skeleton 2", 120)), block_hash(data("z"))}
+    assert sorted(looked_up) == sorted(new)
+    assert set(bucket(s3)) == set(objects) | {"e2.json"} | {f"blocks/{name}" for name in new}
+    assert tier.stats.upload_bytes - first["bytes"] == 120 + BLOCK_CELLS * CELL < grown["bytes"]
+    assert re.search(r"remote: entry e2 uploaded: 4\.1 KB in [\d.]+ s \(2 of its 4 blocks, of 12\.1 KB\)", logs.text)
+
+    other = make_tier(s3, journal=tmp_path / "journal-b")  # another host: it knows nothing of the bucket yet
+    b = tmp_path / "host-b"
+    shared = block_entry(b, "f1", data("skeleton 3", 90), [data("x"), data("w")])
+    await upload_entry(other, b, shared)
+    assert other.stats.upload_bytes == 90 + BLOCK_CELLS * CELL  # x was there: looked up, not sent
+    assert len([key for key in bucket(s3) if key.startswith("blocks/")]) == 7
+
+
+async def test_uploads_of_two_entries_at_once_send_a_block_they_share_once(
+    s3: S3Server, make_tier: TierFactory, tmp_path: Path
+) -> None:
+    tier = make_tier(s3)
+    a = tmp_path / "host-a"
+    one = block_entry(a, "e1", data("skeleton 1", 100), [data("x"), data("y")])
+    two = block_entry(a, "e2", data("skeleton 2", 100), [data("x"), data("y"), data("z")])
+    tier.schedule_upload("e1", a / "blocks", one)
+    tier.schedule_upload("e2", a / "blocks", two)
+    await until(lambda: tier.stats.uploads_done == 2, 20, "both uploads")
+    assert tier.stats.upload_bytes == 200 + 3 * BLOCK_CELLS * CELL  # x and y once
+
+
+async def test_a_second_host_downloads_only_the_blocks_it_lacks(
+    s3: S3Server, make_tier: TierFactory, tmp_path: Path, logs: pytest.LogCaptureFixture
+) -> None:
+    """Host B holds the chat's first save (it was fetched earlier, or B saved the same opening); the grown chat
+    saved on host A comes down as its manifest and the blocks B lacks, each checked, and the store holds it:
+    put together from its blocks, it is the file A saved, byte for byte."""
+    a, b = tmp_path / "host-a", tmp_path / "host-b"
+    uploader = make_tier(s3)
+    first = block_entry(a, "e1", data("skeleton 1", 100), [data("x"), data("y")])
+    block_entry(b, "e1", data("skeleton 1", 100), [data("x"), data("y")])
+    grown = block_entry(a, "e2", data("skeleton 2", 120), [data("x"), data("y"), data("z")])
+    for manifest in (first, grown):
+        await upload_entry(uploader, a, manifest)
+    store = store_at(b)
+    assert set(store.entries) == {"e1"}
+    tier = make_tier(s3, journal=tmp_path / "journal-b")
+    match = await tier.find(["k0", "k1", "k2", "k3"], 64)
+    assert match is not None and (match.entry_id, match.matched_blocks) == ("e2", 3)
+    assert await tier.fetch_into(match, store, None) is Fetched.ADOPTED
+    assert set(store.entries) == {"e1", "e2"}
+    assert tier.stats.download_bytes == 120 + BLOCK_CELLS * CELL  # its skeleton and z: x and y were here
+    assert tier.estimated_fetch_seconds(MB) is not None
+    assert local_blocks(b) == local_blocks(a)  # no partial left, nothing else
+    for name in blocks_of(grown):
+        assert block_path(b / "blocks", name).read_bytes() == block_path(a / "blocks", name).read_bytes()
+    assert json.loads((b / "entries" / "e2.json").read_text())["checksum"] == grown["checksum"]
+    parts = Parts.from_json(grown["parts"])
+    assert assemble(b / "blocks", parts, tmp_path / "e2.restored") == grown["checksum"]  # as a restore checks it
+    assert re.search(
+        r"remote: entry e2 fetched: 4\.1 KB in [\d.]+ s \(\S+ \S+/s; 2 of its 4 blocks, of 12\.1 KB\)", logs.text
+    )
+    assert warnings(logs) == []
+
+    # a host with nothing downloads every block; one that holds them all, none
+    c = tmp_path / "host-c"
+    empty = store_at(c)
+    fresh = make_tier(s3, journal=tmp_path / "journal-c")
+    assert await fresh.fetch_into(match, empty, None) is Fetched.ADOPTED
+    assert fresh.stats.download_bytes == grown["bytes"] and local_blocks(c) == set(blocks_of(grown))
+    assert store.entries["e2"].nbytes == empty.entries["e2"].nbytes == grown["bytes"]
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "missing"])
+async def test_a_damaged_remote_block_is_rejected_and_nothing_is_kept(
+    s3: S3Server,
+    make_tier: TierFactory,
+    tmp_path: Path,
+    logs: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    damage: str,
+) -> None:
+    """A block whose bytes are not its name's (same size or not), or that is gone: the entry is rejected in one
+    line and not offered again, no block of it stays in the local store (those that came down before it go
+    again), and the chat starts cold. The next upload that counts on that block writes it again (the bucket is
+    repaired)."""
+    monkeypatch.setattr(remote_tier, "BLOCK_CONCURRENCY", 1)  # in file order: the skeleton and x come first
+    a, b = tmp_path / "host-a", tmp_path / "host-b"
+    uploader = make_tier(s3)
+    manifest = block_entry(a, "e1", data("skeleton 1", 100), [data("x"), data("y"), data("z")])
+    await upload_entry(uploader, a, manifest)
+    y = block_hash(data("y"))
+    damaged = bucket(s3)[f"blocks/{y}"]
+    raw = bytearray(damaged.read_bytes())
+    store = RemoteConfig.from_url(URL, s3.env()).store(timedelta(seconds=5), timedelta(seconds=5))
+    if damage == "flipped":  # behind the server's back
+        raw[len(raw) // 2] ^= 0xFF
+        damaged.write_bytes(bytes(raw))
+    elif damage == "truncated":  # through S3 (rclone caches what it was told of an object's size)
+        await obstore.put_async(store, f"ns1/blocks/{y}", bytes(raw[:1000]))
+    else:
+        await obstore.delete_async(store, f"ns1/blocks/{y}")
+    host = store_at(b)
+    tier = make_tier(s3, journal=tmp_path / "journal-b")
+    match = await tier.find(["k0", "k1", "k2"], 64)
+    assert match is not None
+    assert await tier.fetch_into(match, host, None) is Fetched.FAILED
+    assert host.entries == {} and local_blocks(b) == set()  # what came down before it went again
+    assert not list((b / "entries").iterdir())
+    assert tier.stats.rejected == 1 and tier.stats.download_bytes == 0
+    why = {
+        "flipped": "does not match its name (the xxh3_128 of its bytes)",
+        "truncated": f"has 1000 bytes, its manifest says {BLOCK_CELLS * CELL}",
+        "missing": f"is not in {URL} (pruned?)",
+    }[damage]
+    assert warnings(logs) == [f"remote: entry e1 rejected: its block {y} {why}"]
+    assert await tier.find(["k0", "k1", "k2"], 64) is None  # not offered again
+
+    # host B saves a chat that uses y (its own bytes of it): its upload writes y again
+    mine = block_entry(b, "f1", data("skeleton 9", 100), [data("x"), data("y")])
+    await upload_entry(tier, b, mine)
+    assert bucket(s3)[f"blocks/{y}"].read_bytes() == data("y")
+    reader = make_tier(s3, journal=tmp_path / "journal-c")
+    match = await reader.find(["k0", "k1", "k2"], 64)
+    assert match is not None and match.entry_id == "e1"
+    assert await reader.fetch_into(match, store_at(tmp_path / "host-c"), None) is Fetched.ADOPTED
+
+
+async def test_a_block_gone_before_its_upload_drops_it_and_the_journal_resumes_block_entries(
+    s3: S3Server,
+    make_tier: TierFactory,
+    tmp_path: Path,
+    logs: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An entry superseded (a block of its own removed) before its upload is dropped in one line, nothing of it
+    sent; a journaled upload of an entry kept as blocks resumes at the next start, or is dropped the same way
+    when one of its blocks went meanwhile."""
+    monkeypatch.setattr(remote_uploads, "BLOCK_CONCURRENCY", 1)  # in file order: its last block last
+    a = tmp_path / "host-a"
+    journal = tmp_path / "journal"
+    gone = block_entry(a, "gone", data("skeleton 1", 100), [data("x"), data("q")])
+    q = block_hash(data("q"))
+    block_path(a / "blocks", q).unlink()
+    tier = make_tier(s3, journal=journal)
+    tier.schedule_upload("gone", a / "blocks", gone)
+    await until(lambda: tier.stats.uploads_pending == 0, 10, "the upload to be dropped")
+    assert (tier.stats.uploads_done, tier.stats.uploads_failed) == (0, 0)
+    assert [r.getMessage() for r in logs.records if "dropped" in r.getMessage()] == [
+        f"remote: upload of entry gone dropped: block {q} is gone (superseded or evicted?)"
+    ]
+    assert bucket(s3) == {} and list(journal.iterdir()) == []
+
+    # written to the journal while stopping, resumed by the next run
+    await tier.close(time.monotonic())
+    kept = block_entry(a, "kept", data("skeleton 2", 100), [data("x"), data("y")])
+    lost = block_entry(a, "lost", data("skeleton 3", 100), [data("x"), data("z")])
+    tier.schedule_upload("kept", a / "blocks", kept)
+    tier.schedule_upload("lost", a / "blocks", lost)
+    records = {p.name: json.loads(p.read_text()) for p in journal.iterdir()}
+    assert records["kept.json"] == {"entry_id": "kept", "blocks_dir": str(a / "blocks"), "manifest": kept}
+    block_path(a / "blocks", block_hash(data("z"))).unlink()
+    logs.clear()
+    resumed = make_tier(s3, journal=journal)
+    assert resumed.resume() == 1
+    await until(lambda: resumed.stats.uploads_done == 1, 20, "the resumed upload")
+    assert list(journal.iterdir()) == []
+    assert {"kept.json", *(f"blocks/{name}" for name in blocks_of(kept))} == set(bucket(s3))
+    assert [r.getMessage() for r in logs.records if "dropped" in r.getMessage()] == [
+        f"remote: upload of entry lost dropped: block {block_hash(data('z'))} is gone"
+    ]
+
+
+async def test_a_damaged_local_block_is_never_sent(
+    s3: S3Server, make_tier: TierFactory, tmp_path: Path, logs: pytest.LogCaptureFixture
+) -> None:
+    a = tmp_path / "host-a"
+    manifest = block_entry(a, "e1", data("skeleton 1", 100), [data("x")])
+    x = block_hash(data("x"))
+    path = block_path(a / "blocks", x)
+    raw = bytearray(path.read_bytes())
+    raw[7] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    tier = make_tier(s3)
+    tier.schedule_upload("e1", a / "blocks", manifest)
+    await until(lambda: tier.stats.uploads_pending == 0, 10, "the upload to be dropped")
+    assert warnings(logs) == [
+        f"remote: upload of entry e1 dropped: its local block {x} does not match its name and size (damaged?); not sent"
+    ]
+    assert f"blocks/{x}" not in bucket(s3) and "e1.json" not in bucket(s3)
+
+
+async def test_an_old_block_an_upload_counts_on_is_written_again(
+    s3: S3Server, make_tier: TierFactory, tmp_path: Path
+) -> None:
+    """A block the bucket has had for over a day is written again when a new entry counts on it: a lifecycle rule
+    expiring objects by age does not take it from under the new entry."""
+    a, b = tmp_path / "host-a", tmp_path / "host-b"
+    first = block_entry(a, "e1", data("skeleton 1", 100), [data("x"), data("y")])
+    await upload_entry(make_tier(s3), a, first)
+    x, y = block_hash(data("x")), block_hash(data("y"))
+    old = time.time() - remote_uploads.BLOCK_RENEW_AGE_S - 3600
+    os.utime(bucket(s3)[f"blocks/{x}"], (old, old))
+    later = block_entry(b, "e2", data("skeleton 2", 100), [data("x"), data("y")])
+    tier = make_tier(s3, journal=tmp_path / "journal-b")
+    await upload_entry(tier, b, later)
+    assert tier.stats.upload_bytes == 100 + BLOCK_CELLS * CELL  # its skeleton, and x again; y was young enough
+    assert time.time() - bucket(s3)[f"blocks/{x}"].stat().st_mtime < 600
+    assert time.time() - bucket(s3)[f"blocks/{y}"].stat().st_mtime < 600
+
+
+@pytest.mark.parametrize("flaw", ["no checksum", "bytes not its parts'", "a block name not a hash"])
+async def test_a_block_manifest_without_its_checksum_or_whole_parts_is_never_offered(
+    s3: S3Server, make_tier: TierFactory, tmp_path: Path, logs: pytest.LogCaptureFixture, flaw: str
+) -> None:
+    a = tmp_path / "host-a"
+    manifest = block_entry(a, "e1", data("skeleton 1", 100), [data("x")])
+    await upload_entry(make_tier(s3), a, manifest)
+    reader = make_tier(s3, journal=tmp_path / "journal-b")
+    assert await reader.find(["k0"], 64) is not None
+    parts = manifest["parts"]
+    bad = {
+        "no checksum": {**manifest, "checksum": ""},
+        "bytes not its parts'": {**manifest, "bytes": manifest["bytes"] + 1},
+        "a block name not a hash": {**manifest, "parts": {**parts, "skeleton": "../" + parts["skeleton"][3:]}},
+    }[flaw]
+    store = RemoteConfig.from_url(URL, s3.env()).store(timedelta(seconds=5), timedelta(seconds=5))
+    await obstore.put_async(store, "ns1/e1.json", json.dumps(bad).encode())
+    fresh = make_tier(s3, journal=tmp_path / "journal-c")
+    assert await fresh.find(["k0"], 64) is None
+    assert fresh.stats.rejected == 1
+    assert warnings(logs) == [
+        "remote: entry e1 rejected: its manifest is not an entry's (bytes, and parts and checksum, or sha256)"
+    ]
+
+
+async def test_a_bucket_of_whole_files_is_still_fetched_into_the_store(
+    s3: S3Server, make_tier: TierFactory, tmp_path: Path
+) -> None:
+    """An entry uploaded before blocks (a version-2 manifest with sha256, and its .bin) comes down as its .bin and
+    is taken in as an entry kept whole, beside the entries kept as blocks."""
+    a = tmp_path / "host-a"
+    manifest = block_entry(a, "e1", data("skeleton 1", 100), [data("x"), data("y")])
+    parts = Parts.from_json(manifest["parts"])
+    blocks = {name: block_path(a / "blocks", name).read_bytes() for name in parts.block_sizes()}
+    whole = b"".join(bytes(piece) for piece in pieces(parts, blocks))  # the file, as it was kept before blocks
+    old = {key: value for key, value in manifest.items() if key != "parts"} | {"version": 2, "id": "old1"}
+    bin_path = a / "entries" / "old1.bin"
+    bin_path.write_bytes(whole)
+    await upload(make_tier(s3), bin_path, old)  # as the tier uploaded every entry before blocks
+    assert {"old1.bin", "old1.json"} <= set(bucket(s3))
+    store = store_at(tmp_path / "host-b")
+    tier = make_tier(s3, journal=tmp_path / "journal-b")
+    match = await tier.find(["k0", "k1"], 64)
+    assert match is not None and match.entry_id == "old1"
+    assert await tier.fetch_into(match, store, None) is Fetched.ADOPTED
+    assert store.entries["old1"].parts is None
+    assert (tmp_path / "host-b" / "entries" / "old1.bin").read_bytes() == whole
+    assert tier.stats.download_bytes == len(whole)
 
 
 # ---- configuration ----------------------------------------------------------------------------------------------

@@ -255,7 +255,6 @@ async def open_model(
         snapshots=None if root is None else config.save_dir / SNAPSHOTS_DIR,
         media=MediaBook(facts.media_marker),
         vocabulary=vocabulary,
-        blocks=remote is None,  # the shared tier uploads an entry's file: whole files until it uploads blocks
         ram_staging=options.ram_staging,
     )
     await store.load(scanned)

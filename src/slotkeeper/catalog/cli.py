@@ -21,8 +21,9 @@ from .formats import CatalogError, RemoteFailure, display_path, parse_duration, 
 from .jsontext import dumps_indented
 from .listing import render_listing, render_remote
 from .match import expectation_from_args
-from .prune import prune_dirs, prune_remote, report_removals
+from .prune import prune_dirs, report_removals
 from .records import json_records, remote_json
+from .remote_prune import prune_remote
 from .scan import scan_dir
 from .shared import ENV_REMOTE_STORE, list_remote, remote_config, remote_rows, remote_url
 
@@ -249,7 +250,8 @@ def _prune(parsed: argparse.Namespace, llama_argv: list[str] | None, env: Mappin
     paths = [] if remote else resolve_dirs(parsed.dirs, env)
     now = time.time() if now is None else now
     if remote is not None:
-        failed = report_removals(prune_remote(remote, now, parsed.dry_run, **criteria), parsed.dry_run)
+        outcomes, then = prune_remote(remote, now, parsed.dry_run, **criteria)
+        failed = report_removals(outcomes, parsed.dry_run, then)
     else:
         failed = prune_dirs(
             paths,

@@ -9,7 +9,7 @@ An entry kept as blocks is its manifest: once the manifests went, the blocks no 
 directory names go too, with those no manifest named at all (a crash's). No block is removed while a manifest in
 entries/ cannot be read (it may name any block), nor in a directory a running slotkeeper holds (--force: its
 saves count on the blocks it knows): then only manifests go, and one line says so. Sizes and --max-total count
-bytes on disk, each block once (blockuse.DiskUse).
+bytes on disk, each block once (blockuse.DiskUse). The shared tier's deletions are remote_prune.py's.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..log import fmt_bytes
 from ..store import blockfiles
@@ -31,13 +31,8 @@ from .formats import CatalogError, count, display_path, format_age, say
 from .listed import Kind, Listed
 from .local_rows import FileStat, Row
 from .match import Expectation
-from .remote_rows import RemoteRow
 from .scan import SaveDir, scan_dir
-from .shared import open_bucket, remote_rows, run_remote
 from .statuses import COMPARABLE
-
-if TYPE_CHECKING:
-    from ..remote.s3config import RemoteConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -379,29 +374,3 @@ class BlockSweep:
             "(no manifest uses them)"
         )
         return 1, bool(failures)
-
-
-# ---- the shared tier --------------------------------------------------------------------------------------------
-
-
-def prune_remote(config: RemoteConfig, now: float, dry_run: bool, **criteria: Any) -> list[Outcome]:
-    """List the shared tier, plan, and delete (each manifest first: Bucket.delete)."""
-    from ..remote.bucket import RemoteError
-
-    async def go() -> list[Outcome]:
-        bucket = open_bucket(config)
-        by_namespace = remote_rows(config.url, await bucket.list_all())
-        outcomes: list[Outcome] = []
-        for removal in plan_rows([row for rows in by_namespace.values() for row in rows], now, **criteria):
-            problem = None
-            if not dry_run:
-                row = removal.row
-                assert isinstance(row, RemoteRow)
-                try:
-                    await bucket.delete(row.namespace, row.id)
-                except RemoteError as exc:
-                    problem = str(exc)
-            outcomes.append((removal, problem))
-        return outcomes
-
-    return run_remote(go)

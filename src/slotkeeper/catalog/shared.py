@@ -6,9 +6,10 @@ is given, because obstore is needed for nothing else `ls` and `prune` do.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..store.blockpool import BlockPool
 from ..store.entries import Status, parse_entry
 from ..store.fingerprint import namespace_key
 from .formats import CatalogError, RemoteFailure
@@ -82,10 +83,24 @@ def remote_row(url: str, namespace: str, manifest: dict[str, Any]) -> RemoteRow:
 
 
 def remote_rows(url: str, listing: Mapping[str, list[dict[str, Any]]]) -> dict[str, list[RemoteRow]]:
-    """namespace -> its rows, most recently used first, with short ids told apart within the namespace."""
+    """namespace -> its rows, most recently used first, with short ids told apart within the namespace, and what
+    each entry kept as blocks holds alone there."""
     out: dict[str, list[RemoteRow]] = {}
     for namespace, manifests in sorted(listing.items()):
         rows = sorted((remote_row(url, namespace, m) for m in manifests), key=lambda r: (-r.last_used, r.id))
         assign_short_ids(rows)
+        pool = block_pool(rows)
+        for row in rows:
+            if (parts := row.remote_parts) is not None:
+                row.held = pool.own_bytes(parts)
         out[namespace] = rows
     return out
+
+
+def block_pool(rows: Iterable[RemoteRow]) -> BlockPool:
+    """The blocks these rows (of one namespace) use, by users."""
+    pool = BlockPool()
+    for row in rows:
+        if (parts := row.remote_parts) is not None:
+            pool.acquire(parts)
+    return pool

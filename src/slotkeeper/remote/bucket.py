@@ -2,12 +2,17 @@
 
 Layout under the configured prefix, one folder per model+KV fingerprint (the namespace):
 
-    <prefix>/<namespace>/<entry_id>.bin    llama-server's KV state file, byte for byte
-    <prefix>/<namespace>/<entry_id>.json   the local manifest plus "sha256" and "bytes" of the .bin
+    <prefix>/<namespace>/blocks/<32 hex>   a block (store/blocks.py), named by the xxh3_128 of its bytes
+    <prefix>/<namespace>/<entry_id>.json   an entry kept as blocks: the local manifest (its "parts" name them)
+    <prefix>/<namespace>/<entry_id>.bin    an entry kept whole (as slotkeeper uploaded before blocks)...
+    <prefix>/<namespace>/<entry_id>.json   ...its manifest plus "sha256" and "bytes" of the .bin
 
-The .json is written after the .bin, so it is the commit marker: an entry without one is not there. This client
-is all `slotkeeper ls/prune --remote` need; the daemon's tier (tier.py) adds the index, the verified
-downloads and, through uploads.py, the write-behind queue.
+A block is shared by every entry of the namespace that repeats it and written under its name by whichever host
+uploads it first; a host writing it again writes the same bytes. The .json is written after the entry's blocks
+(or its .bin), so it is the commit marker: an entry without one is not there. Listings use the delimiter, so
+that the blocks are never walked to find the manifests. This client is all `slotkeeper ls/prune --remote`
+need; the daemon's tier (tier.py) adds the index, the verified downloads and, through uploads.py, the
+write-behind queue.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import obstore
 from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
 
 from ..log import log
-from ..store.entries import BIN_SUFFIX, MANIFEST_SUFFIX
+from ..store.blocks import Parts, is_block_name
+from ..store.entries import BIN_SUFFIX, CHECKSUM_ALGORITHM, MANIFEST_SUFFIX
 from .s3config import NAME_RE, RemoteConfig
 
 if TYPE_CHECKING:
@@ -33,6 +39,7 @@ if TYPE_CHECKING:
 
 INDEX_TIMEOUT_S = 60.0  # a whole listing (LIST pages + manifest GETs) gives up after this
 MANIFEST_GET_CONCURRENCY = 8
+BLOCKS_FOLDER = "blocks"  # <namespace>/blocks/<name>
 TRANSFER_MAX = timedelta(hours=24)  # a download is one GET; it is bounded per chunk (stall), not as a whole
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
@@ -75,6 +82,10 @@ class Bucket:
     def key(namespace: str, entry_id: str, suffix: str) -> str:
         return f"{namespace}/{entry_id}{suffix}"
 
+    @staticmethod
+    def block_key(namespace: str, name: str) -> str:
+        return f"{namespace}/{BLOCKS_FOLDER}/{name}"
+
     async def probe(self, namespace: str, timeout_s: float) -> bool:
         """Whether the bucket answers a listing of `namespace` within `timeout_s`; one log line either way.
 
@@ -103,14 +114,17 @@ class Bucket:
         *,
         skip: Collection[str] = (),
         on_invalid: Callable[[str], None] | None = None,
+        unread: set[str] | None = None,
     ) -> dict[str, Listed]:
-        """`namespace/entry_id` -> (e_tag, manifest) of the valid manifests under `prefix` (recursive).
+        """`namespace/entry_id` -> (e_tag, manifest) of the valid manifests under `prefix` ("": every
+        namespace's; "<namespace>/": that one's).
 
         A manifest whose e_tag is that of its `known` listing is not downloaded again; keys in `skip` are left
-        out; `on_invalid` hears of each manifest that is not valid JSON with sha256 and bytes.
+        out; `on_invalid` hears of each manifest that is not a valid entry's (valid_manifest); `unread` gets the
+        namespaces of the manifests that could not be read at all.
         """
         known = known or {}
-        metas = await obstore.list(self._store, prefix or None, chunk_size=1000).collect_async()
+        metas = await self._list_folders(prefix)
         limit = asyncio.Semaphore(MANIFEST_GET_CONCURRENCY)
         unreadable: list[str] = []
 
@@ -131,8 +145,10 @@ class Bucket:
                     return None  # deleted between LIST and GET
                 except Exception as exc:  # noqa: BLE001 - one unreadable manifest must not hide the others
                     unreadable.append(reason(exc, self.request_timeout_s))
+                    if unread is not None:
+                        unread.add(namespace)
                     return None
-            manifest = _valid_manifest(bytes(raw))
+            manifest = valid_manifest(bytes(raw))
             if manifest is None:
                 if on_invalid is not None:
                     on_invalid(key)
@@ -150,17 +166,32 @@ class Bucket:
             )
         return found
 
+    async def _list_folders(self, prefix: str) -> list[ObjectMeta]:
+        """The objects right in `prefix` ("<namespace>/"), or ("") right in each namespace's folder: one
+        delimiter listing each, so that the blocks/ folders are never walked."""
+        if prefix:
+            return list((await obstore.list_with_delimiter_async(self._store, prefix))["objects"])
+        top = await obstore.list_with_delimiter_async(self._store, None)
+        listings = await asyncio.gather(
+            *(obstore.list_with_delimiter_async(self._store, f"{folder}/") for folder in top["common_prefixes"])
+        )
+        return [meta for listing in listings for meta in listing["objects"]]
+
     async def list_all(
         self,
         namespace: str | None = None,
         *,
         skip: Collection[str] = (),
         on_invalid: Callable[[str], None] | None = None,
+        unread: set[str] | None = None,
     ) -> dict[str, list[dict[str, Any]]]:
-        """namespace -> manifests (each with its "entry_id") under the whole prefix, or under one namespace."""
+        """namespace -> manifests (each with its "entry_id") under the whole prefix, or under one namespace;
+        `unread` gets the namespaces of manifests that could not be read."""
         try:
             found = await asyncio.wait_for(
-                self.list_manifests(f"{namespace}/" if namespace else "", skip=skip, on_invalid=on_invalid),
+                self.list_manifests(
+                    f"{namespace}/" if namespace else "", skip=skip, on_invalid=on_invalid, unread=unread
+                ),
                 INDEX_TIMEOUT_S,
             )
         except Exception as exc:  # noqa: BLE001
@@ -172,7 +203,7 @@ class Bucket:
         return out
 
     async def put_manifest(self, namespace: str, entry_id: str, manifest: dict[str, Any]) -> None:
-        """The commit of an upload: the .bin is there already."""
+        """The commit of an upload: the .bin, or every block, is there already."""
         await obstore.put_async(
             self._store, self.key(namespace, entry_id, MANIFEST_SUFFIX), json.dumps(manifest, indent=1).encode()
         )
@@ -194,8 +225,40 @@ class Bucket:
     async def delete_object(self, namespace: str, entry_id: str, suffix: str) -> None:
         await obstore.delete_async(self._store, self.key(namespace, entry_id, suffix))
 
+    # ---- blocks -----------------------------------------------------------------------------------------------
+
+    async def head_block(self, namespace: str, name: str) -> ObjectMeta | None:
+        """The block's size and when it was last written (one HEAD); None when it is not there."""
+        try:
+            return await obstore.head_async(self._store, self.block_key(namespace, name))
+        except FileNotFoundError:
+            return None
+
+    async def list_blocks(self, namespace: str) -> dict[str, ObjectMeta]:
+        """The namespace's blocks, by name (a recursive listing of its blocks/: `slotkeeper prune --remote`)."""
+        metas = await obstore.list(self._store, f"{namespace}/{BLOCKS_FOLDER}/", chunk_size=1000).collect_async()
+        named = ((meta["path"].rpartition("/")[2], meta) for meta in metas)
+        return {name: meta for name, meta in named if is_block_name(name)}
+
+    async def get_block(self, namespace: str, name: str) -> GetResult:
+        """Start a block's download: the answer's head within request_timeout_s, its body streamed by the caller."""
+        return await asyncio.wait_for(
+            obstore.get_async(self._bulk, self.block_key(namespace, name)), self.request_timeout_s
+        )
+
+    def block_writer(self, namespace: str, name: str, part_bytes: int, parts: int) -> AsyncWritableFile:
+        """A block's upload, made an object only when closed (one PUT when it fits in `part_bytes`)."""
+        return obstore.open_writer_async(
+            self._store, self.block_key(namespace, name), buffer_size=part_bytes, max_concurrency=parts
+        )
+
+    async def delete_block(self, namespace: str, name: str) -> None:
+        await obstore.delete_async(self._store, self.block_key(namespace, name))
+
     async def delete(self, namespace: str, entry_id: str) -> None:
-        """Remove an entry: its manifest first, so no reader ever sees a manifest without its data."""
+        """Remove an entry: its manifest first, so no reader ever sees a manifest without its data. The blocks
+        of an entry kept as blocks are left: other entries may use them (`slotkeeper prune --remote` removes
+        those no remaining manifest uses)."""
         try:
             for suffix in (MANIFEST_SUFFIX, BIN_SUFFIX):
                 await self.delete_object(namespace, entry_id, suffix)
@@ -206,20 +269,41 @@ class Bucket:
         log.info("remote: entry %s of namespace %s deleted", entry_id, namespace)
 
 
-def _valid_manifest(raw: bytes) -> dict[str, Any] | None:
+def valid_manifest(raw: bytes) -> dict[str, Any] | None:
+    """A remote manifest, or None when it is not valid JSON of an entry: one kept as blocks ("parts" that
+    describe a file of its "bytes", and the "checksum" that file is checked against at each restore), or one kept
+    whole ("sha256" and "bytes" of its .bin)."""
     try:
         data = json.loads(raw)
     except ValueError:
         return None
-    if (
-        not isinstance(data, dict)
-        or not isinstance(data.get("bytes"), int)
-        or data["bytes"] < 0
-        or not isinstance(data.get("sha256"), str)
-        or not _SHA256_RE.fullmatch(data["sha256"])
-    ):
+    if not isinstance(data, dict) or not isinstance(data.get("bytes"), int) or data["bytes"] < 0:
+        return None
+    if "parts" in data:
+        try:
+            parts = block_parts(data)
+        except (KeyError, TypeError, ValueError):
+            return None
+        checksum = data.get("checksum")
+        whole = isinstance(checksum, str) and checksum.startswith(f"{CHECKSUM_ALGORITHM}:")
+        return data if whole and parts is not None and parts.nbytes == data["bytes"] else None
+    if not isinstance(data.get("sha256"), str) or not _SHA256_RE.fullmatch(data["sha256"]):
         return None
     return data
+
+
+def block_parts(manifest: Mapping[str, Any]) -> Parts | None:
+    """How an entry kept as blocks is made of them (None: an entry kept whole, as a .bin). ValueError (or
+    KeyError, TypeError) for "parts" that are not a whole, consistent description of a file."""
+    data = manifest.get("parts")
+    if data is None:
+        return None
+    return Parts.from_json(data)  # (each block's name checked: 32 hex digits, never a path)
+
+
+def age_s(meta: ObjectMeta) -> float:
+    """Seconds since an object was last written (as the server's clock and ours agree)."""
+    return max(0.0, time.time() - meta["last_modified"].timestamp())
 
 
 def reason(exc: BaseException, timeout_s: float) -> str:

@@ -106,7 +106,7 @@ class EntryFiles(EntryIndex):
         self.recomputable: dict[str, Entry] = {}
         self.unfit: dict[str, Unfit] = {}
         # Saves are kept as blocks (blocks.py), each written once; False: as one file each, as before blocks
-        # (the shared tier, which uploads an entry's file, asks for that).
+        # (tests of that layout, which stores written before blocks still have, ask for it).
         self.keeps_blocks = blocks
         self.blocks_dir = root / BLOCKS_DIR
         self.holdings = Holdings(self.blocks_dir)  # what the entries hold on disk (the one writer of blocks' lives)

@@ -827,7 +827,9 @@ def write_block_entry(
         block_cells=BLOCK_CELLS,
         skeleton=name(directory, skeleton),
         sections=(
-            CellSection(len(cells) * BLOCK_CELLS, (RowRun(16, CELL),), tuple(name(directory, c) for c in cells)),
+            CellSection.of_runs(
+                len(cells) * BLOCK_CELLS, (RowRun(16, CELL),), tuple(name(directory, c) for c in cells)
+            ),
         ),
     )
     entry = Entry(

@@ -473,7 +473,9 @@ def block_entry(save_dir: Path, entry_id: str, skeleton: bytes, cells: list[byte
         nbytes=len(skeleton) + len(cells) * BLOCK_CELLS * CELL,
         block_cells=BLOCK_CELLS,
         skeleton=block_hash(skeleton),
-        sections=(CellSection(len(cells) * BLOCK_CELLS, (RowRun(16, CELL),), tuple(block_hash(c) for c in cells)),),
+        sections=(
+            CellSection.of_runs(len(cells) * BLOCK_CELLS, (RowRun(16, CELL),), tuple(block_hash(c) for c in cells)),
+        ),
     )
     digest = xxhash.xxh3_128()
     for piece in pieces(parts, blocks):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,17 +49,53 @@ def is_block_name(name: str) -> bool:
     return len(name) == HASH_HEX and all(c in "0123456789abcdef" for c in name)
 
 
+RUN_GAP = 12  # bytes between two runs of a stream: the next layer's type and row size (or element size, width)
+_SHAPES: dict[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]] = {}  # one object per model's layout
+
+
+def _shared_shape(shape: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """The one object for this layout: a store of 20,000 entries of one model holds it once, not per entry."""
+    return _SHAPES.setdefault(shape, shape)
+
+
 @dataclass(frozen=True, slots=True)
 class CellSection:
-    """One KV stream's cells: where each layer's runs lie in the file, and the cell blocks, in order."""
+    """One KV stream's cells and its cell blocks, in order. Where its runs lie is `start` (the first run's
+    offset) and `shape` (each run's bytes per cell and groups, shared by every entry of a model): in a stream,
+    run follows run with RUN_GAP bytes of the next layer's header between them (statelayout reads them so).
+    Why not the runs themselves: 52 run objects per entry of a 26-layer model were most of a 20,000-entry
+    store's memory."""
 
     cells: int
-    runs: tuple[RowRun, ...]
+    start: int
+    shape: tuple[tuple[int, int], ...]  # (size, groups) per run
     blocks: tuple[str, ...]
+
+    @classmethod
+    def of_runs(cls, cells: int, runs: tuple[RowRun, ...], blocks: tuple[str, ...]) -> CellSection:
+        """The section of these runs; ValueError when they do not follow one another as a stream's do."""
+        at = runs[0].offset if runs else 0
+        for run in runs:
+            if run.offset != at:
+                raise ValueError("runs that do not follow one another")
+            at = run.offset + run.groups * cells * run.size + RUN_GAP
+        return cls(cells, runs[0].offset if runs else 0, _shared_shape(tuple((r.size, r.groups) for r in runs)), blocks)
+
+    @property
+    def runs(self) -> Iterator[RowRun]:
+        at = self.start
+        for size, groups in self.shape:
+            yield RowRun(at, size, groups)
+            at += groups * self.cells * size + RUN_GAP
 
     @property
     def cell_bytes(self) -> int:
-        return sum(run.size * run.groups for run in self.runs)
+        return sum(size * groups for size, groups in self.shape)
+
+    @property
+    def end(self) -> int:
+        """Where its last run ends."""
+        return self.start + self.cells * self.cell_bytes + RUN_GAP * (len(self.shape) - 1) if self.shape else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +115,9 @@ class Parts:
         """Each block with its size, in file order (a block may come more than once)."""
         yield self.skeleton, self.skeleton_bytes
         for section in self.sections:
+            cell_bytes = section.cell_bytes
             for k, name in enumerate(section.blocks):
-                yield name, _cells_in(section.cells, self.block_cells, k) * section.cell_bytes
+                yield name, _cells_in(section.cells, self.block_cells, k) * cell_bytes
 
     def block_sizes(self) -> dict[str, int]:
         """The distinct blocks and their sizes."""
@@ -91,11 +129,7 @@ class Parts:
             "block_cells": self.block_cells,
             "skeleton": self.skeleton,
             "sections": [
-                {
-                    "cells": s.cells,
-                    "runs": [[run.offset, run.size, run.groups] for run in s.runs],
-                    "blocks": list(s.blocks),
-                }
+                {"cells": s.cells, "start": s.start, "shape": [list(x) for x in s.shape], "blocks": list(s.blocks)}
                 for s in self.sections
             ],
         }
@@ -106,15 +140,16 @@ class Parts:
         sections = tuple(
             CellSection(
                 cells=int(s["cells"]),
-                runs=tuple(RowRun(int(o), int(z), int(g)) for o, z, g in s["runs"]),
-                blocks=tuple(str(b) for b in s["blocks"]),
+                start=int(s["start"]),
+                shape=_shared_shape(tuple((int(size), int(groups)) for size, groups in s["shape"])),
+                blocks=tuple(sys.intern(str(b)) for b in s["blocks"]),
             )
             for s in data["sections"]
         )
         parts = cls(
             nbytes=int(data["bytes"]),
             block_cells=int(data["block_cells"]),
-            skeleton=str(data["skeleton"]),
+            skeleton=sys.intern(str(data["skeleton"])),
             sections=sections,
         )
         parts.check()
@@ -126,7 +161,7 @@ class Parts:
             self.nbytes,
             self.block_cells,
             self.skeleton,
-            tuple((s.cells, tuple((r.offset, r.size, r.groups) for r in s.runs), s.blocks) for s in self.sections),
+            tuple((s.cells, s.start, s.shape, s.blocks) for s in self.sections),
         )
 
     @classmethod
@@ -135,10 +170,15 @@ class Parts:
         return cls(
             nbytes=nbytes,
             block_cells=block_cells,
-            skeleton=skeleton,
+            skeleton=sys.intern(skeleton),
             sections=tuple(
-                CellSection(cells=cells, runs=tuple(RowRun(*r) for r in runs), blocks=tuple(blocks))
-                for cells, runs, blocks in sections
+                CellSection(
+                    cells=cells,
+                    start=start,
+                    shape=_shared_shape(tuple(map(tuple, shape))),
+                    blocks=tuple(map(sys.intern, blocks)),
+                )
+                for cells, start, shape, blocks in sections
             ),
         )
 
@@ -152,10 +192,9 @@ class Parts:
                 is_block_name(b) for b in section.blocks
             ):
                 raise ValueError(f"{len(section.blocks)} blocks for {section.cells} cells")
-            for run in section.runs:
-                if run.offset < end or run.size < 1 or run.groups < 1:
-                    raise ValueError("runs out of order")
-                end = run.offset + run.groups * section.cells * run.size
+            if section.start < end or any(size < 1 or groups < 1 for size, groups in section.shape):
+                raise ValueError("runs out of order")
+            end = section.end
         if end > self.nbytes or self.skeleton_bytes < 0:
             raise ValueError("runs past the end of the file")
 
@@ -184,7 +223,9 @@ def cut(path: Path | str, keep: Callable[[str, Buffer], None], *, block_cells: i
     skeleton: saved all the same, only not shared."""
     try:
         _, streams = read_layout(path)
-    except StateFileError:
+        for stream in streams:
+            CellSection.of_runs(stream.cells, stream.runs, ())  # (ValueError: not a stream's runs as it knows them)
+    except (StateFileError, ValueError):
         streams = ()
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -228,7 +269,7 @@ def _cut(
             name = block_hash(data)
             keep(name, data)
             names.append(name)
-        sections.append(CellSection(cells=stream.cells, runs=stream.runs, blocks=tuple(names)))
+        sections.append(CellSection.of_runs(stream.cells, stream.runs, tuple(names)))
     return Parts(nbytes=size, block_cells=block_cells, skeleton=skeleton_name, sections=tuple(sections))
 
 

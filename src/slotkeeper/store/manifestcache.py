@@ -32,7 +32,7 @@ from .layout import ENTRIES_DIR
 
 CACHE_NAME = "manifests.cache"  # in the save directory, beside entries/
 MAGIC = b"slotkeeper manifest cache\n"
-CACHE_VERSION = 7
+CACHE_VERSION = 8
 CHUNK_ROWS = 1000  # rows per marshal frame
 FORMAT = (CACHE_VERSION, marshal.version, tuple(sys.version_info[:2]))
 

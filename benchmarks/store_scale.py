@@ -183,18 +183,25 @@ def synthesize(seed: Path, target: Path, total: int, now: float) -> int:
     entries = target / "entries"
     entries.mkdir(parents=True)
     (target / "snapshots").mkdir()
-    templates: list[tuple[dict[str, object], Path]] = []
+    templates: list[tuple[dict[str, object], Path | None]] = []
     count = 0
+    if (seed / "blocks").is_dir():  # entries kept as blocks: the copies share the seed's (hard links)
+        for block in (seed / "blocks").glob("*/*"):
+            (target / "blocks" / block.parent.name).mkdir(parents=True, exist_ok=True)
+            os.link(block, target / "blocks" / block.parent.name / block.name)
     for manifest_path in sorted((seed / "entries").glob("*.json")):
-        bin_path = manifest_path.with_suffix(".bin")
-        if not bin_path.is_file():
+        data = json.loads(manifest_path.read_text())
+        bin_path: Path | None = manifest_path.with_suffix(".bin")
+        if data.get("parts") is not None:
+            bin_path = None
+        elif bin_path is None or not bin_path.is_file():
             continue
-        os.link(bin_path, entries / bin_path.name)
+        else:
+            os.link(bin_path, entries / bin_path.name)
         shutil.copy2(manifest_path, entries / manifest_path.name)
         count += 1
-        data = json.loads(manifest_path.read_text())
         if not data.get("opening") and data.get("blocks"):
-            templates.append((data, entries / bin_path.name))
+            templates.append((data, None if bin_path is None else entries / bin_path.name))
     if not templates:
         raise SystemExit(f"the seed run saved no chat to copy; see {seed.parent / 'seed.log'}")
 
@@ -220,7 +227,8 @@ def synthesize(seed: Path, target: Path, total: int, now: float) -> int:
             "saved_at": used - rng.uniform(0, 3600),
             "last_used": used,
         }
-        os.link(bin_path, entries / f"{entry_id}.bin")
+        if bin_path is not None:
+            os.link(bin_path, entries / f"{entry_id}.bin")
         (entries / f"{entry_id}.json").write_text(json.dumps(manifest, separators=(",", ":")), encoding="utf-8")
         count += 1
     return count

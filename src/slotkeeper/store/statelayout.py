@@ -147,11 +147,6 @@ class CellData:
     cells: int
     runs: tuple[RowRun, ...]
 
-    @property
-    def cell_bytes(self) -> int:
-        """Bytes one cell holds across the runs."""
-        return sum(run.size * run.groups for run in self.runs)
-
 
 def _rows_difference(a: tuple[Rows, ...], b: tuple[Rows, ...]) -> str:
     if len(a) != len(b):

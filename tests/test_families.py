@@ -10,6 +10,7 @@ restore must never change what the model answers.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -217,3 +218,24 @@ def test_a_chat_with_tool_calls_comes_back_warm_and_its_tool_result_is_a_boundar
     sk3 = family_start(family)
     timings = chat.turn(sk3.port)
     assert chat.reused_enough(timings), (timings, chat.previous_prompt_tokens, sk3.logs()[-4000:])
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen35-thinking-off"])
+def test_a_start_restores_by_when_chats_were_used_not_when_they_were_saved(family_start, name):
+    """Two chats, the longer one used last; a stop saves the most recent first, so the other is saved later.
+    The next start restores the one used last into slot 0 and keeps it over the other when a new chat needs a
+    slot: its next turn is warm where it stayed, with no restore."""
+    family = FAMILIES[name]
+    sk = family_start(family, "-np", "2")
+    older, recent = (Chat(n, family.request, system=f"You are assistant {n}.", facts=f) for n, f in ((1, 15), (2, 45)))
+    older.turn(sk.port)
+    recent.turn(sk.port)
+    swap_out(sk)
+    sk = family_start(family, "-np", "2")
+    restored = re.findall(r"chat \w+ restored into slot (\d): ([\d,]+) tokens", sk.logs())
+    by_slot = {int(slot): int(tokens.replace(",", "")) for slot, tokens in restored}
+    assert len(by_slot) == 2 and by_slot[0] > by_slot[1], sk.logs()[-3000:]  # `recent` is the longer
+    Chat(3, family.request, system="Hi.", facts=0).turn(sk.port)  # short (parks nothing): takes the older's slot
+    timings = recent.turn(sk.port)
+    assert recent.reused_enough(timings), (timings, sk.logs()[-3000:])
+    assert len(re.findall(r"restored into slot", sk.logs())) == 2, sk.logs()[-3000:]

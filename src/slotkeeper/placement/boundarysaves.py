@@ -61,8 +61,9 @@ class BoundarySaves:
             return None, False  # before the restored state: the slot cannot go back there
         key = exact_key(tokens)
         existing = self.store.find_exact(key) if boundary.whole else None
+        used_at = self.table.used_at(slot)
         if existing is not None:
-            self.store.touch(existing)
+            self.store.touch(existing, used_at)
             return existing, False
         reached, result = await self.reach_and_save(
             slot,
@@ -71,6 +72,7 @@ class BoundarySaves:
             message_keys=message_keys_of(chat, turn.history),
             supersedes=self._older_boundary,
             opening=is_opening(turn),
+            used_at=used_at,
         )
         if reached is None or result is None:
             log.warning("slot %d not saved (%s): llama-server did not take it to its turn boundary", slot.id, why)
@@ -110,11 +112,12 @@ class BoundarySaves:
         supersedes: Supersedes,
         opening: bool,
         marks_boundary: bool = True,
+        used_at: float | None = None,
     ) -> tuple[Reached | None, SaveResult | None]:
         """Bring the slot to exactly the boundary (`key`), unless it is there already (`Reached` with no time
         spent), and save it as a boundary entry, which the slot then holds; (None, None) when llama-server did
         not take it there. Turn boundaries and openings are saved alike (and recomputed chats, which mark no boundary
-        unless their old entry did: `marks_boundary`)."""
+        unless their old entry did: `marks_boundary`). `used_at`: when its chat was last used (else now)."""
         tokens = boundary.token_ids
         if slot.exact == key and boundary.whole:  # brought there once its turn was over, or by the last save
             reached = Reached(n_tokens=len(tokens), prefilled=0, seconds=0.0)
@@ -135,6 +138,7 @@ class BoundarySaves:
             supersedes=supersedes,
             opening=opening,
             marks_boundary=marks_boundary,
+            used_at=used_at,
         )
         if result.entry is not None:
             entry = result.entry

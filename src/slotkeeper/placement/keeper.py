@@ -146,7 +146,7 @@ class Keeper(BoundarySaves):
 
     async def restore_into(self, slot: Slot, entry: Entry, *, on_demand: bool = True) -> RestoreOutcome:
         """Restore an entry into the slot; the slot then holds it, unchanged since saved."""
-        result = await self.store.restore(entry, slot.id)
+        result = await self.store.restore(entry, slot.id, used=on_demand)
         if not result.ok:
             self.table.cleared(slot)
             if result.outcome is not RestoreOutcome.QUARANTINED:  # (a quarantine has its own line)
@@ -157,7 +157,7 @@ class Keeper(BoundarySaves):
                     result.reason,
                 )
             return result.outcome
-        self.table.restored(slot, entry, extend_only=self.rules.extend_only)
+        self.table.restored(slot, entry, extend_only=self.rules.extend_only, on_demand=on_demand)
         self.metrics.on_demand_restores += on_demand
         pictures = f" with {len(entry.images)} picture(s)" if entry.images else ""
         log.info(
@@ -233,7 +233,10 @@ class Keeper(BoundarySaves):
         except (ConnectionError, TypeError, ValueError):
             pass  # the save itself will say what is wrong
         return await self.store.save_slot(
-            slot.id, expected_bytes=self._expected_bytes(held), message_keys=slot.last_request.message_keys
+            slot.id,
+            expected_bytes=self._expected_bytes(held),
+            message_keys=slot.last_request.message_keys,
+            used_at=self.table.used_at(slot),
         )
 
     async def _save_boundaries(self, slot: Slot, why: str, live: bool) -> bool:

@@ -76,6 +76,12 @@ class SlotTable:
         self._clock = max(self._clock + 1e-6, time.monotonic())
         return self._clock
 
+    @staticmethod
+    def used_at(slot: Slot) -> float:
+        """When the slot was last used, in wall-clock seconds: what its saved entry records as its last use (a
+        save's own time would order chats by when they were saved, and a stop saves the most recent first)."""
+        return time.time() - max(0.0, time.monotonic() - slot.last_used)
+
     # ---- reservation ----------------------------------------------------------------------------------------
 
     def reserve(self, slot: Slot) -> Slot:
@@ -101,15 +107,19 @@ class SlotTable:
         if entry is not None:
             slot.label = entry.short
 
-    def restored(self, slot: Slot, entry: Entry, *, extend_only: bool) -> None:
+    def restored(self, slot: Slot, entry: Entry, *, extend_only: bool, on_demand: bool = True) -> None:
         """The entry was restored into it: it holds that, unchanged since saved; on an extend-only model,
-        requests must extend it."""
+        requests must extend it. Restored for a request, the slot is used now; restored at start, it was last
+        used when its chat was (the most recent chat in slot 0 is not the least recently used slot)."""
         self.held(slot, entry, entry.keys, entry.n_tokens, entry.exact)
         slot.last_request = RequestKey(message_keys=tuple(entry.message_keys))
         slot.chat = slot.reply = None
         if extend_only:
             slot.restored, slot.restored_extended = entry, False
-        slot.last_used = self.tick()
+        if on_demand:
+            slot.last_used = self.tick()
+        else:
+            slot.last_used = time.monotonic() - max(0.0, time.time() - entry.last_used)
 
     def reached(self, slot: Slot, tokens: Sequence[int]) -> None:
         """llama-server brought it to exactly these tokens (a turn boundary), its content otherwise unchanged."""

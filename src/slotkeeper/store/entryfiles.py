@@ -290,9 +290,10 @@ class EntryFiles(EntryIndex):
                 remove_pair(self.entries_dir, name)
         return None
 
-    def touch(self, entry: Entry) -> None:
-        """Mark an entry used now (for LRU eviction); its manifest is rewritten in the background."""
-        entry.last_used = time.time()
+    def touch(self, entry: Entry, at: float | None = None) -> None:
+        """Mark an entry used now, or at `at` if that is later than its last use (for LRU eviction); its manifest
+        is rewritten in the background."""
+        entry.last_used = time.time() if at is None else max(entry.last_used, at)
         if entry.id not in self.entries:
             return
         future = asyncio.ensure_future(

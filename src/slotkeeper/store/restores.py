@@ -36,18 +36,27 @@ from .staging import Staged
 class Restores(EntryFiles):
     """The restore protocol, over the store's entries."""
 
-    async def restore(self, entry: Entry, slot_id: int) -> RestoreResult:
+    async def restore(self, entry: Entry, slot_id: int, *, used: bool = True) -> RestoreResult:
         """Load `entry` into slot `slot_id`: kept as blocks, put together and checked first (`_restore_blocks`);
         kept as one file, through a transient hard link (the entry itself stays out of reach).
 
         A file is checked against its checksum while llama-server reads it (in a thread, on the other core:
         checked first, the check cost 63% of a restore of a 123 MB entry; alongside, nothing measurable), and the
         result is known before this returns, that is before any request may run in the slot. A file that
-        changed on disk is quarantined and the slot erased: no request ever runs on that state.
+        changed on disk is quarantined and the slot erased: no request ever runs on that state. `used`: a
+        request wants it (the entry is marked used now); not at start, where recency must stay its chat's.
         """
         assert self.client is not None
-        if entry.parts is not None:
-            return await self._restore_blocks(entry, slot_id)
+        result = await (
+            self._restore_blocks(entry, slot_id) if entry.parts is not None else self._restore_file(entry, slot_id)
+        )
+        if used and result.ok:
+            self.touch(entry)
+        return result
+
+    async def _restore_file(self, entry: Entry, slot_id: int) -> RestoreResult:
+        """An entry kept as one file, through a transient hard link."""
+        assert self.client is not None
         link = transient_path(self.snapshots_dir)
         source = pair_paths(self.entries_dir, entry.id)[0]
         started = time.monotonic()
@@ -119,7 +128,6 @@ class Restores(EntryFiles):
         self.metrics.restored(elapsed, nbytes, tokens)
         if reading > 0:
             self.restore_bytes_per_s = nbytes / reading
-        self.touch(entry)
         return RestoreResult(outcome=RestoreOutcome.RESTORED, n_tokens=tokens, nbytes=nbytes, seconds=elapsed)
 
     async def _assembled(self, entry: Entry) -> Staged | RestoreResult:

@@ -43,6 +43,7 @@ class Saves(EntryFiles):
         supersedes: Callable[[Entry, Entry], bool] | None = None,
         opening: bool = False,
         marks_boundary: bool = True,
+        used_at: float | None = None,
     ) -> SaveResult:
         """Save what slot `slot_id` holds as a new entry; the entries it supersedes are then removed (by
         default those it extends, `extends`; the caller's policy otherwise).
@@ -50,7 +51,8 @@ class Saves(EntryFiles):
         With `boundary`, the slot must hold exactly those tokens (a turn boundary; a whole chat recomputed when
         not `marks_boundary`): a file holding anything else is not committed. A boundary with pictures not known
         yet (`media.MediaBoundary`) is checked once the file has shown them. Cancellation (a budget) at any point
-        leaves no partial file and every previous entry intact.
+        leaves no partial file and every previous entry intact. `used_at`: when the slot's chat was last used
+        (wall clock), its entry's place in least-recently-used order; else now.
         """
         assert self.client is not None
         started = time.monotonic()
@@ -97,6 +99,7 @@ class Saves(EntryFiles):
                 marks_boundary=marks_boundary,
                 opening=opening,
                 save_ms=save_ms,
+                used_at=used_at,
             )
             commit = self._commit(transient, entry)
             try:
@@ -167,6 +170,7 @@ class Saves(EntryFiles):
         marks_boundary: bool = True,
         opening: bool,
         save_ms: float | None,
+        used_at: float | None,
     ) -> Entry:
         """The complete entry a saved file makes, before its commit; StateFileError when it is not the boundary
         it must be. Its pictures teach the media book first (here, on the event loop), so that a boundary with
@@ -186,7 +190,7 @@ class Saves(EntryFiles):
             nbytes=nbytes,
             keys=saved.keys,
             saved_at=now,
-            last_used=now,
+            last_used=now if used_at is None else min(used_at, now),
             fingerprint=self.fingerprint,
             seq_version=header.version,
             layout=header.layout,

@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import typing
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from hypothesis import strategies as st
 from slotkeeper.cmdline import ConfigError, executable, find_llama_server, parse_llama_args, plan_launch
 from slotkeeper.config import Options, build_run_config, plain_options
 from slotkeeper.llama.supervisor import make_endpoint, remove_stale_runtime_dirs
+from slotkeeper.portable import VARIABLE as PORTABLE_VARIABLE
 
 
 def env_for(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -147,9 +150,18 @@ def test_llama_server_is_found_where_shutil_which_finds_it(tmp_path, monkeypatch
     assert find_llama_server(f"{second / 'tool'} --flag", {}) == [str(second / "tool"), "--flag"]
 
 
-def test_the_childs_runtime_directory_is_private_and_stale_ones_are_removed(tmp_path, monkeypatch):
+@pytest.fixture
+def short_tmp() -> typing.Iterator[Path]:
+    """A directory with a short path, as $TMPDIR is (pytest's tmp_path leaves a socket no room: see below)."""
+    path = Path(tempfile.mkdtemp(prefix="sk", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_the_childs_runtime_directory_is_private_and_stale_ones_are_removed(short_tmp, monkeypatch):
     """A slotkeeper that was SIGKILLed leaves its runtime directory (named after its pid) in $TMPDIR; the next
     start removes it, and no other."""
+    tmp_path = short_tmp
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     gone = subprocess.Popen(["true"])
     gone.wait()
@@ -167,10 +179,68 @@ def test_the_childs_runtime_directory_is_private_and_stale_ones_are_removed(tmp_
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted([runtime_dir.name, living.name, unrelated.name])
 
 
-def test_a_read_only_temporary_directory_is_one_clear_error(tmp_path, read_only):
+@pytest.mark.parametrize("portable", [False, True])
+def test_a_socket_path_too_long_for_the_platform_goes_to_tmp(short_tmp, monkeypatch, portable):
+    """A unix socket's path has 107 bytes on Linux, 103 on macOS: in a $TMPDIR that leaves the socket 104 to 107
+    bytes, the runtime directory is made there on Linux and in /tmp in the portable mode; in a longer one, in
+    /tmp on both. The next start's housekeeping looks in both places."""
+    monkeypatch.setenv(PORTABLE_VARIABLE, "1" if portable else "0")
+    socket_tail = len(f"/slotkeeper-{os.getpid()}-{'0' * 12}/llama-server.sock")
+    for length, in_tmp in ((106 - socket_tail, portable), (110 - socket_tail, True)):
+        base = short_tmp / f"{length}"
+        base = base / ("d" * (length - len(str(base)) - 1))
+        base.mkdir(parents=True)
+        assert len(str(base)) == length
+        monkeypatch.setenv("TMPDIR", str(base))
+        endpoint = make_endpoint(False)
+        try:
+            assert Path(endpoint.runtime_dir).parent == (Path("/tmp") if in_tmp else base), (
+                length,
+                endpoint.socket_path,
+            )
+            assert endpoint.socket_path is not None and len(endpoint.socket_path) <= (103 if portable else 107)
+        finally:
+            os.rmdir(endpoint.runtime_dir)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = Path("/tmp") / f"slotkeeper-{gone.pid}-x"
+    stale.mkdir()
+    remove_stale_runtime_dirs()  # (with $TMPDIR the long one)
+    assert not stale.exists()
+
+
+def test_no_directory_short_enough_for_the_socket_is_one_clear_error(tmp_path):
+    """A $TMPDIR too long for a socket's path and no /tmp: one line that says how long it would be and what to
+    do, exit 2, no llama-server started."""
+    mark, base = tmp_path / "started", tmp_path / ("d" * 120)
+    base.mkdir()
+    start = (
+        "import slotkeeper.llama.supervisor as supervisor, sys; supervisor.SHORT_TEMP_DIR = '/nonexistent'; "
+        "from slotkeeper.cli import main; sys.exit(main())"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", start, "-m", "m.gguf", "--slot-save-path", str(tmp_path / "c")],
+        capture_output=True,
+        text=True,
+        env={**env_for(tmp_path), "TMPDIR": str(base), "LLAMA_SERVER": f"sh -c 'touch {mark}' sh"},
+        cwd=tmp_path,
+        timeout=30,
+    )
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert re.fullmatch(
+        rf"slotkeeper: error: llama-server's socket path {re.escape(str(base))}/slotkeeper-\d+-\w+/llama-server.sock "
+        r"would be \d+ bytes, over the 107 a unix socket's path may have here: set TMPDIR to a shorter directory "
+        r"\(or give slotkeeper --child-tcp\)",
+        line,
+    ), line
+    assert not mark.exists() and not list(base.iterdir())
+
+
+def test_a_read_only_temporary_directory_is_one_clear_error(tmp_path, short_tmp, read_only):
     """The child's socket directory goes in $TMPDIR: a read-only one (a real EROFS) is one line, exit 2, and no
     llama-server was started (LLAMA_SERVER would leave a mark)."""
-    temporary, mark = tmp_path / "tmp", tmp_path / "started"
+    temporary, mark = short_tmp / "tmp", tmp_path / "started"
     temporary.mkdir()
     with read_only(temporary):
         proc = subprocess.run(

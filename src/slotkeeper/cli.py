@@ -102,18 +102,21 @@ def run(argv: list[str]) -> int:
 
     from .llama.supervisor import (
         ChildProcess,
+        SocketPathTooLongError,
         make_endpoint,
         remove_runtime_dir,
         remove_stale_runtime_dirs,
-        temp_dir,
     )
 
     try:
         endpoint = make_endpoint(raw_flag(plan.own, "child_tcp"))
+    except SocketPathTooLongError as exc:  # a long $TMPDIR, and no /tmp
+        print(f"slotkeeper: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except OSError as exc:  # a read-only or full temporary directory
         reason = exc.strerror or exc
         print(
-            f"slotkeeper: error: cannot create llama-server's socket directory in {temp_dir()}: {reason} "
+            f"slotkeeper: error: cannot create llama-server's socket directory in {exc.filename}: {reason} "
             "(set TMPDIR to a writable directory)",
             file=sys.stderr,
         )

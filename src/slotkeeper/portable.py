@@ -12,6 +12,11 @@ from __future__ import annotations
 import os
 import sys
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (mypy reads the name alike)
+if TYPE_CHECKING:
+    from typing import Any
+
+
 VARIABLE = "SLOTKEEPER_PORTABLE"  # "1": the paths of a platform without Linux's own calls, on Linux too
 
 
@@ -58,15 +63,51 @@ def read_ahead(fd: int, offset: int, length: int) -> bool:
     return True
 
 
+_exit_queues: dict[int, Any] = {}  # kqueues by descriptor, held open until close_exit_descriptor
+
+
 def exit_descriptor(pid: int) -> int | None:
-    """A descriptor that becomes readable when the process exits (Linux's pidfd); None elsewhere (the
-    supervisor then polls its child every 50 ms)."""
-    if portable() or not hasattr(os, "pidfd_open"):
+    """A descriptor that becomes readable when the child `pid` exits: Linux's pidfd; on macOS and the BSDs a
+    kqueue with the process's NOTE_EXIT (it is readable while an event is pending); None where there is neither,
+    or the process is gone already (the supervisor then polls its child every 50 ms). The portable mode on Linux
+    has no kqueue: it polls."""
+    if not portable() and hasattr(os, "pidfd_open"):
+        try:
+            return os.pidfd_open(pid)
+        except OSError:
+            return None
+    import select
+
+    kq: Any = select  # (typed as Linux's select, which has no kqueue: the portable mode on Linux polls)
+    if not hasattr(kq, "kqueue"):
         return None
+    queue = kq.kqueue()
     try:
-        return os.pidfd_open(pid)
-    except OSError:
+        exit_event = kq.kevent(
+            pid, filter=kq.KQ_FILTER_PROC, flags=kq.KQ_EV_ADD | kq.KQ_EV_ONESHOT, fflags=kq.KQ_NOTE_EXIT
+        )
+        queue.control([exit_event], 0, 0)
+    except OSError:  # (ESRCH: it exited before it was watched; the poll sees that at once)
+        queue.close()
         return None
+    fd = int(queue.fileno())
+    _exit_queues[fd] = queue
+    return fd
+
+
+def close_exit_descriptor(fd: int) -> None:
+    """Close what exit_descriptor returned."""
+    queue = _exit_queues.pop(fd, None)
+    if queue is not None:
+        queue.close()
+    else:
+        os.close(fd)
+
+
+def socket_path_limit() -> int:
+    """The bytes a unix socket's path may have: sun_path is 108 bytes on Linux, 104 on macOS and the BSDs, the
+    last one the path's terminating NUL."""
+    return 103 if portable() else 107
 
 
 def ram_filesystems() -> list[str]:

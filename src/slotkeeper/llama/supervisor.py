@@ -20,7 +20,13 @@ import signal
 import sys
 import time
 
-from ..portable import exit_descriptor, portable, set_parent_death_signal
+from ..portable import (
+    close_exit_descriptor,
+    exit_descriptor,
+    portable,
+    set_parent_death_signal,
+    socket_path_limit,
+)
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (mypy reads the name alike)
 if TYPE_CHECKING:  # asyncio is imported after the child is spawned: its import would delay the model load
@@ -30,6 +36,7 @@ RUNTIME_DIR_PREFIX = "slotkeeper-"
 CHILD_SOCKET_NAME = "llama-server.sock"
 MAX_FD = os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 1 << 16
 TEMP_DIR_VARIABLES = ("TMPDIR", "TEMP", "TMP")  # tempfile.gettempdir()'s, in its order
+SHORT_TEMP_DIR = "/tmp"
 # The watch: SIGTERM, SIGINT and SIGHUP ignored (llama-swap's group signals, slotkeeper's stop), so that only
 # the end of its pipe (slotkeeper gone) or a SIGKILL of the group ends it; then it kills its group.
 WATCH_SCRIPT = "trap '' TERM INT HUP; read -r _; kill -s KILL 0"
@@ -68,14 +75,44 @@ class ChildEndpoint:
 def temp_dir() -> str:
     """tempfile.gettempdir()'s choice where it matters: $TMPDIR (or $TEMP, $TMP) if a directory, else /tmp."""
     chosen = (os.environ.get(name) for name in TEMP_DIR_VARIABLES)
-    return next((path for path in chosen if path and os.path.isdir(path)), "/tmp")
+    return next((path for path in chosen if path and os.path.isdir(path)), SHORT_TEMP_DIR)
+
+
+def runtime_bases() -> list[str]:
+    """Where runtime directories are made: the temporary directory, then /tmp, for a socket whose path would
+    not fit in the temporary directory (macOS's $TMPDIR, /var/folders/…/T/, takes half of its 104 bytes)."""
+    base = temp_dir()
+    return [base] if base == SHORT_TEMP_DIR or not os.path.isdir(SHORT_TEMP_DIR) else [base, SHORT_TEMP_DIR]
+
+
+class SocketPathTooLongError(OSError):
+    """No runtime directory gives llama-server's socket a path short enough for the platform."""
+
+    def __init__(self, path: str, limit: int) -> None:
+        super().__init__(
+            f"llama-server's socket path {path} would be {len(os.fsencode(path))} bytes, over the {limit} a unix "
+            "socket's path may have here: set TMPDIR to a shorter directory (or give slotkeeper --child-tcp)"
+        )
 
 
 def make_endpoint(tcp: bool) -> ChildEndpoint:
     """A fresh runtime directory (0700, named after our pid so stale ones can be recognised, with a random
-    part as tempfile.mkdtemp's) and an address in it."""
-    runtime_dir = os.path.join(temp_dir(), f"{RUNTIME_DIR_PREFIX}{os.getpid()}-{os.urandom(6).hex()}")
-    os.mkdir(runtime_dir, 0o700)  # (48 random bits: no name is taken twice)
+    part as tempfile.mkdtemp's) and an address in it: in the first base (runtime_bases) where the socket's
+    path fits. OSError (its filename: the base) when the directory cannot be made."""
+    name = f"{RUNTIME_DIR_PREFIX}{os.getpid()}-{os.urandom(6).hex()}"  # (48 random bits: never taken twice)
+    bases = runtime_bases()
+    if not tcp:
+        limit = socket_path_limit()
+        fitting = [b for b in bases if len(os.fsencode(os.path.join(b, name, CHILD_SOCKET_NAME))) <= limit]
+        if not fitting:
+            raise SocketPathTooLongError(os.path.join(bases[0], name, CHILD_SOCKET_NAME), limit)
+        bases = fitting
+    runtime_dir = os.path.join(bases[0], name)
+    try:
+        os.mkdir(runtime_dir, 0o700)
+    except OSError as exc:
+        exc.filename = bases[0]
+        raise
     if not tcp:
         return ChildEndpoint(runtime_dir=runtime_dir, socket_path=os.path.join(runtime_dir, CHILD_SOCKET_NAME))
     import socket
@@ -97,11 +134,13 @@ def remove_stale_runtime_dirs() -> None:
     """Runtime directories left by a slotkeeper that was SIGKILLed (its pid no longer exists); run after the
     spawn, which need not wait for it. Housekeeping only: a directory it cannot list (made unreadable since
     our own was made in it) is left as it is, not a reason to stop the start."""
-    try:
-        with os.scandir(temp_dir()) as found:
-            candidates = [entry for entry in found if entry.name.startswith(RUNTIME_DIR_PREFIX)]
-    except OSError:
-        return
+    candidates = []
+    for base in runtime_bases():
+        try:
+            with os.scandir(base) as found:
+                candidates += [entry for entry in found if entry.name.startswith(RUNTIME_DIR_PREFIX)]
+        except OSError:
+            continue
     for entry in candidates:
         pid_text, dash, _ = entry.name[len(RUNTIME_DIR_PREFIX) :].partition("-")
         if not dash or not pid_text.isdigit() or not entry.is_dir():  # (ours is alive: kept)
@@ -220,7 +259,7 @@ class ChildProcess:
 
         def on_exit() -> None:
             loop.remove_reader(pidfd)
-            os.close(pidfd)
+            close_exit_descriptor(pidfd)
             code = self._reap(0)
             assert code is not None  # waited for
             self._resolve(code)

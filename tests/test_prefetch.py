@@ -10,14 +10,57 @@ import secrets
 import time
 from pathlib import Path
 
+from slotkeeper.store.blockfiles import block_path
+from slotkeeper.store.blocks import CellSection, Parts
 from slotkeeper.store.conversations import ConversationStore
 from slotkeeper.store.entries import Entry, pair_paths, write_json_atomic
-from slotkeeper.store.prescan import prefetch, prefetch_budget, prescan, recent_chats
+from slotkeeper.store.prescan import chat_files, prefetch, prefetch_budget, prescan, recent_chats
 
 FINGERPRINT = {"model": "m.gguf", "n_ctx": 4096}
 SERVER = {"path": "/bin/llama-server", "size": 1, "mtime": 2}
 FILE_BYTES = 20 << 20  # over the 8 MiB one read-ahead call reads here: the whole file must be asked for
 PAGE = mmap.PAGESIZE
+
+
+def write_durably(path: Path, nbytes: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(os.urandom(nbytes))
+        f.flush()
+        os.fsync(f.fileno())  # clean pages: the kernel can drop them (POSIX_FADV_DONTNEED) for the test
+
+
+def write_block_entry(root: Path, *, last_used: float) -> tuple[str, list[Path]]:
+    """An entry kept as blocks (a skeleton and two cell blocks, a store's layout since blocks), and its block
+    files."""
+    cell_bytes, block_cells, cells = 32 << 10, 256, 384  # blocks of 8 MiB and 4 MiB
+    names = [secrets.token_hex(16) for _ in range(3)]
+    parts = Parts(
+        nbytes=PAGE + cells * cell_bytes,
+        block_cells=block_cells,
+        skeleton=names[0],
+        sections=(CellSection(cells=cells, start=PAGE, shape=((cell_bytes, 1),), blocks=tuple(names[1:])),),
+    )
+    parts.check()
+    entry = Entry(
+        id=secrets.token_hex(8),
+        n_tokens=cells,
+        nbytes=parts.nbytes,
+        keys=[],
+        saved_at=last_used,
+        last_used=last_used,
+        fingerprint=dict(FINGERPRINT),
+        seq_version=4,
+        layout="packed-1",
+        server=dict(SERVER),
+        parts=parts,
+    )
+    files = []
+    for name, size in parts.block_sizes().items():
+        files.append(block_path(root / "blocks", name))
+        write_durably(files[-1], size)
+    write_json_atomic(pair_paths(root / "entries", entry.id)[1], entry.manifest(), fsync=False)
+    return entry.id, files
 
 
 def write_entry(root: Path, *, last_used: float, opening: bool = False) -> str:
@@ -35,10 +78,7 @@ def write_entry(root: Path, *, last_used: float, opening: bool = False) -> str:
         opening=opening,
     )
     bin_path, manifest_path = pair_paths(root / "entries", entry.id)
-    with open(bin_path, "wb") as f:
-        f.write(os.urandom(FILE_BYTES))
-        f.flush()
-        os.fsync(f.fileno())  # clean pages: the kernel can drop them (POSIX_FADV_DONTNEED) for the test
+    write_durably(bin_path, FILE_BYTES)
     write_json_atomic(manifest_path, entry.manifest(), fsync=False)
     return entry.id
 
@@ -120,9 +160,35 @@ def test_what_does_not_fit_the_budget_is_left_to_the_restore(tmp_path: Path) -> 
     for path in files:
         evict(path)
     assert 0 < prefetch_budget() < os.sysconf("SC_PHYS_PAGES") * PAGE
-    assert prefetch(tmp_path, [first, second], FILE_BYTES + PAGE) == 1
+    assert prefetch([[path] for path in files], FILE_BYTES + PAGE) == 1
     whole = FILE_BYTES // PAGE
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and resident_pages(files[0]) < whole:
         time.sleep(0.01)
     assert [resident_pages(path) for path in files] == [whole, 0]
+
+
+def test_a_chat_kept_as_blocks_is_read_ahead_block_by_block(tmp_path: Path) -> None:
+    """Since the store keeps chats as blocks, a start reads ahead the blocks of the chats it restores (each
+    block once), beside the one file of a chat saved before blocks."""
+    ConversationStore(tmp_path, None, FINGERPRINT).open()
+    now = time.time()
+    as_blocks, blocks = write_block_entry(tmp_path, last_used=now)
+    whole_file = write_entry(tmp_path, last_used=now - 1)
+    files = [*blocks, tmp_path / "entries" / f"{whole_file}.bin"]
+    for path in files:
+        evict(path)
+    if any(resident_pages(path) for path in files):  # a file system that keeps them (tmpfs)
+        raise AssertionError(f"{tmp_path} keeps evicted pages: this test needs a disk-backed file system")
+    assert chat_files(tmp_path, prescan(tmp_path, SERVER, 0).found.pairs, [as_blocks, whole_file]) == [
+        blocks,
+        files[-1:],
+    ]
+
+    prescan(tmp_path, SERVER, 2)
+
+    wanted = [(path.stat().st_size + PAGE - 1) // PAGE for path in files]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and [resident_pages(path) for path in files] != wanted:
+        time.sleep(0.01)
+    assert [resident_pages(path) for path in files] == wanted, "the restored chats' blocks were not read ahead"

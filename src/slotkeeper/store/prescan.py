@@ -15,6 +15,7 @@ load, on the path to ready; read ahead meanwhile, it overlaps the load.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import os
 import threading
@@ -24,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from ..portable import available_memory, read_ahead
+from .blockfiles import block_path
+from .blocks import Parts
 from .entries import BIN_SUFFIX, Entry, Status, judge
 from .index import EntryIndex
-from .layout import ENTRIES_DIR
+from .layout import BLOCKS_DIR, ENTRIES_DIR
 from .scan import Found, scan_entries
 
 READ_AHEAD_STEP = 128 << 10  # bytes per read-ahead request (prefetch): the smallest device read-ahead in use
@@ -48,8 +51,9 @@ def prescan(root: Path, server: dict[str, Any], slots: int) -> Prescan:
     store.server_identity). None of this makes cycles: run mode keeps the collector off until it is done
     (cli.run), so that no collection walks the entries as they are built."""
     found = scan_entries(root)
+    recent = recent_chats(found.pairs, slots)
     reading = threading.Thread(
-        target=prefetch, args=(root, recent_chats(found.pairs, slots), prefetch_budget()), daemon=True
+        target=prefetch, args=(chat_files(root, found.pairs, recent), prefetch_budget()), daemon=True
     )
     reading.start()
     guess = last_fingerprint(found.pairs)
@@ -81,8 +85,30 @@ def recent_chats(pairs: Sequence[Pair], count: int) -> list[str]:
     return [entry_id for used, entry_id in ranked if used >= 0]
 
 
-def prefetch(root: Path, entry_ids: list[str], budget: int) -> int:
-    """Start reading these entries' files into the page cache (POSIX_FADV_WILLNEED), as many as fit in
+def chat_files(root: Path, pairs: Sequence[Pair], entry_ids: list[str]) -> list[list[Path]]:
+    """Per entry, in the order given, the files a restore reads: its blocks (each once), or its one file
+    (an entry of a store before blocks, or a manifest that does not say)."""
+    wanted = {entry_id: data for entry_id, data, _ in pairs if entry_id in set(entry_ids)}
+    files = []
+    for entry_id in entry_ids:
+        data = wanted.get(entry_id)
+        parts: Parts | None = None
+        try:
+            if isinstance(data, Entry):
+                parts = data.parts
+            elif isinstance(data, dict) and data.get("parts") is not None:
+                parts = Parts.from_json(data["parts"])
+        except (KeyError, TypeError, ValueError):
+            parts = None  # (its verdict is the store's open's: here it is only not read ahead as blocks)
+        if parts is None:
+            files.append([root / ENTRIES_DIR / f"{entry_id}{BIN_SUFFIX}"])
+        else:
+            files.append([block_path(root / BLOCKS_DIR, name) for name in parts.block_sizes()])
+    return files
+
+
+def prefetch(chats: list[list[Path]], budget: int) -> int:
+    """Start reading these chats' files into the page cache (POSIX_FADV_WILLNEED), as many chats as fit in
     `budget` bytes; returns how many were asked for. A guess that misses costs a read, never a verdict.
 
     The budget (`prefetch_budget`) keeps the chats from pushing the model, which llama-server is reading at
@@ -93,24 +119,27 @@ def prefetch(root: Path, entry_ids: list[str], budget: int) -> int:
     file was in the page cache in ~0.15 s, where reading it through took ~0.3 s; the calls block ~50 ms while
     the reads are queued, hence a thread of their own (`prescan`)."""
     asked = 0
-    for entry_id in entry_ids:
+    for files in chats:
+        opened: list[tuple[int, int]] = []
         try:
-            fd = os.open(root / ENTRIES_DIR / f"{entry_id}{BIN_SUFFIX}", os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            size = os.fstat(fd).st_size
+            for path in files:
+                with contextlib.suppress(OSError):  # (missing: the restore says so, not this)
+                    fd = os.open(path, os.O_RDONLY)
+                    opened.append((fd, os.fstat(fd).st_size))
+            size = sum(n for _, n in opened)
             if size > budget:
                 continue
             budget -= size
-            for offset in range(0, size, READ_AHEAD_STEP):
-                if not read_ahead(fd, offset, READ_AHEAD_STEP):
-                    return asked  # no posix_fadvise here: nothing is read ahead
+            for fd, n in opened:
+                for offset in range(0, n, READ_AHEAD_STEP):
+                    if not read_ahead(fd, offset, READ_AHEAD_STEP):
+                        return asked  # no posix_fadvise here: nothing is read ahead
             asked += 1
-        except OSError:  # a file system that cannot read ahead: the restore reads the file as before
+        except OSError:  # a file system that cannot read ahead: the restore reads the files as before
             pass
         finally:
-            os.close(fd)
+            for fd, _ in opened:
+                os.close(fd)
     return asked
 
 

@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from .cmdline import ConfigError, lock_save_dir, plan_launch, raw_flag
+from .cmdline import ConfigError, info_command, lock_save_dir, plan_launch, raw_flag
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 70
@@ -88,12 +88,16 @@ def run(argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: early_signals.append(signum))
 
-    dotenv_file = os.path.join(os.getcwd(), ".env")
-    if os.path.isfile(dotenv_file):  # python-dotenv costs ~50 ms to import: only when there is a .env to read
-        from dotenv import load_dotenv
-
-        load_dotenv(dotenv_file, override=False)
     try:
+        load_dotenv_file()
+        if (command := info_command(argv, os.environ)) is not None:
+            # Straight to llama-server, which prints and exits 0: run as a daemon, it would listen on the public
+            # port and create and lock a save directory (either may clash with a slotkeeper already serving), then
+            # report the exit during startup as a failure.
+            try:
+                os.execv(command[0], command)
+            except OSError as exc:
+                return cannot_start(command[0], exc)
         plan = plan_launch(argv, os.environ)
         lock_save_dir(plan.save_dir)  # held until the process exits
     except ConfigError as exc:
@@ -167,6 +171,26 @@ def run(argv: list[str]) -> int:
             return EXIT_INTERNAL
     finally:
         remove_runtime_dir(endpoint.runtime_dir)
+
+
+def load_dotenv_file() -> None:
+    """The current directory's .env, when there is one (none when that directory has been removed)."""
+    try:
+        dotenv_file = os.path.join(os.getcwd(), ".env")
+    except OSError:  # the current directory deleted: llama-server runs there, and so does slotkeeper
+        return
+    if not os.path.isfile(dotenv_file):  # python-dotenv costs ~50 ms to import: only when there is a .env to read
+        return
+    from dotenv import load_dotenv
+
+    try:
+        load_dotenv(dotenv_file, override=False)
+    except OSError as exc:
+        raise ConfigError(f"cannot read .env: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError("cannot read .env: not UTF-8 text") from None
+    except ValueError as exc:  # a value os.environ refuses (a NUL byte)
+        raise ConfigError(f"cannot read .env: {exc}") from None
 
 
 def cannot_start(binary: str, exc: OSError) -> int:

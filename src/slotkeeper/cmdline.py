@@ -73,6 +73,10 @@ MODELS_MAX_FLAGS = frozenset({"--models-max"})  # taken over in router mode: slo
 MODELS_AUTOLOAD_FLAGS = {"--models-autoload": True, "--no-models-autoload": False}
 SLOTS_ENDPOINT_FLAGS = {"--slots": True, "--no-slots": False}
 IDLE_SLOT_CACHE_FLAGS = {"--cache-idle-slots": True, "--no-cache-idle-slots": False}
+# Flags with which llama-server only prints something and exits (--license in newer builds than some).
+INFO_FLAGS = frozenset(
+    {"-h", "--help", "--usage", "--version", "--license", "--list-devices", "--completion-bash", "-cl", "--cache-list"}
+)
 
 _VALUE_FLAGS = (
     HOST_FLAGS
@@ -296,7 +300,10 @@ def find_llama_server(explicit: str | None, env: Env) -> list[str]:
         else:
             import shlex  # only for a command line, as the tests' stub is given
 
-            command = shlex.split(explicit)
+            try:
+                command = shlex.split(explicit)
+            except ValueError:  # an unbalanced quote: most likely a path with an apostrophe that does not exist
+                command = []
         resolved = executable(command[0]) if command else None
         if not resolved:
             raise ConfigError(f"llama-server {explicit!r} not found or not executable")
@@ -337,8 +344,11 @@ def default_save_dir(llama: LlamaArgs, env: Env) -> str:
     """A per-model directory under the XDG cache, so persistence works with zero configuration."""
     import hashlib  # here: its OpenSSL library is a cold read the spawn need not wait for when a path is given
 
-    identity = os.path.realpath(llama.model) if llama.model else (llama.hf_repo or "default")
-    digest = hashlib.sha256(identity.encode()).hexdigest()[:8]
+    try:
+        identity = os.path.realpath(llama.model) if llama.model else (llama.hf_repo or "default")
+    except OSError:  # a relative path, and the current directory removed (realpath's getcwd)
+        raise ConfigError(f"cannot resolve model path {llama.model}: the current directory no longer exists") from None
+    digest = hashlib.sha256(os.fsencode(identity)).hexdigest()[:8]  # a path's bytes, not UTF-8 text
     return os.path.join(cache_root(env), f"{llama.model_label}-{digest}")
 
 
@@ -411,6 +421,16 @@ class LaunchPlan:
         return {name: value for name, value in env.items() if name not in CHILD_ENV_REMOVED}
 
 
+def info_command(argv: list[str], env: Env) -> list[str] | None:
+    """The llama-server command to run in slotkeeper's place when its arguments ask it only to print something
+    and exit (--version, --help, --list-devices...); None when they do not."""
+    own_argv, llama_argv = split_argv(argv)
+    if INFO_FLAGS.isdisjoint(_normalize(arg) for arg in llama_argv):
+        return None
+    own = parse_own_options(own_argv, env)
+    return [*find_llama_server(own.get("llama_server") or None, env), *llama_argv]  # type: ignore[arg-type]
+
+
 def plan_launch(argv: list[str], env: Env) -> LaunchPlan:
     """Read the command line far enough to start llama-server; ConfigError (one line) on bad input."""
     own_argv, llama_argv = split_argv(argv)
@@ -422,6 +442,8 @@ def plan_launch(argv: list[str], env: Env) -> LaunchPlan:
             api_keys += read_api_key_file(llama.api_key_file)
         except OSError as exc:
             raise ConfigError(f"cannot read --api-key-file {llama.api_key_file}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"cannot read --api-key-file {llama.api_key_file}: not UTF-8 text") from None
     child_args = list(llama.passthrough)
     if llama.idle_slot_cache is None and not raw_flag(own, "llama_idle_slot_caching"):
         # With llama-server's default, idle slots are moved out of the KV cache when a new task starts, and a

@@ -123,7 +123,7 @@ def test_unwritable_save_dir(tmp_path):
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "entries").write_text("")  # a file where the store's folder goes
-    with pytest.raises(ConfigError, match=r"cannot prepare slot save directory .*: File exists"):
+    with pytest.raises(ConfigError, match=r"cannot prepare slot save directory .*/entries is not a directory"):
         build_run_config(["--slot-save-path", str(taken)], env_for(tmp_path))
 
 

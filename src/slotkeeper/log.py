@@ -20,20 +20,31 @@ def _with_model(message: str) -> str:
     return f"model {model}: {message}" if model else message
 
 
+def _traceback(formatter: logging.Formatter, record: logging.LogRecord) -> str | None:
+    """The traceback a call with `exc_info` asked for (only ever with --log-level debug: one line per event
+    otherwise)."""
+    if record.exc_info and log.isEnabledFor(logging.DEBUG):
+        return formatter.formatException(record.exc_info)
+    return None
+
+
 class PlainFormatter(logging.Formatter):
-    """`slotkeeper: slot 0 restored: ...`, with the level named only when it is not plain info."""
+    """`slotkeeper: slot 0 restored: ...`, with the level named only when it is not plain info (in debug, a
+    traceback asked for follows on its own lines)."""
 
     def format(self, record: logging.LogRecord) -> str:
         message = _with_model(record.getMessage().replace("\n", " "))
-        if record.levelno == logging.INFO:
-            return f"slotkeeper: {message}"
-        return f"slotkeeper: {record.levelname.lower()}: {message}"
+        level = "" if record.levelno == logging.INFO else f"{record.levelname.lower()}: "
+        line = f"slotkeeper: {level}{message}"
+        trace = _traceback(self, record)
+        return f"{line}\n{trace}" if trace else line
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line for log shippers."""
+    """One JSON object per line for log shippers (in debug, a traceback asked for is its "exc")."""
 
     def format(self, record: logging.LogRecord) -> str:
+        trace = _traceback(self, record)
         return json.dumps(
             {
                 "ts": round(time.time(), 3),
@@ -41,6 +52,7 @@ class JsonFormatter(logging.Formatter):
                 "logger": LOGGER_NAME,
                 "msg": record.getMessage(),
                 **({"model": MODEL.get()} if MODEL.get() else {}),
+                **({"exc": trace} if trace else {}),
             },
             ensure_ascii=False,
         )

@@ -102,8 +102,7 @@ class RemoteConfig:
             or None
         )
         if endpoint is not None:
-            parts = urlsplit(endpoint)
-            if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
+            if not _endpoint_ok(endpoint):
                 raise ValueError(f"the S3 endpoint must look like http(s)://host[:port] (got {endpoint!r})")
             endpoint = endpoint.rstrip("/")
         region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or conf.get("region") or None
@@ -151,6 +150,16 @@ def _parse_s3_url(url: str) -> tuple[str, str]:
     if prefix and not all(NAME_RE.fullmatch(seg) for seg in prefix.split("/")):
         raise ValueError(f"--remote-store: prefix {prefix!r} must be /-separated names of A-Z a-z 0-9 . _ -")
     return parts.netloc, prefix
+
+
+def _endpoint_ok(endpoint: str) -> bool:
+    """http(s)://host[:port], the port in 1-65535: one out of range would panic in obstore's signer."""
+    try:
+        parts = urlsplit(endpoint)
+        port = parts.port  # ValueError when not a number in 0-65535 (as for a bad [IPv6] host in urlsplit)
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and not parts.path.strip("/") and port != 0
 
 
 def _read_ini(path: Path, variable: str, sections: set[str]) -> dict[str, str] | None:

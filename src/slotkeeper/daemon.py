@@ -26,7 +26,7 @@ from .llama.client import LlamaClient
 from .llama.policy import CachePolicy
 from .llama.sleep import POLL_S, ChildSleep, save_after
 from .llama.supervisor import ChildProcess
-from .log import MODEL, fmt_bytes, fmt_ms, log
+from .log import MODEL, describe_error, fmt_bytes, fmt_ms, log
 from .metrics import Metrics
 from .model import Model, open_model, read_server_facts
 from .proxy.hook import CompletionHook
@@ -42,15 +42,6 @@ EXIT_OK = 0
 EXIT_FORCED = 1
 EXIT_STARTUP_FAILED = 1
 FORCED_STOP_TIMEOUT_S = 0.5  # a second signal: the child gets this long after SIGTERM before SIGKILL
-
-
-def describe_error(exc: BaseException) -> str:
-    """An unexpected error in a few words for its one log line: `[Errno 30] Read-only file system`,
-    `KeyError: 'id'` (an OSError says what it is; other errors need their type to mean anything)."""
-    text = str(exc)
-    if isinstance(exc, OSError) and text:
-        return text
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class State(enum.Enum):

@@ -78,3 +78,12 @@ def fmt_bytes(n: int) -> str:
 
 def fmt_ms(seconds: float) -> str:
     return f"{seconds * 1000:,.0f} ms"
+
+
+def describe_error(exc: BaseException) -> str:
+    """An unexpected error in a few words for its one log line: `[Errno 30] Read-only file system`,
+    `KeyError: 'id'` (an OSError says what it is; other errors need their type to mean anything)."""
+    text = str(exc)
+    if isinstance(exc, OSError) and text:
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -8,6 +8,8 @@ would exceed it first saves the least recently used model's changed slots and un
 from __future__ import annotations
 
 import json
+import random
+import re
 import shutil
 import subprocess
 import sys
@@ -226,3 +228,39 @@ def test_with_autoload_off_a_model_not_loaded_gets_the_routers_answer(starter, l
     assert wait_until(lambda: statuses(sk.port)["a"] == "loaded", 30), statuses(sk.port)
     assert http_call(sk.port, "POST", "/v1/chat/completions", ask).status == 200
     assert "model a: ready for its first request" in sk.logs(), sk.logs()[-3000:]
+
+
+def test_a_model_whose_file_fails_to_load_gets_the_routers_error_at_once(
+    starter, llama_server, family_models, tmp_path
+):
+    """bad.gguf is no GGUF: its child exits as it loads, and the router marks it failed. A request for it gets
+    the router's own 500 at once (not after --startup-timeout), each time it is asked for, with one plain log
+    line each; a request for another model, sent while bad loads, does not wait behind it."""
+    models = models_dir(tmp_path, family_models)
+    (models / "bad.gguf").write_bytes(random.Random(0).randbytes(64 * 1024))
+    sk = starter(llama_server, ["--models-dir", str(models), *ROUTER])(own=("--startup-timeout", "60"))
+    ask = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4, "temperature": 0}
+    assert http_call(sk.port, "POST", "/v1/chat/completions", {"model": "a", **ask}).status == 200
+    on_b: dict = {}
+
+    def ask_b() -> None:
+        on_b["reply"] = http_call(
+            sk.port, "POST", "/v1/chat/completions", {"model": "b", **ask, **NO_THINKING}, timeout=LONG_S
+        )
+
+    for attempt in range(2):
+        other = threading.Thread(target=ask_b) if attempt == 0 else None
+        started = time.monotonic()
+        if other is not None:
+            other.start()
+        bad = http_call(sk.port, "POST", "/v1/chat/completions", {"model": "bad", **ask}, timeout=LONG_S)
+        took = time.monotonic() - started
+        assert bad.status == 500 and "failed to load" in str(bad.body), (attempt, bad.status, bad.body)
+        assert took < 5, (attempt, took, sk.logs()[-3000:])
+        if other is not None:
+            other.join(LONG_S)
+            assert on_b["reply"].status == 200, (on_b["reply"].body, sk.logs()[-3000:])
+        assert http_call(sk.port, "POST", "/v1/chat/completions", {"model": "a", **ask}).status == 200
+    own = [line for line in sk.logs().splitlines() if line.startswith("slotkeeper: ") and "bad" in line]
+    assert len(own) == 2 and all(line.startswith("slotkeeper: warning: model bad: ") for line in own), own
+    assert not [line for line in own if re.search(r"\w+Error\(|Error:", line)], own

@@ -21,14 +21,14 @@ import re
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .chat.apis import api_of
 from .config import RunConfig
 from .idlesaves import Activity
 from .llama.client import LlamaClient
 from .llama.policy import CachePolicy
-from .log import MODEL, fmt_ms, log
+from .log import MODEL, describe_error, fmt_ms, log
 from .metrics import Metrics
 from .model import Model, ServerFacts, open_model, read_server_facts
 from .proxy.hook import Placed
@@ -39,6 +39,19 @@ STATUS_POLL_S = 0.05
 LOADED = frozenset({"loaded", "loading"})  # what counts against --models-max
 MAX_UNLOADS = 64  # _make_room's bound: each turn unloads one model
 UNLOAD_TIMEOUT_S = 60.0
+
+
+class ModelStatus(NamedTuple):
+    """One model's status as the router's GET /models reports it: `value` (`loaded`, `loading`, `unloaded`,
+    `sleeping`, ...), and whether its child exited with an error (`failed`, `unloaded` with `exit_code`)."""
+
+    value: str
+    failed: bool = False
+    exit_code: int | None = None
+
+
+class LoadFailed(Exception):
+    """The router's child for a model exited as it loaded (a file that is no model, too little memory...)."""
 
 
 def store_dir(save_dir: Path, name: str) -> Path:
@@ -82,8 +95,11 @@ class Router:
             if path in MODEL_ACTIONS:
                 return await self._model_action(path, name, body)
             model = await self.ready(name)
+        except LoadFailed as exc:  # (the router tries it again for this request, and answers its own error)
+            log.warning("model %s: %s; the router answers the request", name, exc)
+            return Placed(body)
         except Exception as exc:  # noqa: BLE001 - the request goes on as it came; the router answers it
-            log.warning("model %s: not made ready (%r); the request goes on as it came", name, exc)
+            log.warning("model %s: not made ready (%s); the request goes on as it came", name, describe_error(exc))
             return Placed(body)
         if model is None:
             return Placed(body)
@@ -150,14 +166,19 @@ class Router:
         async with self._lock:
             if model_id in self.models:
                 return self.models[model_id]
-            status = (await self._statuses()).get(model_id)
+            known = (await self._statuses()).get(model_id)
+            status = known.value if known else None
             if status not in LOADED and not self.config.models_autoload:
                 return None
             await self._make_room(model_id)  # (one the router loaded itself counts too)
             if status not in LOADED:
-                await self._load(model_id)
+                await self._load(model_id)  # (a model that failed before is tried again, as the router would)
             if status != "loaded":
-                await self._until(model_id, {"loaded"}, self.config.options.startup_timeout)
+                reached = await self._until(model_id, {"loaded"}, self.config.options.startup_timeout)
+                if reached.failed:
+                    raise LoadFailed(
+                        f"the router could not load it (its llama-server exited with status {reached.exit_code})"
+                    )
             model = await self._open(model_id)
             self.models[model_id] = model
             return model
@@ -166,8 +187,11 @@ class Router:
         """`ready()` for a load a client asked for: nobody awaits it, so its failure is its one line."""
         try:
             return await self.ready(model_id)
+        except LoadFailed as exc:
+            log.warning("model %s: %s", model_id, exc)
+            return None
         except Exception as exc:  # noqa: BLE001 - the model's first request tries again
-            log.warning("model %s: not opened after its load (%r)", model_id, exc)
+            log.warning("model %s: not opened after its load (%s)", model_id, describe_error(exc))
             return None
 
     async def _open(self, model_id: str) -> Model:
@@ -198,7 +222,7 @@ class Router:
         if limit <= 0:
             return
         for _ in range(MAX_UNLOADS):
-            loaded = [m for m, state in (await self._statuses()).items() if state in LOADED and m != incoming]
+            loaded = [m for m, state in (await self._statuses()).items() if state.value in LOADED and m != incoming]
             if len(loaded) < limit:
                 return
             ours = [m for m in self.models if m != incoming]
@@ -240,31 +264,42 @@ class Router:
         if not reply.ok:
             log.warning("model %s: the router did not unload it: %s", model_id, reply.error)
             return
-        await self._until(model_id, {"unloaded", "failed"}, UNLOAD_TIMEOUT_S)
+        await self._until(model_id, {"unloaded"}, UNLOAD_TIMEOUT_S)
 
     async def _load(self, model_id: str) -> None:
         reply = await self.client.call_json("POST", "/models/load", {"model": model_id})
         if not reply.ok:
             raise ConnectionError(f"the router did not load {model_id}: {reply.error}")
 
-    async def _until(self, model_id: str, states: set[str], timeout: float) -> None:
-        """Until the router reports the model in one of `states`."""
+    async def _until(self, model_id: str, states: set[str], timeout: float) -> ModelStatus:
+        """Until the router reports the model in one of `states`, or failed (its child exited with an error: no
+        state comes after that until it is loaded again); the status it reported then."""
         deadline = time.monotonic() + timeout
-        while (await self._statuses()).get(model_id) not in states:
+        while True:
+            status = (await self._statuses()).get(model_id)
+            if status is not None and (status.value in states or status.failed):
+                return status
             if time.monotonic() > deadline:
                 raise TimeoutError(f"model {model_id} not {' or '.join(sorted(states))} after {timeout:g} s")
             await asyncio.sleep(STATUS_POLL_S)
 
-    async def _statuses(self) -> dict[str, str]:
-        """Each model's id -> its status (`loaded`, `loading`, `unloaded`, ...), from the router's GET /models;
-        the aliases are learnt on the way."""
+    async def _statuses(self) -> dict[str, ModelStatus]:
+        """Each model's id -> its status, from the router's GET /models; the aliases are learnt on the way."""
         reply = await self.client.call_json("GET", "/models")
         data = reply.body.get("data") if reply.ok and isinstance(reply.body, dict) else None
-        statuses: dict[str, str] = {}
+        statuses: dict[str, ModelStatus] = {}
         for item in data if isinstance(data, list) else ():
-            model_id, status = item.get("id"), (item.get("status") or {}).get("value")
+            if not isinstance(item, dict):
+                continue
+            model_id, status = item.get("id"), item.get("status")
+            status = status if isinstance(status, dict) else {}
             if isinstance(model_id, str):
-                statuses[model_id] = str(status)
+                exit_code = status.get("exit_code")
+                statuses[model_id] = ModelStatus(
+                    str(status.get("value")),
+                    status.get("failed") is True,
+                    exit_code if isinstance(exit_code, int) else None,
+                )
                 self._aliases[model_id] = model_id
                 for alias in item.get("aliases") or ():
                     if isinstance(alias, str):

@@ -120,6 +120,8 @@ def test_unwritable_save_dir(tmp_path):
     blocker.write_text("")
     with pytest.raises(ConfigError, match="cannot create slot save directory"):
         build_run_config(["--slot-save-path", str(blocker / "sub")], env_for(tmp_path))
+    with pytest.raises(ConfigError, match=r"slot save path .*/file is not a directory \(a file is in the way\)$"):
+        build_run_config(["--slot-save-path", str(blocker)], env_for(tmp_path))
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "entries").write_text("")  # a file where the store's folder goes

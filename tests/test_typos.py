@@ -148,3 +148,17 @@ def test_informational_flags_behave_as_plain_llama_server(tmp_path, llama_server
     assert (proc.stdout, proc.stderr) == (plain.stdout, plain.stderr)
     assert "slotkeeper" not in proc.stderr
     assert not (tmp_path / "xdg").exists()
+
+
+def test_an_own_option_among_llama_servers_says_whose_it_is(tmp_path, llama_server):
+    """`slotkeeper --drain-timeout 3 -m m.gguf` (no `--`): llama-server refuses the option and exits 1, as plain
+    llama-server would; slotkeeper's line says the option is its own and where it goes."""
+    env = {**env_for(tmp_path), "LLAMA_SERVER": llama_server}
+    argv = ["--drain-timeout", "3", "--no-fsync", "-m", "m.gguf", "--slot-save-path", str(tmp_path / "c")]
+    proc = run([*argv, "--port", str(free_port())], env, tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert (
+        "slotkeeper: error: llama-server exited with code 1 during startup (its own output above says why); "
+        "--drain-timeout and --no-fsync: slotkeeper's own, given before a --"
+    ) in proc.stderr.splitlines(), proc.stderr[-2000:]

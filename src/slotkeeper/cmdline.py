@@ -169,6 +169,20 @@ def _normalize(flag: str) -> str:
     return flag.replace("_", "-") if flag.startswith("--") else flag
 
 
+def misplaced_own_options(llama_args: list[str]) -> list[str]:
+    """slotkeeper's own options given among llama-server's (no `--` before them): llama-server refuses them at
+    start, and its line alone does not say whose they are."""
+    found = []
+    for arg in llama_args:
+        flag = _normalize(arg.partition("=")[0])
+        name = flag[2:].replace("-", "_") if flag.startswith("--") else ""
+        if name.startswith("no_") and OWN_OPTIONS.get(name[3:]):
+            name = name[3:]
+        if name in OWN_OPTIONS and flag not in found:
+            found.append(flag)
+    return found
+
+
 def _env_bool(value: str) -> bool:
     return value.strip().lower() in TRUE_WORDS
 
@@ -357,6 +371,8 @@ def prepare_save_dir(path: str) -> str:
     anything starts; returns its real path."""
     try:
         os.makedirs(path, exist_ok=True)
+    except FileExistsError:  # a file there, or on the way there
+        raise ConfigError(f"slot save path {path} is not a directory (a file is in the way)") from None
     except OSError as exc:
         raise ConfigError(f"cannot create slot save directory {path}: {exc.strerror}") from None
     if not os.path.isdir(path):

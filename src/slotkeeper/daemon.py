@@ -19,6 +19,7 @@ from functools import partial
 from typing import Any
 
 from .chat.attribution import AttributionFilter
+from .cmdline import misplaced_own_options
 from .config import RunConfig
 from .early import EarlyReads
 from .idlesaves import Activity, IdleSaves
@@ -302,7 +303,9 @@ class Daemon:
             return None
         if outcome is Race.CHILD_EXITED:
             code = child_exited.result()
-            log.error("llama-server exited with code %d during startup (its own output above says why)", code)
+            misplaced = misplaced_own_options(self.config.child_args) if code else []
+            hint = f"; {' and '.join(misplaced)}: slotkeeper's own, given before a --" if misplaced else ""
+            log.error("llama-server exited with code %d during startup (its own output above says why)%s", code, hint)
             return code or EXIT_STARTUP_FAILED
         if outcome is Race.INTERRUPTED:
             busy = client.busy_with()

@@ -5,17 +5,18 @@ Numbered as in issue 3; foreign-cache scenarios from issue 4 are marked so.
 
 from __future__ import annotations
 
-import contextlib
+import re
 import signal
 import socket
 import tempfile
 from pathlib import Path
 
 import pytest
+from process_helpers import llama_servers_of
 from store_helpers import blocks_dir, entry_bytes, entry_parts, manifest_path, only_entry
 
 from slotkeeper.store.blockfiles import block_path
-from slotkeeper.testing.harness import wait_until
+from slotkeeper.testing.harness import health_status, wait_until
 
 PROMPT = "".join(f"Line {i}: the slot cache keeps every token of this conversation. " for i in range(30))
 BASE = ["-c", "8192", "-t", "2", "--no-warmup"]
@@ -177,17 +178,6 @@ def test_llama_server_runs_with_the_signal_dispositions_it_has_alone(real, llama
     assert ignored(sk.pid) & (1 << (signal.SIGPIPE - 1))  # slotkeeper's own: ignored, as Python does
 
 
-def llama_servers_of(slotkeeper_pid: int) -> list[int]:
-    """The llama-server processes a slotkeeper started (their command line names its runtime directory)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            with contextlib.suppress(OSError):
-                if f"/slotkeeper-{slotkeeper_pid}-".encode() in (proc / "cmdline").read_bytes():
-                    found.append(int(proc.name))
-    return found
-
-
 @pytest.mark.parametrize("mistake", ["port taken", "host unknown"])
 def test_a_taken_port_or_an_unknown_host_is_one_line_exit_1_and_llama_server_goes(real, mistake):
     """Two start-up mistakes users make every day: the port already taken, a host that does not resolve. One
@@ -209,3 +199,16 @@ def test_a_taken_port_or_an_unknown_host_is_one_line_exit_1_and_llama_server_goe
     assert "internal error" not in sk.logs() and "Traceback" not in sk.logs(), sk.logs()
     assert wait_until(lambda: not llama_servers_of(sk.pid), 2), "llama-server outlived slotkeeper's start"
     assert not list(Path(tempfile.gettempdir()).glob(f"slotkeeper-{sk.pid}-*")), "its runtime directory stayed"
+
+
+def test_port_0_listens_where_the_kernel_chose_and_says_where(real):
+    """`--port 0`, as plain llama-server takes it: the kernel chooses a free port, and the log line names that
+    one (it said 0, which no client can reach)."""
+    sk = real("-np", "1", "--port", "0", wait=False)
+
+    def announced() -> list[str]:
+        return re.findall(r"listening on http://127\.0\.0\.1:(\d+);", sk.logs())
+
+    assert wait_until(announced, 30), sk.logs()
+    port = int(announced()[0])
+    assert port != 0 and wait_until(lambda: health_status(port) == 200, 30), sk.logs()

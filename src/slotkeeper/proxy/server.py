@@ -106,6 +106,8 @@ class Proxy:
             name = f"unix:{host}"
         else:
             server = await loop.create_server(lambda: ClientConnection(self), host, port, reuse_address=True)
+            if port == 0 and server.sockets:  # (--port 0: the kernel's choice, which the log must name)
+                port = server.sockets[0].getsockname()[1]
             name = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
         self._servers.append(server)
         if self._sweeper is None:

@@ -102,7 +102,7 @@ def run(argv: list[str]) -> int:
         lock_save_dir(plan.save_dir)  # held until the process exits
     except ConfigError as exc:
         print(f"slotkeeper: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return exc.exit_code
 
     from .llama.supervisor import (
         ChildProcess,
@@ -139,7 +139,7 @@ def run(argv: list[str]) -> int:
         except ConfigError as exc:
             child.kill_now()
             print(f"slotkeeper: error: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+            return exc.exit_code
         from .log import log, setup_logging
 
         setup_logging(config.options.log_level, config.options.log_format)

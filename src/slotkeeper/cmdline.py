@@ -22,6 +22,14 @@ Env = os._Environ[str] | dict[str, str]
 class ConfigError(Exception):
     """Bad input that stops slotkeeper before it starts anything; its text is the whole one-line message."""
 
+    exit_code = 2  # a usage error of slotkeeper's
+
+
+class LlamaArgumentError(ConfigError):
+    """A bad value of one of llama-server's own flags that slotkeeper reads: exit 1, as llama-server's own."""
+
+    exit_code = 1
+
 
 # slotkeeper's own options (the fields of config.Options): name -> whether it is a boolean flag.
 OWN_OPTIONS: dict[str, bool] = {

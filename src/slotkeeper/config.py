@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from .cmdline import DEFAULT_MODELS_MAX, ConfigError, Env, LaunchPlan
+from .cmdline import DEFAULT_MODELS_MAX, ConfigError, Env, LaunchPlan, LlamaArgumentError
 
 if TYPE_CHECKING:
     from pydantic import BaseModel, ByteSize, ValidationError
@@ -168,14 +168,14 @@ def validate(plan: LaunchPlan) -> RunConfig:
 
 
 def integer(flag: str, raw: str, *, low: int, high: int | None = None) -> int:
-    """One of llama-server's integer flags, as llama-server reads it, in its range; ConfigError otherwise."""
+    """One of llama-server's integer flags, as llama-server reads it, in its range; LlamaArgumentError otherwise."""
     try:
         value = int(raw)
     except ValueError:
-        raise ConfigError(f"invalid {flag}: expected an integer (got {raw!r})") from None
+        raise LlamaArgumentError(f"invalid {flag}: expected an integer (got {raw!r})") from None
     if value < low or (high is not None and value > high):
         bounds = f"from {low} to {high}" if high is not None else f"of at least {low}"
-        raise ConfigError(f"invalid {flag}: expected an integer {bounds} (got {raw!r})")
+        raise LlamaArgumentError(f"invalid {flag}: expected an integer {bounds} (got {raw!r})")
     return value
 
 

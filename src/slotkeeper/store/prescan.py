@@ -88,7 +88,8 @@ def recent_chats(pairs: Sequence[Pair], count: int) -> list[str]:
 def chat_files(root: Path, pairs: Sequence[Pair], entry_ids: list[str]) -> list[list[Path]]:
     """Per entry, in the order given, the files a restore reads: its blocks (each once), or its one file
     (an entry of a store before blocks, or a manifest that does not say)."""
-    wanted = {entry_id: data for entry_id, data, _ in pairs if entry_id in set(entry_ids)}
+    ids = set(entry_ids)
+    wanted = {entry_id: data for entry_id, data, _ in pairs if entry_id in ids}
     files = []
     for entry_id in entry_ids:
         data = wanted.get(entry_id)

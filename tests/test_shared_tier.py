@@ -364,3 +364,29 @@ def test_a_slow_object_server_does_not_slow_a_turn_nor_the_stop(tmp_path, host):
         assert any(journal.glob("*.json")), "the pending upload is recorded for the next start"
     finally:
         slow.kill()
+
+
+def test_a_download_is_estimated_by_the_blocks_the_store_lacks(tmp_path):
+    """Whether to fetch a chat or prefill it is judged by what the download moves: the blocks this host lacks
+    (a chat whose system prompt's blocks are here downloads the rest), the whole file of an entry kept whole,
+    and the whole size when its parts are unusable (its download then says why)."""
+    from slotkeeper.remote.tier import bytes_to_fetch
+    from slotkeeper.store.blocks import CellSection
+
+    names = [f"{n:032x}" for n in range(1, 5)]
+    parts = Parts(
+        nbytes=1000 + 700 * 64,
+        block_cells=256,
+        skeleton=names[0],
+        sections=(CellSection(cells=700, start=1000, shape=((64, 1),), blocks=tuple(names[1:])),),
+    )
+    parts.check()
+    sizes = parts.block_sizes()
+    blocks_dir = tmp_path / "blocks"
+    for name in names[:2]:  # the skeleton and the first cell block are here
+        block_path(blocks_dir, name).parent.mkdir(parents=True, exist_ok=True)
+        block_path(blocks_dir, name).write_bytes(b"x" * sizes[name])
+    manifest = {"bytes": parts.nbytes, "parts": parts.to_json()}
+    assert bytes_to_fetch(manifest, blocks_dir) == sizes[names[2]] + sizes[names[3]] == (256 + 188) * 64
+    assert bytes_to_fetch({"bytes": 5000}, blocks_dir) == 5000
+    assert bytes_to_fetch({"bytes": 5000, "parts": {"sections": "no"}}, blocks_dir) == 5000

@@ -5,6 +5,7 @@ tier asked first when a chat is nowhere here.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from ..chat.prefix import BLOCK_TOKENS, common_keys
@@ -115,7 +116,7 @@ class Preparer:
         remote, store, metrics = self.remote, self.keeper.store, self.keeper.metrics
         if remote is None:
             return
-        from ..remote.tier import Fetched
+        from ..remote.tier import Fetched, bytes_to_fetch
 
         local = max([common_keys(s.keys, keys) for s in self.table] + [store.lookup(keys)[1]])
         if len(keys) - local < RESTORE_MIN_GAIN_BLOCKS:
@@ -123,7 +124,7 @@ class Preparer:
         match = await remote.find(keys, BLOCK_TOKENS)
         if match is None or match.entry_id in store.entries or match.matched_blocks < local + RESTORE_MIN_GAIN_BLOCKS:
             return
-        nbytes = int(match.manifest.get("bytes", 0))
+        nbytes = await asyncio.to_thread(bytes_to_fetch, match.manifest, store.blocks_dir)
         gained = (match.matched_blocks - local) * BLOCK_TOKENS
         fetch_s = remote.estimated_fetch_seconds(nbytes)
         rate = await self.keeper.prefill_rate()

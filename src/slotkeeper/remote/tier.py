@@ -549,6 +549,21 @@ class _Progress:
             )
 
 
+def bytes_to_fetch(manifest: Mapping[str, Any], blocks_dir: Path) -> int:
+    """What downloading an entry would move: the blocks `blocks_dir` lacks (a chat whose opening is here
+    already downloads the rest), or its whole file; its whole size when its parts are not usable (its
+    download then says why)."""
+    whole = int(manifest.get("bytes", 0))
+    try:
+        parts = block_parts(manifest)
+    except (KeyError, TypeError, ValueError):
+        return whole
+    if parts is None:
+        return whole
+    sizes = parts.block_sizes()
+    return sum(sizes[name] for name in _lacking(blocks_dir, sizes))
+
+
 def _lacking(blocks_dir: Path, sizes: Mapping[str, int]) -> list[str]:
     """The blocks not in `blocks_dir` (the store never removes a block an entry uses while one counts on it)."""
     return [name for name in sizes if not blockfiles.block_path(blocks_dir, name).exists()]

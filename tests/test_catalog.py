@@ -1718,3 +1718,31 @@ def test_as_a_process_a_closed_pipe_is_not_an_error(tmp_path):
     proc.stdout.close()
     assert proc.wait(60) == 0
     assert proc.stderr is not None and proc.stderr.read() == b""
+
+
+def test_prune_remote_max_total_counts_a_shared_block_once():
+    """--max-total over the shared tier counts what the bucket holds: a block three entries share, once. Under
+    the cap nothing goes; over it the least recently used go, each freeing only what it holds alone, until the
+    bucket fits (counted per entry, three 1,124-byte entries looked 3,372 bytes for 1,324 held)."""
+    from slotkeeper.catalog.remote_prune import planned
+
+    shared = f"{1:032x}"
+    rows = []
+    for n in range(3):
+        parts = Parts(
+            nbytes=100 + 256 * 4,
+            block_cells=256,
+            skeleton=f"{n + 2:032x}",  # its own 100 bytes
+            sections=(CellSection(cells=256, start=100, shape=((4, 1),), blocks=(shared,)),),  # 1,024 shared
+        )
+        parts.check()
+        manifest = {"bytes": parts.nbytes, "parts": parts.to_json()}
+        rows.append(RemoteRow("s3://b/p", "ns", f"{n:016x}", manifest, None, Status.SHARED))
+    assert planned(rows, time.time(), set(), max_total=1324) == []
+    assert planned(rows, time.time(), set(), max_total=2500) == []
+    removals = planned(rows, time.time(), set(), max_total=1200)
+    assert [(r.row.id, r.freed) for r in removals] == [(rows[0].id, 100), (rows[1].id, 100)]
+    removals = planned(rows, time.time(), {"ns"}, max_total=1200)  # a manifest there could not be read
+    assert [(r.row.id, r.freed) for r in removals] == [(rows[0].id, 0), (rows[1].id, 0)]
+    removals = planned(rows, time.time(), set(), max_total=0)
+    assert [r.freed for r in removals] == [100, 100, 1124]

@@ -24,7 +24,7 @@ from ..store.blockpool import BlockPool
 from ..store.blocks import is_block_name
 from ..store.entries import PARTIAL_SUFFIX
 from .listed import Listed
-from .local_rows import FileStat, Row
+from .local_rows import FileStat
 
 
 @dataclass
@@ -80,13 +80,13 @@ class DiskUse:
     freed with the second one. For --max-total and prune's lines."""
 
     def __init__(self, rows: Iterable[Listed]) -> None:
-        self._pools: dict[Path, BlockPool] = {}
+        self._pools: dict[object, BlockPool] = {}
         self.total = 0
         for row in rows:
             self.total += row.file_bytes
-            parts = row.block_parts
-            if parts is not None and isinstance(row, Row):
-                pool = self._pools.setdefault(row.directory, BlockPool())
+            if (claim := row.block_claim) is not None:
+                scope, parts = claim
+                pool = self._pools.setdefault(scope, BlockPool())
                 before = pool.disk_bytes
                 pool.acquire(parts)
                 self.total += pool.disk_bytes - before
@@ -94,9 +94,9 @@ class DiskUse:
     def remove(self, row: Listed) -> int:
         """`row` goes (it must be one of the rows counted, each removed once): the bytes that frees."""
         freed = row.file_bytes
-        parts = row.block_parts
-        if parts is not None and isinstance(row, Row):
-            pool = self._pools[row.directory]
+        if (claim := row.block_claim) is not None:
+            scope, parts = claim
+            pool = self._pools[scope]
             before = pool.disk_bytes
             pool.release(parts)
             freed += before - pool.disk_bytes

@@ -151,6 +151,12 @@ class Listed(abc.ABC):
         return None
 
     @property
+    def block_claim(self) -> tuple[object, Parts] | None:
+        """Where its blocks are counted, each once (a save directory, a bucket's namespace), and which: for
+        --max-total and what each removal frees. None: it holds none."""
+        return None
+
+    @property
     def in_blocks(self) -> bool:
         """Its state is kept as blocks (the table then shows what each row holds on its own)."""
         return self.entry is not None and self.entry.parts is not None

@@ -145,6 +145,11 @@ class Row(Listed):
         return self.entry.parts if self.kind is Kind.ENTRY and self.entry is not None else None
 
     @property
+    def block_claim(self) -> tuple[object, Parts] | None:
+        parts = self.block_parts
+        return None if parts is None else (self.directory, parts)
+
+    @property
     def last_used(self) -> float:
         """The manifest's last use, else the newest file's mtime."""
         if self.entry and self.entry.last_used:

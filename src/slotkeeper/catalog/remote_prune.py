@@ -22,7 +22,7 @@ from ..log import fmt_bytes
 from .formats import count, say
 from .prune import Outcome, Removal, plan_rows
 from .remote_rows import RemoteRow
-from .shared import block_pool, open_bucket, remote_rows, run_remote
+from .shared import open_bucket, remote_rows, run_remote
 
 if TYPE_CHECKING:
     from ..remote.bucket import Bucket
@@ -92,25 +92,15 @@ def prune_remote(
 
 
 def planned(rows: list[RemoteRow], now: float, unread: set[str], **criteria: Any) -> list[Removal]:
-    """plan_rows, each removal of an entry kept as blocks freeing what its blocks hold alone in its namespace once
-    those before it went (nothing where no block goes: a manifest there cannot be read)."""
-    by_namespace: dict[str, list[RemoteRow]] = {}
-    for each in rows:
-        by_namespace.setdefault(each.namespace, []).append(each)
-    pools = {namespace: block_pool(its) for namespace, its in by_namespace.items()}
-    out = []
+    """plan_rows (which counts each block once in its namespace, for --max-total and what each removal frees),
+    an entry kept as blocks freeing nothing where no block goes: a manifest of its namespace cannot be read."""
+    removals = []
     for removal in plan_rows(rows, now, **criteria):
         row = removal.row
         assert isinstance(row, RemoteRow)
-        parts = row.remote_parts
-        if parts is None:
-            out.append(removal)  # kept whole: its .bin
-            continue
-        pool = pools[row.namespace]
-        before = pool.disk_bytes
-        pool.release(parts)
-        out.append(replace(removal, freed=0 if row.namespace in unread else before - pool.disk_bytes))
-    return out
+        unsure = row.remote_parts is not None and row.namespace in unread
+        removals.append(replace(removal, freed=0) if unsure else removal)
+    return removals
 
 
 async def _settle(  # noqa: PLR0913 - one namespace's rows, and what became of them

@@ -55,6 +55,16 @@ class RemoteRow(Listed):
         return self.size if self.held is None else self.held
 
     @property
+    def file_bytes(self) -> int:
+        """Its .bin's bytes; none for an entry kept as blocks (they are counted in its namespace, each once)."""
+        return 0 if self.remote_parts is not None else self.size or 0
+
+    @property
+    def block_claim(self) -> tuple[object, Parts] | None:
+        parts = self.remote_parts
+        return None if parts is None else ((self.url, self.namespace), parts)
+
+    @property
     def remote_parts(self) -> Parts | None:
         """The blocks it uses in its namespace (None: kept whole, or its parts cannot be read, which the listing
         does not let through: bucket.valid_manifest)."""

@@ -9,6 +9,7 @@ import os
 import secrets
 import time
 from pathlib import Path
+from typing import Any
 
 from slotkeeper.store.blockfiles import block_path
 from slotkeeper.store.blocks import CellSection, Parts
@@ -20,6 +21,21 @@ FINGERPRINT = {"model": "m.gguf", "n_ctx": 4096}
 SERVER = {"path": "/bin/llama-server", "size": 1, "mtime": 2}
 FILE_BYTES = 20 << 20  # over the 8 MiB one read-ahead call reads here: the whole file must be asked for
 PAGE = mmap.PAGESIZE
+
+
+def new_entry(last_used: float, **fields: Any) -> Entry:
+    """An entry of this test's configuration, used and saved at `last_used`."""
+    return Entry(
+        id=secrets.token_hex(8),
+        keys=[],
+        saved_at=last_used,
+        last_used=last_used,
+        fingerprint=dict(FINGERPRINT),
+        seq_version=4,
+        layout="packed-1",
+        server=dict(SERVER),
+        **fields,
+    )
 
 
 def write_durably(path: Path, nbytes: int) -> None:
@@ -42,19 +58,7 @@ def write_block_entry(root: Path, *, last_used: float) -> tuple[str, list[Path]]
         sections=(CellSection(cells=cells, start=PAGE, shape=((cell_bytes, 1),), blocks=tuple(names[1:])),),
     )
     parts.check()
-    entry = Entry(
-        id=secrets.token_hex(8),
-        n_tokens=cells,
-        nbytes=parts.nbytes,
-        keys=[],
-        saved_at=last_used,
-        last_used=last_used,
-        fingerprint=dict(FINGERPRINT),
-        seq_version=4,
-        layout="packed-1",
-        server=dict(SERVER),
-        parts=parts,
-    )
+    entry = new_entry(last_used, n_tokens=cells, nbytes=parts.nbytes, parts=parts)
     files = []
     for name, size in parts.block_sizes().items():
         files.append(block_path(root / "blocks", name))
@@ -64,19 +68,7 @@ def write_block_entry(root: Path, *, last_used: float) -> tuple[str, list[Path]]
 
 
 def write_entry(root: Path, *, last_used: float, opening: bool = False) -> str:
-    entry = Entry(
-        id=secrets.token_hex(8),
-        n_tokens=1000,
-        nbytes=FILE_BYTES,
-        keys=[],
-        saved_at=last_used,
-        last_used=last_used,
-        fingerprint=dict(FINGERPRINT),
-        seq_version=4,
-        layout="packed-1",
-        server=dict(SERVER),
-        opening=opening,
-    )
+    entry = new_entry(last_used, n_tokens=1000, nbytes=FILE_BYTES, opening=opening)
     bin_path, manifest_path = pair_paths(root / "entries", entry.id)
     write_durably(bin_path, FILE_BYTES)
     write_json_atomic(manifest_path, entry.manifest(), fsync=False)
